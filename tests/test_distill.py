@@ -188,7 +188,7 @@ def teacher():
 
 def student_loss_and_grads(config, teacher, batch):
     mesh = make_mesh(config)
-    state, _ = distill.init_student(config, mesh, teacher.config, load_params=False)
+    state = distill.init_student(config, mesh, teacher.config)
     loss, aux, grads = distill.loss_and_grads(config, teacher, state, batch)
     return float(loss), {k: float(v) for k, v in aux.items()}, host(grads)
 
@@ -277,7 +277,7 @@ def test_teacher_is_frozen_and_student_learns(teacher, batch):
         optim={"learning_rate": 1e-2, "schedule": "constant"},
     )
     mesh = make_mesh(config)
-    state, _ = distill.init_student(config, mesh, teacher.config, load_params=False)
+    state = distill.init_student(config, mesh, teacher.config)
     step = distill.make_distill_step(config, teacher, mesh, train.shardings_of(state))
     teacher_before, student_before = host(teacher.params), host(state.params)
     placed = train.place_batch(batch, mesh, config)
@@ -382,7 +382,7 @@ def final_params(config_path):
 
     config = load_config(config_path)
     teacher_cfg, _, _ = distill.read_teacher_config(config)
-    state, _ = distill.init_student(config, make_mesh(config), teacher_cfg, load_params=False)
+    state = distill.init_student(config, make_mesh(config), teacher_cfg)
     directory = config.run_dir / "checkpoints"
     tree, _ = restore(directory, latest_complete_step(directory), abstract_like(checkpoint_tree(state)))  # fmt: skip
     return host(tree)

@@ -456,6 +456,10 @@ class Config(_Section):
             raise ValueError(msg)
         return self
 
+    def __hash__(self) -> int:
+        # Static data of compiled steps (jit's cache key); fields hold lists, so hash their JSON.
+        return hash(self.model_dump_json())
+
     @property
     def run_dir(self) -> Path:
         return Path(self.train.output_dir) / self.train.run_name

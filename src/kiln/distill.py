@@ -36,20 +36,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from flax import nnx, struct
 
 from kiln import losses, train
 from kiln.checkpoint import abstract_like, latest_complete_step, restore_params
 from kiln.config import Config, DistillationConfig, read_run_config
 from kiln.errors import KilnError
-from kiln.mesh import batch_sharding, make_mesh, state_shardings
+from kiln.mesh import state_shardings
 from kiln.model import DTYPES, Transformer, create_model, flops_per_token
-from kiln.train import BATCH_KEYS, Batch, TrainState
+from kiln.train import Batch, Objective, TrainState, lm_loss_sums, token_mean
 
 PROJECTION = "distill_projection"
 # Tags under distill/ that every step reports (besides the scheduled alpha, temperature, beta).
@@ -162,17 +161,9 @@ class FeatureProjection(nnx.Module):
         return jnp.einsum("PBSD,PDE->PBSE", feats_PBSD, self.w[...].astype(feats_PBSD.dtype))
 
 
-def init_student(
-    config: Config, mesh, teacher_cfg: Config, *, load_params: bool
-) -> tuple[TrainState, str | None]:
-    """The student's train state (with a feature projection if widths differ), and a note."""
+def init_student(config: Config, mesh, teacher_cfg: Config) -> TrainState:
+    """The student's train state (with a feature projection if widths differ)."""
     model = create_model(config, mesh, config.train.seed)
-    note = None
-    source = config.checkpoint.load_params_from
-    if load_params and source:
-        params, step = restore_params(source, nnx.state(model, nnx.Param))
-        nnx.update(model, params)
-        note = f"student parameters from {source} (step {step})"
     pairs = len(config.distillation.layer_map)
     d_s, d_t = config.model.d_model, teacher_cfg.model.d_model
     if pairs and d_s != d_t:
@@ -186,11 +177,11 @@ def init_student(
         shardings = state_shardings(abstract, mesh, config.mesh.rules)
         values = jax.jit(lambda: nnx.state(build()), out_shardings=shardings)()
         setattr(model, PROJECTION, nnx.merge(graphdef, values))
-    return train.state_from_model(config, mesh, model), note
+    return train.state_from_model(config, mesh, model)
 
 
 # ---------------------------------------------------------------------------------------------
-# Loss sums and gradients
+# The distillation objective
 
 
 def schedule_values(cfg: DistillationConfig, step, total_steps: int) -> dict[str, jax.Array]:
@@ -211,234 +202,177 @@ def schedule_values(cfg: DistillationConfig, step, total_steps: int) -> dict[str
     return out
 
 
-def _teacher_outputs(config: Config, teacher: Teacher, teacher_params, mb: Batch):
-    """Teacher hidden states [B,S,E] and features [P,B,S,E] (or None): forward only."""
-    model = teacher.model(jax.lax.stop_gradient(teacher_params))
-    layers = [t for _, t in config.distillation.layer_map]
-    out = model(mb["inputs"], mb["positions"], mb["segment_ids"], collect_layers=layers)
-    hidden, feats = out if layers else (out, None)
-    return jax.lax.stop_gradient((hidden, feats, model.head_weight()))
+class DistillObjective(Objective):
+    """Distillation: hard, soft and feature losses of the student against a frozen teacher.
 
+    The teacher's parameters are pytree fields (arguments of the compiled step, never
+    differentiated); its config and graph are static. See the module docstring for how the
+    balancing coefficients make the accumulated gradient exact.
+    """
 
-def _student_sums(
-    config: Config, teacher: Teacher, state: TrainState, params, mb, outs, temp, mesh
-):
-    """Weighted loss sums of one micro-batch (float32 scalars), differentiable in `params`."""
-    dist, loss = config.distillation, config.loss
-    t_hidden, t_feats, t_head = outs
-    model = state.model(params)
-    layers = [s for s, _ in dist.layer_map]
-    out = model(mb["inputs"], mb["positions"], mb["segment_ids"], collect_layers=layers)
-    hidden, feats = out if layers else (out, None)
-    head = model.head_weight()
-    hard = train.hidden_loss_sums(config, hidden, head, mb, mesh)
-    soft = losses.soft_loss_sums(
-        hidden,
-        head,
-        t_hidden,
-        t_head,
-        mb["targets"],
-        mb["weights"],
-        temperature=temp,
-        student_softcap=config.model.logit_softcap,
-        teacher_softcap=teacher.config.model.logit_softcap,
-        num_vocab_tiling=loss.num_vocab_tiling,
-        mesh=mesh,
-        rules=config.mesh.rules,
-    )
-    feature_sum = jnp.zeros((), jnp.float32)
-    if layers:
-        projection = getattr(model, PROJECTION, None)
-        if projection is not None:
-            feats = projection(feats)
-        per_token = losses.feature_loss(feats, t_feats, dist.feature_loss)
-        feature_sum = jnp.sum(per_token * mb["weights"].astype(jnp.float32))
-    return {
-        "hard_sum": hard["loss_sum"],
-        "z_loss_sum": hard["z_loss_sum"],
-        "weight_sum": hard["weight_sum"],
-        "soft_sum": soft["soft_sum"],
-        "teacher_loss_sum": soft["teacher_loss_sum"],
-        "feature_sum": feature_sum,
-    }
+    sum_keys: ClassVar[tuple[str, ...]] = SUM_KEYS
+    extra_param_keys: ClassVar[tuple[str, ...]] = (PROJECTION,)
 
+    teacher_params: nnx.State = None
+    teacher_rest: nnx.State = None
+    knobs: dict[str, jax.Array] | None = None  # alpha, temperature, beta at the step
+    teacher_config: Config = struct.field(pytree_node=False, default=None)
+    teacher_graphdef: nnx.GraphDef = struct.field(pytree_node=False, default=None)
 
-def _means(sums):
-    w = sums["weight_sum"]
-    denom = jnp.where(w > 0, w, 1.0)
-    return sums["hard_sum"] / denom, sums["soft_sum"] / denom, sums["feature_sum"] / denom
-
-
-def _coefficients(config: Config, sums, knobs) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """d total / d (hard, soft, feature) at the per-token means of `sums` (see module docstring)."""
-    dist = config.distillation
-
-    def total(h, s, f):
-        kw = {"alpha": knobs["alpha"], "beta": knobs["beta"], "balance": dist.balance}
-        return losses.distillation_loss(h, s, f, **kw)[0]
-
-    return jax.grad(total, argnums=(0, 1, 2))(*_means(jax.lax.stop_gradient(sums)))
-
-
-def _loss_and_grads(config, teacher, state, teacher_params, batch, mesh, param_shardings):
-    """(total loss, aux, grads) of a global batch; sums accumulated, divided once by the weight."""
-    accum = config.train.gradient_accumulation_steps
-    knobs = schedule_values(config.distillation, state.step, config.train.steps)
-    f32 = jnp.float32
-
-    def forward_sums(mb):
-        outs = _teacher_outputs(config, teacher, teacher_params, mb)
-        return _student_sums(
-            config, teacher, state, state.params, mb, outs, knobs["temperature"], mesh
+    @classmethod
+    def create(cls, config: Config, mesh, teacher: Teacher) -> DistillObjective:
+        return cls(
+            config=config,
+            mesh=mesh,
+            teacher_params=teacher.params,
+            teacher_rest=teacher.rest,
+            teacher_config=teacher.config,
+            teacher_graphdef=teacher.graphdef,
         )
 
-    def sums_and_grads(mb, coefs):
-        outs = _teacher_outputs(config, teacher, teacher_params, mb)
+    @property
+    def needs_global_sums(self) -> bool:
+        return self.config.distillation.balance == "dynamic"
 
-        def objective(params):
-            sums = _student_sums(
-                config, teacher, state, params, mb, outs, knobs["temperature"], mesh
-            )
-            c = _coefficients(config, sums, knobs) if coefs is None else coefs
-            value = c[0] * sums["hard_sum"] + c[1] * sums["soft_sum"] + c[2] * sums["feature_sum"]
-            return value, sums
+    def for_step(self, step):
+        cfg = self.config
+        return self.replace(knobs=schedule_values(cfg.distillation, step, cfg.train.steps))
 
-        (_, sums), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
-        return sums, jax.tree.map(lambda g: g.astype(f32), grads)
-
-    if accum == 1:
-        sums, grads = sums_and_grads(batch, None)
-    else:
-        micro = train._micro_batches(batch, accum, mesh, config.mesh.rules)
-        zero_sums = {k: jnp.zeros((), f32) for k in SUM_KEYS}
-        coefs = None
-        if config.distillation.balance == "dynamic":
-            # First pass: the global means that fix the balancing coefficients.
-            def add_sums(acc, mb):
-                sums = forward_sums(mb)
-                return {k: acc[k] + sums[k] for k in acc}, None
-
-            global_sums, _ = jax.lax.scan(add_sums, zero_sums, micro)
-            coefs = _coefficients(config, global_sums, knobs)
-        sums, grads = train.accumulate(
-            lambda mb: sums_and_grads(mb, coefs), micro, state.params, param_shardings, SUM_KEYS
+    def _teacher_outputs(self, batch: Batch):
+        """Teacher hidden states [B,S,E], features [P,B,S,E] (or None) and head: forward only."""
+        params = jax.lax.stop_gradient(self.teacher_params)
+        model = nnx.merge(self.teacher_graphdef, params, self.teacher_rest)
+        layers = [t for _, t in self.config.distillation.layer_map]
+        out = model(
+            batch["inputs"], batch["positions"], batch["segment_ids"], collect_layers=layers
         )
-    w = sums["weight_sum"]
-    denom = jnp.where(w > 0, w, 1.0)
-    grads = jax.tree.map(lambda g: g / denom, grads)
-    hard, soft, feature = _means(sums)
-    total, scales = losses.distillation_loss(
-        hard,
-        soft,
-        feature,
-        alpha=knobs["alpha"],
-        beta=knobs["beta"],
-        balance=config.distillation.balance,
-    )
-    aux = {
-        "z_loss": sums["z_loss_sum"] / denom,
-        "total_weights": w,
-        "distill/hard_loss": hard,
-        "distill/soft_loss": soft,
-        "distill/feature_loss": feature,
-        "distill/total_loss": total,
-        "distill/feature_mag_scale": scales["feature_mag_scale"],
-        "distill/kd_mag_scale": scales["kd_mag_scale"],
-        "distill/teacher_loss": sums["teacher_loss_sum"] / denom,
-        "distill/alpha": knobs["alpha"],
-        "distill/temperature": knobs["temperature"],
-        "distill/beta": knobs["beta"],
-    }
-    return total, aux, grads
+        hidden, feats = out if layers else (out, None)
+        return jax.lax.stop_gradient((hidden, feats, model.head_weight()))
+
+    def loss_sums(self, model, batch: Batch, coefficients):
+        """Weighted loss sums of one micro-batch and `c . (hard, soft, feature)` to differentiate."""
+        config, dist = self.config, self.config.distillation
+        t_hidden, t_feats, t_head = self._teacher_outputs(batch)
+        layers = [s for s, _ in dist.layer_map]
+        out = model(
+            batch["inputs"], batch["positions"], batch["segment_ids"], collect_layers=layers
+        )
+        hidden, feats = out if layers else (out, None)
+        head = model.head_weight()
+        hard = lm_loss_sums(config, hidden, head, batch, self.mesh)
+        soft = losses.soft_loss_sums(
+            hidden,
+            head,
+            t_hidden,
+            t_head,
+            batch["targets"],
+            batch["weights"],
+            temperature=self.knobs["temperature"],
+            student_softcap=config.model.logit_softcap,
+            teacher_softcap=self.teacher_config.model.logit_softcap,
+            num_vocab_tiling=config.loss.num_vocab_tiling,
+            mesh=self.mesh,
+            rules=config.mesh.rules,
+        )
+        feature_sum = jnp.zeros((), jnp.float32)
+        if layers:
+            projection = getattr(model, PROJECTION, None)
+            if projection is not None:
+                feats = projection(feats)
+            per_token = losses.feature_loss(feats, t_feats, dist.feature_loss)
+            feature_sum = jnp.sum(per_token * batch["weights"].astype(jnp.float32))
+        sums = {
+            "hard_sum": hard["loss_sum"],
+            "z_loss_sum": hard["z_loss_sum"],
+            "weight_sum": hard["weight_sum"],
+            "soft_sum": soft["soft_sum"],
+            "teacher_loss_sum": soft["teacher_loss_sum"],
+            "feature_sum": feature_sum,
+        }
+        c = self.coefficients(sums) if coefficients is None else coefficients
+        value = c[0] * sums["hard_sum"] + c[1] * sums["soft_sum"] + c[2] * sums["feature_sum"]
+        return value, sums
+
+    def _means(self, sums):
+        return tuple(token_mean(sums[k], sums) for k in ("hard_sum", "soft_sum", "feature_sum"))
+
+    def _total(self, hard, soft, feature):
+        knobs, balance = self.knobs, self.config.distillation.balance
+        return losses.distillation_loss(
+            hard, soft, feature, alpha=knobs["alpha"], beta=knobs["beta"], balance=balance
+        )
+
+    def coefficients(self, sums):
+        """d total / d (hard, soft, feature) at the per-token means (see the module docstring)."""
+        means = self._means(jax.lax.stop_gradient(sums))
+        return jax.grad(lambda *m: self._total(*m)[0], argnums=(0, 1, 2))(*means)
+
+    def finalize(self, sums):
+        hard, soft, feature = self._means(sums)
+        total, scales = self._total(hard, soft, feature)
+        aux = {
+            "z_loss": token_mean(sums["z_loss_sum"], sums),
+            "total_weights": sums["weight_sum"],
+            "distill/hard_loss": hard,
+            "distill/soft_loss": soft,
+            "distill/feature_loss": feature,
+            "distill/total_loss": total,
+            "distill/feature_mag_scale": scales["feature_mag_scale"],
+            "distill/kd_mag_scale": scales["kd_mag_scale"],
+            "distill/teacher_loss": token_mean(sums["teacher_loss_sum"], sums),
+            **{f"distill/{k}": v for k, v in self.knobs.items()},
+        }
+        return total, aux
+
+    def flops_per_token(self) -> float:
+        """Student training FLOPs plus the teacher's forward pass (1/3 of its training FLOPs)."""
+        config, teacher_cfg = self.config, self.teacher_config
+        seq = config.data.seq_len
+        student = flops_per_token(config.model, seq)
+        teacher = flops_per_token(teacher_cfg.model, seq) / 3.0
+        pairs = len(config.distillation.layer_map)
+        d_s, d_t = config.model.d_model, teacher_cfg.model.d_model
+        return student + teacher + (6.0 * pairs * d_s * d_t if d_s != d_t else 0.0)
 
 
 def loss_and_grads(config: Config, teacher: Teacher, state: TrainState, batch):
     """(total loss, aux, grads) of one global batch; aux holds z_loss, total_weights, distill/*."""
-    mesh = jax.tree.leaves(state.params)[0].sharding.mesh
-    shardings = jax.tree.map(lambda x: x.sharding, state.params)
-    batch = train.place_batch(batch, mesh, config)
-
-    def fn(s, tp, b):
-        return _loss_and_grads(config, teacher, s, tp, b, mesh, shardings)
-
-    return jax.jit(fn)(state, teacher.params, batch)
+    objective = DistillObjective.create(config, train.mesh_of(state), teacher)
+    return train.run_objective(objective, state, batch)
 
 
 def make_distill_step(config: Config, teacher: Teacher, mesh, shardings: TrainState) -> Callable:
     """`step(state, batch) -> (state, metrics)`: jitted, donated student state, teacher untouched."""
-    update = train.make_update(config)
-
-    def distill_step(state: TrainState, teacher_params, batch: Batch):
-        loss, aux, grads = _loss_and_grads(
-            config, teacher, state, teacher_params, batch, mesh, shardings.params
-        )
-        state, metrics = update(state, loss, aux, grads)
-        return state, {**metrics, **{k: v for k, v in aux.items() if k.startswith("distill/")}}
-
-    data = batch_sharding(mesh, config.mesh.rules)
-    teacher_shardings = jax.tree.map(lambda x: x.sharding, teacher.params)
-    jitted = jax.jit(
-        distill_step,
-        in_shardings=(shardings, teacher_shardings, {k: data for k in BATCH_KEYS}),
-        out_shardings=(shardings, NamedSharding(mesh, P())),
-        donate_argnums=0,
-    )
-    return lambda state, batch: jitted(state, teacher.params, batch)
-
-
-def distill_flops_per_token(config: Config, teacher_cfg: Config) -> float:
-    """Student training FLOPs plus the teacher's forward pass (1/3 of its training FLOPs)."""
-    seq = config.data.seq_len
-    student = flops_per_token(config.model, seq)
-    teacher = flops_per_token(teacher_cfg.model, seq) / 3.0
-    pairs = len(config.distillation.layer_map)
-    d_s, d_t = config.model.d_model, teacher_cfg.model.d_model
-    return student + teacher + (6.0 * pairs * d_s * d_t if d_s != d_t else 0.0)
+    return train.make_step(DistillObjective.create(config, mesh, teacher), shardings)
 
 
 # ---------------------------------------------------------------------------------------------
-# The run
+# The command
 
 
 def run(config: Config) -> TrainState:
     """`kiln distill`: validate config, teacher, data and any earlier run; then distil and save."""
-    from kiln.data import make_datasets
-    from kiln.distributed import initialize
-    from kiln.runner import restore_latest, resume_notes
+    from kiln.runner import prepare_run, run_loop
 
-    initialize(config)  # before any device is touched
-    mesh = make_mesh(config)
-    read_teacher_config(config)  # cheap checks before any data or parameters are touched
-    datasets = make_datasets(config)
-    notes = resume_notes(config)
+    # The teacher's config is checked before any data or parameters are touched.
+    prepared = prepare_run(config, _distillation, command="kiln distill", check=read_teacher_config)
+    return run_loop(prepared)
+
+
+def _distillation(config: Config, mesh) -> tuple[DistillObjective, TrainState, list[str]]:
+    """The distillation objective around the loaded teacher, and a fresh student state."""
     teacher = load_teacher(config, mesh)
-    notes.append(f"teacher {teacher.run_dir} (step {teacher.step})")
-    fresh = latest_complete_step(config.run_dir / "checkpoints") is None
-    state, note = init_student(config, mesh, teacher.config, load_params=fresh)
-    if note:
-        notes.insert(0, note)
-    train_iter = datasets.train_iterator()
-    state, resumed = restore_latest(config, state, train_iter)
-    if resumed:
-        notes.insert(0, resumed)
-    return train.run_loop(
-        config,
-        mesh,
-        state,
-        step_fn=make_distill_step(config, teacher, mesh, train.shardings_of(state)),
-        datasets=datasets,
-        batches=train_iter,
-        notes=notes,
-        flops_per_token=distill_flops_per_token(config, teacher.config),
-    )
+    state = init_student(config, mesh, teacher.config)
+    note = f"teacher {teacher.run_dir} (step {teacher.step})"
+    return DistillObjective.create(config, mesh, teacher), state, [note]
 
 
 __all__ = [
     "METRICS",
+    "DistillObjective",
     "FeatureProjection",
     "Teacher",
     "check_teacher",
-    "distill_flops_per_token",
     "init_student",
     "load_teacher",
     "loss_and_grads",

@@ -1,7 +1,7 @@
-"""The stateful loop around a pure step: resume, checkpoints, signals, metrics one step late.
+"""The stateful run around a pure step: set-up, resume, checkpoints, signals, metrics one step late.
 
-Shared by `kiln train` and `kiln distill`: the caller supplies the jitted step and the state; this
-module owns everything that touches files, clocks and signals.
+Shared by `kiln train` and `kiln distill`: the caller supplies its objective and train state
+(`prepare_run`); this module owns everything that touches files, clocks and signals.
 """
 
 from __future__ import annotations
@@ -16,9 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import jax
+from flax import nnx
 from jax.experimental import multihost_utils
 
-from kiln.checkpoint import Checkpointer, abstract_like, latest_complete_step, restore
+from kiln import train
+from kiln.checkpoint import (
+    Checkpointer,
+    abstract_like,
+    latest_complete_step,
+    restore,
+    restore_params,
+)
 from kiln.config import Config, read_run_config
 from kiln.errors import KilnError, RunStopped
 from kiln.metrics import MetricsLogger, perf_metrics
@@ -104,6 +112,97 @@ def restore_latest(config: Config, state, batches) -> tuple[Any, str | None]:
     return state, f"resuming from step {latest} ({directory / str(latest)})"
 
 
+@dataclass
+class PreparedRun:
+    """A validated run, ready to loop: nothing has been written to its run directory yet."""
+
+    config: Config
+    command: str  # what the user runs to resume it, e.g. "kiln train"
+    mesh: Any
+    objective: train.Objective
+    state: train.TrainState
+    datasets: Any
+    batches: Iterator
+    notes: list[str]
+
+
+def prepare_run(
+    config: Config,
+    build: Callable[[Config, Any], tuple[train.Objective, train.TrainState, list[str]]],
+    *,
+    command: str,
+    check: Callable[[Config], Any] | None = None,
+) -> PreparedRun:
+    """Validate against devices, data and any earlier run; build the state; resume or load.
+
+    `build(config, mesh) -> (objective, fresh state, notes)`; `check(config)` runs cheap
+    validation before any data or parameters are touched. The state then comes from the
+    run's latest checkpoint (with the data iterator's position) or, for a new run, takes
+    `checkpoint.load_params_from`'s parameters (those the objective adds to the model, e.g. a
+    distillation projection, stay fresh).
+    """
+    from kiln.data import make_datasets
+    from kiln.distributed import initialize
+    from kiln.mesh import make_mesh
+
+    initialize(config)  # before any device is touched
+    mesh = make_mesh(config)
+    if check is not None:
+        check(config)
+    datasets = make_datasets(config)
+    notes = resume_notes(config)
+    objective, state, built_notes = build(config, mesh)
+    batches = datasets.train_iterator()
+    state, resumed = restore_latest(config, state, batches)
+    source = config.checkpoint.load_params_from
+    if resumed:
+        notes.insert(0, resumed)
+    elif source:
+        keep = objective.extra_param_keys
+        target = nnx.State({k: v for k, v in state.params.items() if k not in keep})
+        params, step = restore_params(source, target)
+        state = state.replace(params=nnx.State({**state.params, **params}))
+        notes.insert(0, f"parameters from {source} (step {step})")
+    return PreparedRun(
+        config, command, mesh, objective, state, datasets, batches, notes + built_notes
+    )
+
+
+def run_loop(run: PreparedRun):
+    """Write the run directory (everything is validated by now), then loop, log and save."""
+    config, mesh = run.config, run.mesh
+    is_main = open_run_dir(config.run_dir, config)
+    ckpt = Checkpointer(config.run_dir, config.checkpoint)
+    logger = MetricsLogger(config.run_dir, config, enabled=is_main, start_step=int(run.state.step))
+    for note in run.notes:
+        logger.info(note)
+
+    eval_fn = None
+    if config.train.eval_every_steps:
+        eval_step = train.make_eval_step(config, mesh)
+        eval_batches = run.datasets.eval_batches(config.train.eval_batches)
+
+        def eval_fn(state):
+            return train.evaluate(eval_step, state, eval_batches, mesh, config)
+
+    loop = Loop(
+        config=config,
+        command=run.command,
+        step_fn=train.make_step(run.objective, train.shardings_of(run.state)),
+        place=lambda batch: train.place_batch(batch, mesh, config),
+        batches=run.batches,
+        ckpt=ckpt,
+        logger=logger,
+        flops_per_token=run.objective.flops_per_token(),
+        evaluate=eval_fn,
+    )
+    try:
+        return loop.run(run.state)
+    finally:
+        ckpt.close()
+        logger.close()
+
+
 def checkpoint_tree(state) -> dict[str, Any]:
     """The arrays of a train state that a checkpoint holds."""
     return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
@@ -174,6 +273,7 @@ class Loop:
     """One run's loop: `step_fn(state, batch) -> (state, metrics)` from state.step to train.steps."""
 
     config: Config
+    command: str
     step_fn: Callable
     place: Callable[[Mapping[str, Any]], Any]
     batches: Iterator
@@ -185,9 +285,10 @@ class Loop:
     def run(self, state):
         cfg = self.config
         clock = StepClock(cfg, self.flops_per_token)
+        first = int(state.step) + 1
         skips, pending = 0, None  # pending: (step, metrics on device), read one step late
         with stop_requests() as stop:
-            for step in range(int(state.step) + 1, cfg.train.steps + 1):
+            for step in range(first, cfg.train.steps + 1):
                 state, metrics = self.step_fn(state, self.place(next(self.batches)))
                 if pending is not None:
                     skips = skips + 1 if self._finish(*pending, clock) else 0
@@ -209,11 +310,17 @@ class Loop:
                     name = signal.Signals(stop[0]).name if stop else "SIGTERM"
                     self.logger.warn(
                         f"stopped by signal {name} at step {step}; "
-                        "checkpoint saved, run `kiln train` again to resume"
+                        f"checkpoint saved, run `{self.command}` again to resume"
                     )
                     return state
             if pending is not None:
-                self._finish(*pending, clock)
+                skips = skips + 1 if self._finish(*pending, clock) else 0
+        trained = cfg.train.steps - first + 1
+        if trained > 0 and skips == trained:
+            raise RunStopped(
+                f"every step of this run ({first}..{cfg.train.steps}) had a non-finite loss or "
+                "gradient and was skipped; nothing was trained or saved"
+            )
         self._save(state)
         self.ckpt.wait()
         return state

@@ -1,29 +1,36 @@
-"""Train state, the pure train step with exact gradient accumulation, and the training loop."""
+"""Train state, the objective seam, exact gradient accumulation and the pure train step.
+
+A step optimises an `Objective`: pre-training (`LMObjective`) and distillation
+(`kiln.distill.DistillObjective`) are two. There is one `objective_loss_and_grads` for all of
+them: it cuts the global batch into micro-batches, accumulates weighted *sums* and their
+gradients in a `lax.scan`, and divides once by the global token weight.
+"""
 
 from __future__ import annotations
 
 import functools
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx, struct
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kiln import losses
 from kiln.config import Config
 from kiln.errors import KilnError
-from kiln.mesh import batch_sharding, make_mesh, state_shardings
+from kiln.mesh import batch_sharding, logical_spec, make_mesh, state_shardings
 from kiln.model import create_model, flops_per_token
 from kiln.optim import make_optimizer, make_schedule
 
 Batch = Mapping[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "weights")
+Sums = dict[str, jax.Array]
 
 
 class TrainState(struct.PyTreeNode):
@@ -39,13 +46,13 @@ class TrainState(struct.PyTreeNode):
         return nnx.merge(self.graphdef, self.params if params is None else params, self.rest)
 
 
-def init_state(config: Config, mesh: jax.sharding.Mesh | None = None) -> TrainState:
+def init_state(config: Config, mesh: Mesh | None = None) -> TrainState:
     """Model and optimizer state, created directly in their shardings on the mesh."""
     mesh = make_mesh(config) if mesh is None else mesh
     return state_from_model(config, mesh, create_model(config, mesh, config.train.seed))
 
 
-def state_from_model(config: Config, mesh: jax.sharding.Mesh, model: nnx.Module) -> TrainState:
+def state_from_model(config: Config, mesh: Mesh, model: nnx.Module) -> TrainState:
     """A train state (fresh optimizer, step 0) around a model whose parameters are on `mesh`."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = make_optimizer(config.optim)
@@ -56,38 +63,65 @@ def state_from_model(config: Config, mesh: jax.sharding.Mesh, model: nnx.Module)
     return TrainState(step=step, params=params, opt_state=opt_state, rest=rest, graphdef=graphdef)
 
 
-def shardings_of(state: TrainState):
-    return jax.tree.map(lambda x: x.sharding, state)
+def shardings_of(tree):
+    """The sharding of every array of a pytree (a train state, an objective)."""
+    return jax.tree.map(lambda x: x.sharding, tree)
 
 
 # ---------------------------------------------------------------------------------------------
-# Loss and gradients
+# The objective seam
 
 
-def _micro_batches(batch: Batch, accum: int, mesh, rules) -> Batch:
-    """[G, S] -> [accum, G/accum, S], micro-batch a = rows a, a+accum, ... (keeps each shard's rows)."""
-    spec = P(None, _axes(rules["batch"]), _axes(rules["length"]))
+class Objective(struct.PyTreeNode):
+    """What a step optimises, as weighted sums over tokens that add across micro-batches.
 
-    def split(x):
-        g = x.shape[0]
-        x = x.reshape(g // accum, accum, *x.shape[1:]).swapaxes(0, 1)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    An objective names its sums (`sum_keys`, always with `weight_sum`, the token weight) and
+    implements `loss_sums(model, batch, coefficients) -> (value, sums)`: float32 scalar sums of
+    one micro-batch and a scalar `value` whose gradient, summed over the micro-batches and
+    divided once by the global `weight_sum`, is the gradient of `finalize(global sums)[0]`.
+    `finalize(sums) -> (loss, aux)` turns the global sums into the loss and its diagnostics
+    (aux keys containing "/" are logged as metrics under that tag). An objective whose value
+    weights its sums by coefficients that depend on the *global* sums (dynamic balancing) sets
+    `needs_global_sums` and implements `coefficients(sums)`: with several micro-batches a
+    forward pass computes the global sums first; with one, `loss_sums` gets None and derives
+    them from its own sums. Arrays an objective holds (e.g. a teacher's parameters) are pytree
+    fields, passed to the jitted step as arguments; settings are static fields.
+    """
 
-    return {k: split(batch[k]) for k in BATCH_KEYS}
+    sum_keys: ClassVar[tuple[str, ...]] = ("weight_sum",)
+    needs_global_sums: ClassVar[bool] = False
+    # Top-level parameter collections the objective adds to the model (fresh on load_params_from).
+    extra_param_keys: ClassVar[tuple[str, ...]] = ()
+
+    config: Config = struct.field(pytree_node=False)
+    mesh: Mesh | None = struct.field(pytree_node=False)
+
+    def for_step(self, step: jax.Array) -> Objective:
+        """This objective at a (traced) train step, for settings on a schedule."""
+        return self
+
+    def loss_sums(self, model, batch: Batch, coefficients: Any) -> tuple[jax.Array, Sums]:
+        raise NotImplementedError
+
+    def coefficients(self, sums: Sums) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not use global coefficients")
+
+    def finalize(self, sums: Sums) -> tuple[jax.Array, dict[str, jax.Array]]:
+        raise NotImplementedError
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token of one step, for perf/mfu."""
+        return flops_per_token(self.config.model, self.config.data.seq_len)
 
 
-def _axes(names):
-    return tuple(names) if names else None
+def token_mean(total: jax.Array, sums: Sums) -> jax.Array:
+    """A sum divided by the token weight `sums["weight_sum"]` (0 for a batch of only padding)."""
+    weight = sums["weight_sum"]
+    return total / jnp.where(weight > 0, weight, 1.0)
 
 
-def model_loss_sums(config: Config, model, batch: Batch, mesh) -> dict[str, jax.Array]:
-    """The model's LM loss sums on a batch (loss_sum, z_loss_sum, weight_sum), as configured."""
-    hidden = model(batch["inputs"], batch["positions"], batch["segment_ids"])
-    return hidden_loss_sums(config, hidden, model.head_weight(), batch, mesh)
-
-
-def hidden_loss_sums(config: Config, hidden_BSD, head_DV, batch: Batch, mesh):
-    """LM loss sums of final hidden states through the head, with the config's loss settings."""
+def lm_loss_sums(config: Config, hidden_BSD, head_DV, batch: Batch, mesh) -> Sums:
+    """LM loss sums (loss_sum, z_loss_sum, weight_sum) of final hidden states, as configured."""
     return losses.lm_loss(
         hidden_BSD,
         head_DV,
@@ -103,80 +137,104 @@ def hidden_loss_sums(config: Config, hidden_BSD, head_DV, batch: Batch, mesh):
     )
 
 
-def _loss_sums_and_grads(config: Config, state: TrainState, params, batch: Batch, mesh):
-    """Gradients of the weighted loss *sum* of one micro-batch, and its sums (float32)."""
+class LMObjective(Objective):
+    """Pre-training: the language-model loss (cross-entropy with z-loss) per token."""
 
-    def loss_sum(params):
-        sums = model_loss_sums(config, state.model(params), batch, mesh)
+    sum_keys: ClassVar[tuple[str, ...]] = ("loss_sum", "z_loss_sum", "weight_sum")
+
+    def loss_sums(self, model, batch: Batch, coefficients: Any = None):
+        hidden = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+        sums = lm_loss_sums(self.config, hidden, model.head_weight(), batch, self.mesh)
         return sums["loss_sum"], sums
 
-    (_, sums), grads = jax.value_and_grad(loss_sum, has_aux=True)(params)
-    return sums, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    def finalize(self, sums: Sums):
+        aux = {"z_loss": token_mean(sums["z_loss_sum"], sums), "total_weights": sums["weight_sum"]}
+        return token_mean(sums["loss_sum"], sums), aux
 
 
-def accumulate(sums_and_grads: Callable, micro: Batch, params, param_shardings, sum_keys):
-    """Sum `sums_and_grads(micro_batch) -> (sums, grads)` over the leading micro-batch axis.
+# ---------------------------------------------------------------------------------------------
+# Loss and gradients of a global batch
 
-    A `lax.scan`; `sums` is a dict of float32 scalars named by `sum_keys`; gradients
-    accumulate in float32 in the parameters' shardings.
+
+def micro_batches(batch: Batch, accum: int, mesh: Mesh, rules) -> Batch:
+    """[G, S] -> [accum, G/accum, S], micro-batch a = rows a, a+accum, ... (keeps each shard's rows)."""
+    sharding = NamedSharding(mesh, logical_spec((None, "batch", "length"), rules))
+
+    def split(x):
+        g = x.shape[0]
+        x = x.reshape(g // accum, accum, *x.shape[1:]).swapaxes(0, 1)
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    return {k: split(batch[k]) for k in BATCH_KEYS}
+
+
+def objective_loss_and_grads(objective: Objective, state: TrainState, batch: Batch):
+    """(loss, aux, grads) of a global batch: sums over micro-batches, one division by the weight.
+
+    Traced inside jit. Gradients accumulate in float32 in the parameters' shardings.
     """
-    zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    zero_grads = jax.lax.with_sharding_constraint(zero_grads, param_shardings)
-    zero_sums = {k: jnp.zeros((), jnp.float32) for k in sum_keys}
-
-    def body(carry, mb):
-        sums, grads = sums_and_grads(mb)
-        return jax.tree.map(jnp.add, carry, (sums, grads)), None
-
-    (sums, grads), _ = jax.lax.scan(body, (zero_sums, zero_grads), micro)
-    return sums, grads
-
-
-def _loss_and_grads(config: Config, state: TrainState, batch: Batch, mesh, param_shardings):
-    """Sums over micro-batches, one division by the global token weight (never a mean of means)."""
+    config, mesh = objective.config, objective.mesh
+    objective = objective.for_step(state.step)
     accum = config.train.gradient_accumulation_steps
+
+    def loss_sums(params, mb, coefficients):
+        return objective.loss_sums(state.model(params), mb, coefficients)
+
+    def sums_and_grads(mb, coefficients):
+        grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+        (_, sums), grads = grad_fn(state.params, mb, coefficients)
+        return sums, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+
     if accum == 1:
-        sums, grads = _loss_sums_and_grads(config, state, state.params, batch, mesh)
+        sums, grads = sums_and_grads(batch, None)
     else:
-        micro = _micro_batches(batch, accum, mesh, config.mesh.rules)
-        sums, grads = accumulate(
-            lambda mb: _loss_sums_and_grads(config, state, state.params, mb, mesh),
-            micro,
-            state.params,
-            param_shardings,
-            ("loss_sum", "z_loss_sum", "weight_sum"),
-        )
-    total = sums["weight_sum"]
-    denom = jnp.where(total > 0, total, 1.0)
-    grads = jax.tree.map(lambda g: g / denom, grads)
-    aux = {
-        "z_loss": sums["z_loss_sum"] / denom,
-        "total_weights": total,
-    }
-    return sums["loss_sum"] / denom, aux, grads
+        micro = micro_batches(batch, accum, mesh, config.mesh.rules)
+        coefficients = None
+        if objective.needs_global_sums:
+            # A forward pass over the micro-batches for the sums the coefficients depend on.
+            def add_sums(total, mb):
+                sums = loss_sums(state.params, mb, None)[1]
+                return jax.tree.map(jnp.add, total, sums), None
+
+            global_sums, _ = jax.lax.scan(add_sums, _zero_sums(objective), micro)
+            coefficients = objective.coefficients(global_sums)
+        shardings = state_shardings(state.params, mesh, config.mesh.rules)
+        zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        zero_grads = jax.lax.with_sharding_constraint(zero_grads, shardings)
+
+        def add(carry, mb):
+            return jax.tree.map(jnp.add, carry, sums_and_grads(mb, coefficients)), None
+
+        (sums, grads), _ = jax.lax.scan(add, (_zero_sums(objective), zero_grads), micro)
+    grads = jax.tree.map(lambda g: token_mean(g, sums), grads)
+    loss, aux = objective.finalize(sums)
+    return loss, aux, grads
 
 
-def loss_and_grads(config: Config, state: TrainState, batch: Batch):
+def _zero_sums(objective: Objective) -> Sums:
+    return {k: jnp.zeros((), jnp.float32) for k in objective.sum_keys}
+
+
+# Compiled once per objective (its static config and mesh are part of jit's cache key).
+_jitted_loss_and_grads = jax.jit(objective_loss_and_grads)
+
+
+def run_objective(objective: Objective, state: TrainState, batch: Mapping[str, Any]):
+    """(loss, aux, grads) of one global batch, compiled once per objective and state structure."""
+    placed = place_batch(batch, objective.mesh, objective.config)
+    return _jitted_loss_and_grads(objective, state, placed)
+
+
+def loss_and_grads(config: Config, state: TrainState, batch: Mapping[str, Any]):
     """(loss, aux, grads) of one global batch: per-token mean loss, aux z_loss/total_weights."""
-    mesh = _mesh_of(state)
-    key = (config.model_dump_json(), mesh, state.graphdef)
-    fn = _LOSS_AND_GRADS.get(key)
-    if fn is None:
-        shardings = jax.tree.map(lambda x: x.sharding, state.params)
-        fn = jax.jit(lambda s, b: _loss_and_grads(config, s, b, mesh, shardings))
-        _LOSS_AND_GRADS[key] = fn
-    return fn(state, place_batch(batch, mesh, config))
+    return run_objective(LMObjective(config=config, mesh=mesh_of(state)), state, batch)
 
 
-# Compiled `loss_and_grads` per (config, mesh, model structure): repeated calls reuse one program.
-_LOSS_AND_GRADS: dict = {}
-
-
-def _mesh_of(state: TrainState):
+def mesh_of(state: TrainState) -> Mesh:
     return jax.tree.leaves(state.params)[0].sharding.mesh
 
 
-def place_batch(batch: Mapping[str, Any], mesh, config: Config) -> Batch:
+def place_batch(batch: Mapping[str, Any], mesh: Mesh, config: Config) -> Batch:
     """Put this process's rows of a global batch on the mesh as global arrays.
 
     Process p of P holds rows p*n .. (p+1)*n - 1 of the global batch (n = its row count), the
@@ -191,15 +249,15 @@ def place_batch(batch: Mapping[str, Any], mesh, config: Config) -> Batch:
         else:
             x = np.asarray(x)
             shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
-            _check_process_rows(sharding, shape)
+            _check_process_rows(sharding, shape, jax.process_index(), jax.process_count())
             out[k] = jax.make_array_from_process_local_data(sharding, x, shape)
     return out
 
 
 @functools.lru_cache(maxsize=8)
-def _check_process_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> None:
-    """KilnError unless this process's devices hold exactly its own block of batch rows."""
-    n, p = shape[0] // jax.process_count(), jax.process_index()
+def _check_process_rows(sharding: NamedSharding, shape: tuple[int, ...], p: int, count: int):
+    """KilnError unless process `p` of `count` has devices holding exactly its own batch rows."""
+    n = shape[0] // count
     held = set()
     for index in sharding.addressable_devices_indices_map(shape).values():
         held.update(range(*index[0].indices(shape[0])))
@@ -207,7 +265,7 @@ def _check_process_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> None
         raise KilnError(
             f"mesh: the devices of process {p} hold {len(held)} rows of each global batch "
             f"(from row {min(held)}), but its data are rows {p * n}..{(p + 1) * n - 1}; split the "
-            f"batch over the {jax.process_count()} processes: mesh.data * mesh.fsdp must be a "
+            f"batch over the {count} processes: mesh.data * mesh.fsdp must be a "
             "multiple of the process count (tensor and sequence axes within a process)"
         )
 
@@ -216,21 +274,33 @@ def _check_process_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> None
 # The step
 
 
-def make_train_step(config: Config, mesh, shardings: TrainState) -> Callable:
-    """The jitted pure `train_step(state, batch) -> (state, metrics)` with donated state."""
+def make_step(objective: Objective, shardings: TrainState) -> Callable:
+    """The jitted pure `step(state, batch) -> (state, metrics)` of an objective, donated state.
+
+    The objective's arrays (e.g. a teacher's parameters) are arguments of the compiled step,
+    never constants folded into it.
+    """
+    config, mesh = objective.config, objective.mesh
     update = make_update(config)
 
-    def train_step(state: TrainState, batch: Batch):
-        loss, aux, grads = _loss_and_grads(config, state, batch, mesh, shardings.params)
-        return update(state, loss, aux, grads)
+    def step(state: TrainState, objective: Objective, batch: Batch):
+        loss, aux, grads = objective_loss_and_grads(objective, state, batch)
+        state, metrics = update(state, loss, aux, grads)
+        return state, {**metrics, **{k: v for k, v in aux.items() if "/" in k}}
 
     data = batch_sharding(mesh, config.mesh.rules)
-    return jax.jit(
-        train_step,
-        in_shardings=(shardings, {k: data for k in BATCH_KEYS}),
+    jitted = jax.jit(
+        step,
+        in_shardings=(shardings, shardings_of(objective), {k: data for k in BATCH_KEYS}),
         out_shardings=(shardings, NamedSharding(mesh, P())),
         donate_argnums=0,
     )
+    return lambda state, batch: jitted(state, objective, batch)
+
+
+def make_train_step(config: Config, mesh: Mesh, shardings: TrainState) -> Callable:
+    """The jitted pre-training `train_step(state, batch) -> (state, metrics)`, donated state."""
+    return make_step(LMObjective(config=config, mesh=mesh), shardings)
 
 
 def make_update(config: Config) -> Callable:
@@ -272,11 +342,16 @@ def make_update(config: Config) -> Callable:
     return update
 
 
-def make_eval_step(config: Config, mesh) -> Callable:
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+
+
+def make_eval_step(config: Config, mesh: Mesh) -> Callable:
     """Jitted `eval_step(state, batch) -> sums` (loss_sum, z_loss_sum, weight_sum), forward only."""
+    objective = LMObjective(config=config, mesh=mesh)
 
     def eval_step(state: TrainState, batch: Batch):
-        return model_loss_sums(config, state.model(), batch, mesh)
+        return objective.loss_sums(state.model(), batch)[1]
 
     return jax.jit(eval_step)
 
@@ -294,74 +369,16 @@ def evaluate(eval_step, state: TrainState, batches, mesh, config: Config) -> dic
 
 
 # ---------------------------------------------------------------------------------------------
-# The loop
+# The command
 
 
 def run(config: Config) -> TrainState:
     """`kiln train`: validate against devices, data and any earlier run; then train and save."""
-    from kiln.checkpoint import restore_params
-    from kiln.data import make_datasets
-    from kiln.distributed import initialize
-    from kiln.runner import restore_latest, resume_notes
+    from kiln.runner import prepare_run, run_loop
 
-    initialize(config)  # before any device is touched
-    mesh = make_mesh(config)
-    datasets = make_datasets(config)
-    notes = resume_notes(config)
-    state = init_state(config, mesh)
-    train_iter = datasets.train_iterator()
-    state, resumed = restore_latest(config, state, train_iter)
-    if resumed:
-        notes.insert(0, resumed)
-    elif config.checkpoint.load_params_from:
-        params, step = restore_params(config.checkpoint.load_params_from, state.params)
-        state = state.replace(params=params)
-        notes.insert(0, f"parameters from {config.checkpoint.load_params_from} (step {step})")
-    return run_loop(
-        config,
-        mesh,
-        state,
-        step_fn=make_train_step(config, mesh, shardings_of(state)),
-        datasets=datasets,
-        batches=train_iter,
-        notes=notes,
-        flops_per_token=flops_per_token(config.model, config.data.seq_len),
-    )
+    return run_loop(prepare_run(config, _pretraining, command="kiln train"))
 
 
-def run_loop(config, mesh, state, *, step_fn, datasets, batches, notes, flops_per_token):
-    """Write the run directory (everything is validated by now), then loop, log and save."""
-    from kiln.checkpoint import Checkpointer
-    from kiln.metrics import MetricsLogger
-    from kiln.runner import Loop, open_run_dir
-
-    run_dir = config.run_dir
-    is_main = open_run_dir(run_dir, config)
-    ckpt = Checkpointer(run_dir, config.checkpoint)
-    logger = MetricsLogger(run_dir, config, enabled=is_main, start_step=int(state.step))
-    for note in notes:
-        logger.info(note)
-
-    eval_fn = None
-    if config.train.eval_every_steps:
-        eval_step = make_eval_step(config, mesh)
-        eval_batches = datasets.eval_batches(config.train.eval_batches)
-
-        def eval_fn(state):
-            return evaluate(eval_step, state, eval_batches, mesh, config)
-
-    loop = Loop(
-        config=config,
-        step_fn=step_fn,
-        place=lambda batch: place_batch(batch, mesh, config),
-        batches=batches,
-        ckpt=ckpt,
-        logger=logger,
-        flops_per_token=flops_per_token,
-        evaluate=eval_fn,
-    )
-    try:
-        return loop.run(state)
-    finally:
-        ckpt.close()
-        logger.close()
+def _pretraining(config: Config, mesh: Mesh) -> tuple[Objective, TrainState, list[str]]:
+    """The pre-training objective and a fresh train state (see `kiln.runner.prepare_run`)."""
+    return LMObjective(config=config, mesh=mesh), init_state(config, mesh), []
