@@ -141,6 +141,37 @@ def test_vocabulary_chunks_agree(reference, batch):
     assert_same(loss_and_grads(config, batch), reference)
 
 
+# Non-default logical-axis rules: an axis claimed by an earlier dimension is not reused by a
+# later one (length on fsdp after batch took it; vocab on [tensor, fsdp]); or the sequence
+# split over fsdp while the batch stays on data.
+NON_DEFAULT_RULES = [
+    {"length": ["fsdp"], "vocab": ["tensor", "fsdp"], "act_vocab": ["tensor", "fsdp"]},
+    {"batch": ["data"], "length": ["fsdp"], "embed": ["fsdp", "tensor"], "mlp": ["fsdp"]},
+]
+
+
+@pytest.mark.parametrize("rules", NON_DEFAULT_RULES)
+def test_non_default_rules_train_like_one_device(reference, batch, rules):
+    mesh = {"data": 2, "fsdp": 2, "tensor": 2, "rules": rules}
+    loss = {"num_vocab_tiling": 2, "z_loss_multiplier": 1e-2}
+    config = make_config(mesh=mesh, train={"gradient_accumulation_steps": 2}, loss=loss)
+    assert_same(loss_and_grads(config, batch), reference)
+    # One whole train step (update included) on the 8 devices, against one device.
+    one = make_config(mesh={"fsdp": 1}, train={"gradient_accumulation_steps": 2}, loss=loss)
+    results = []
+    for cfg in (config, one):
+        state = init(cfg)
+        mesh_ = train.mesh_of(state)
+        step = train.make_train_step(cfg, mesh_, train.shardings_of(state))
+        state, metrics = step(state, train.place_batch(batch, mesh_, cfg))
+        results.append((host(metrics), host(state.params)))
+    (got, got_params), (want, want_params) = results
+    np.testing.assert_allclose(got["learning/loss"], want["learning/loss"], rtol=1e-5)  # f32
+    for g, w in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params), strict=True):
+        # One AdamW step of 3e-4 from equal parameters: equal to f32 rounding of the update.
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
 def test_tied_embeddings_tiled_equals_untiled(batch):
     tied = {"model": {"tie_embeddings": True}, "loss": {"z_loss_multiplier": 1e-3}}
     want = loss_and_grads(make_config(mesh={"fsdp": 1}, **tied), batch)
@@ -255,6 +286,23 @@ def test_too_many_skips_stop_the_run(tmp_path, monkeypatch):
         json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()
     ]
     assert [rec["learning/step_skipped"] for rec in lines] == [1.0, 1.0, 1.0]
+    assert not list((config.run_dir / "checkpoints").glob("[0-9]*"))
+
+
+def test_a_run_whose_every_step_is_skipped_fails(tmp_path, monkeypatch):
+    import kiln.data
+
+    real = kiln.data.make_datasets
+    monkeypatch.setattr(kiln.data, "make_datasets", lambda c: NanData(real(c)))
+    config = make_config(
+        tmp_path,
+        train={"steps": 2, "max_consecutive_skips": 10},
+        data={"source": "synthetic"},
+        model={"vocab_size": 384},
+    )
+    # Shorter than the consecutive-skip limit, yet nothing was trained: not a success.
+    with pytest.raises(RunStopped, match="every step of this run"):
+        train.run(config)
     assert not list((config.run_dir / "checkpoints").glob("[0-9]*"))
 
 

@@ -161,7 +161,7 @@ def prepare_run(
         keep = objective.extra_param_keys
         target = nnx.State({k: v for k, v in state.params.items() if k not in keep})
         params, step = restore_params(source, target)
-        state = state.replace(params=nnx.State({**state.params, **params}))
+        state = state.replace(params=nnx.State.merge(state.params, params))
         notes.insert(0, f"parameters from {source} (step {step})")
     return PreparedRun(
         config, command, mesh, objective, state, datasets, batches, notes + built_notes
