@@ -237,6 +237,14 @@ def test_tiling_and_accumulation_agree_with_untiled(reference, teacher, batch, a
     assert_same(student_loss_and_grads(config, teacher, batch), reference)
 
 
+def test_loss_and_grads_compiles_once_per_config(teacher, batch):
+    student_loss_and_grads(make_config(loss={"z_loss_multiplier": 2e-3}), teacher, batch)
+    compiled = train.compiled_objectives()
+    # A new state and an equal (not the same) config object: the compiled program is reused.
+    student_loss_and_grads(make_config(loss={"z_loss_multiplier": 2e-3}), teacher, batch)
+    assert train.compiled_objectives() == compiled
+
+
 def test_accumulated_dynamic_gradient_is_the_reference_formula(teacher, batch):
     """With two micro-batches, d total = dH + alpha (H/K)(dS + (S/F) dF) at global means."""
     accum = {"gradient_accumulation_steps": 2}
