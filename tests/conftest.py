@@ -28,18 +28,35 @@ REPO = Path(__file__).resolve().parents[1]
 KILN_SRC = Path(importlib.import_module("kiln").__file__).resolve().parents[1]
 
 
+def kiln_env(**extra: str) -> dict[str, str]:
+    """The environment of a `kiln` subprocess: this one, with this process's kiln first."""
+    path = os.pathsep.join(p for p in (str(KILN_SRC), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def kiln(
     *args: Any, cwd: str | Path | None = None, timeout: float = 300, env: Mapping | None = None
 ) -> subprocess.CompletedProcess:
     """Run the `kiln` command in a subprocess, as a user would; output captured as text."""
-    path = os.pathsep.join(p for p in (str(KILN_SRC), os.environ.get("PYTHONPATH")) if p)
     return subprocess.run(
         [sys.executable, "-m", "kiln.cli", *map(str, args)],
         capture_output=True,
         text=True,
         cwd=cwd,
         timeout=timeout,
-        env={**os.environ, "PYTHONPATH": path, **(env or {})},
+        env=kiln_env(**(env or {})),
+    )
+
+
+def start_kiln(*args: Any, cwd: str | Path | None = None) -> subprocess.Popen:
+    """Start the `kiln` command without waiting (to signal or kill it); pipes as text."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "kiln.cli", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env=kiln_env(),
     )
 
 
