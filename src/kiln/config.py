@@ -127,12 +127,16 @@ def _cross_field_errors(
         yield from _layer_map_errors(c.distillation, m)
     if ok("distributed"):
         yield from _distributed_errors(c.distributed)
-    if ok("train") and t.global_batch_size % t.gradient_accumulation_steps:
+    divisible = t.global_batch_size % t.gradient_accumulation_steps == 0
+    if ok("train") and not divisible:
         yield (
             f"train.global_batch_size: {t.global_batch_size} is not divisible by "
             f"train.gradient_accumulation_steps={t.gradient_accumulation_steps}"
         )
-    elif ok("mesh", "train", "data", "loss", "model"):
+    sizes = {a: getattr(c.mesh, a) for a in MESH_AXES}
+    if ok("mesh") and sum(s == -1 for s in sizes.values()) > 1:
+        yield f"mesh: at most one size may be -1, got {sizes}"
+    elif divisible and ok("mesh", "train", "data", "loss", "model"):
         yield from _mesh_errors(c, num_devices)
 
 
@@ -141,9 +145,6 @@ def _mesh_errors(c: Config, num_devices: int | None) -> Iterator[str]:
     from kiln.mesh import logical_spec, shards_per_dim  # kiln.mesh imports this module
 
     mesh = {a: getattr(c.mesh, a) for a in MESH_AXES}
-    if sum(s == -1 for s in mesh.values()) > 1:
-        yield f"mesh: at most one size may be -1, got {mesh}"
-        return
     if num_devices is not None:
         try:
             mesh = c.mesh.sizes(num_devices)
@@ -158,6 +159,7 @@ def _mesh_errors(c: Config, num_devices: int | None) -> Iterator[str]:
     # [batch, length] get the same first two): an axis claimed by batch is not length's too.
     spec = logical_spec(("batch", "length", "vocab"), c.mesh.rules)
     batch_shards, seq_shards, vocab_shards = shards_per_dim(spec, mesh)
+    rows, cols = micro // batch_shards, seq_len // seq_shards  # one micro-batch on one shard
     if micro % batch_shards:
         yield (
             f"train.global_batch_size: micro-batch of {micro} sequences (global_batch_size "
@@ -166,14 +168,11 @@ def _mesh_errors(c: Config, num_devices: int | None) -> Iterator[str]:
         )
     elif seq_len % seq_shards:
         yield f"data.seq_len: {seq_len} is not divisible by the {seq_shards} sequence shards of the mesh"
-    elif (
-        shard_tokens := (micro // batch_shards) * (seq_len // seq_shards)
-    ) % loss.num_vocab_tiling:
+    elif (rows * cols) % loss.num_vocab_tiling:
         yield (
             f"loss.num_vocab_tiling: {loss.num_vocab_tiling} does not divide the "
-            f"{shard_tokens} tokens of one micro-batch on one shard "
-            f"({micro // batch_shards} sequences x {seq_len // seq_shards} tokens); "
-            "allowed: a divisor of that number"
+            f"{rows * cols} tokens of one micro-batch on one shard "
+            f"({rows} sequences x {cols} tokens); allowed: a divisor of that number"
         )
     vocab, chunk = c.model.vocab_size, loss.vocab_chunk_size
     if chunk is not None and (vocab % vocab_shards or (vocab // vocab_shards) % chunk):
