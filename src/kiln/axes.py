@@ -75,7 +75,7 @@ class _Mesh(Section):
             given[fill[0]] = num_devices // known
         elif known != num_devices:
             raise KilnError(
-                f"mesh: data*fsdp*tensor*sequence = {known} but {num_devices} devices are "
+                f"mesh: {'*'.join(MESH_AXES)} = {known} but {num_devices} devices are "
                 "present; make the product equal the device count or set one size to -1"
             )
         return given
