@@ -1,6 +1,17 @@
-"""Test set-up: 8 simulated CPU devices, float32 matmuls at full precision."""
+"""Test set-up: 8 simulated CPU devices, float32 matmuls at full precision; shared helpers.
 
+Test modules import the helpers with `from conftest import kiln, make_config, ...`.
+"""
+
+import copy
+import importlib
+import json
 import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -10,3 +21,82 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+REPO = Path(__file__).resolve().parents[1]
+# Subprocesses import the kiln this process imported (e.g. a checkout's src/ on PYTHONPATH),
+# not whichever copy is installed.
+KILN_SRC = Path(importlib.import_module("kiln").__file__).resolve().parents[1]
+
+
+def kiln_env(**extra: str) -> dict[str, str]:
+    """The environment of a `kiln` subprocess: this one, with this process's kiln first."""
+    path = os.pathsep.join(p for p in (str(KILN_SRC), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def kiln(
+    *args: Any, cwd: str | Path | None = None, timeout: float = 300, env: Mapping | None = None
+) -> subprocess.CompletedProcess:
+    """Run the `kiln` command in a subprocess, as a user would; output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "kiln.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout,
+        env=kiln_env(**(env or {})),
+    )
+
+
+def start_kiln(*args: Any, cwd: str | Path | None = None) -> subprocess.Popen:
+    """Start the `kiln` command without waiting (to signal or kill it); pipes as text."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "kiln.cli", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env=kiln_env(),
+    )
+
+
+def assert_user_error(
+    proc: subprocess.CompletedProcess, *needles: str, code: int = 2, lines: int = 1
+) -> None:
+    """The CLI refused: exit `code`, `lines` lines `kiln: error: ...`, every needle among them."""
+    assert proc.returncode == code, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    got = proc.stderr.strip().splitlines()
+    assert len(got) == lines, proc.stderr[-3000:]
+    assert all(line.startswith("kiln: error: ") for line in got), proc.stderr[-3000:]
+    for needle in needles:
+        assert needle in proc.stderr, (needle, proc.stderr)
+
+
+def config_dict(base: Mapping[str, Any] | None = None, **sections: Mapping) -> dict[str, Any]:
+    """A nested config dict: a copy of `base` with each keyword's fields set in that section."""
+    raw = copy.deepcopy(dict(base or {}))
+    for name, fields in sections.items():
+        raw.setdefault(name, {}).update(fields)
+    return raw
+
+
+def make_config(
+    base: Mapping[str, Any] | None = None, *, output_dir: str | Path | None = None, **sections
+):
+    """A validated Config from `config_dict(base, **sections)`; `output_dir` sets train.output_dir."""
+    from kiln.config import config_from_dict
+
+    raw = config_dict(base, **sections)
+    if output_dir is not None:
+        raw.setdefault("train", {})["output_dir"] = str(output_dir)
+    return config_from_dict(raw)
+
+
+def write_config(
+    path: Path, base: Mapping[str, Any] | str | None = None, **sections: Mapping
+) -> Path:
+    """Write a config file: YAML text as given, or `config_dict(base, **sections)` (JSON is YAML)."""
+    text = base if isinstance(base, str) else json.dumps(config_dict(base, **sections), indent=1)
+    path.write_text(text)
+    return path

@@ -1,10 +1,9 @@
 """Checkpoints and resume, as a user meets them: `kiln train` run, stopped, killed and run again."""
 
 import json
+import logging
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import kiln, start_kiln, write_config
 from kiln import train
 from kiln.checkpoint import latest_complete_step, restore
 from kiln.config import load_config
@@ -48,7 +48,7 @@ def corpus(tmp_path_factory):
     return root
 
 
-def write_config(tmp_path: Path, corpus: Path, **overrides) -> Path:
+def write_run_config(tmp_path: Path, corpus: Path, **sections) -> Path:
     cfg = {
         "model": {"vocab_size": 384, "d_model": 32, "num_layers": 2, "num_heads": 4, "d_ff": 64, "max_seq_len": 32},
         "data": {"source": "text", "paths": [str(corpus / "*.txt")], "seq_len": 32, "cache_dir": str(tmp_path / "cache")},
@@ -57,21 +57,11 @@ def write_config(tmp_path: Path, corpus: Path, **overrides) -> Path:
         "train": {"output_dir": str(tmp_path / "runs"), "run_name": "r", "global_batch_size": 8, "log_every_steps": 1, "steps": 12},
         "checkpoint": {"every_steps": 3, "keep": 2},
     }  # fmt: skip
-    for key, value in overrides.items():
-        section, field = key.split(".")
-        cfg[section][field] = value
-    path = tmp_path / "config.yaml"
-    path.write_text(json.dumps(cfg))  # JSON is YAML
-    return path
+    return write_config(tmp_path / "config.yaml", cfg, **sections)
 
 
 def kiln_train(config: Path, *overrides, check=True):
-    proc = subprocess.run(
-        [sys.executable, "-m", "kiln.cli", "train", str(config), *overrides],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = kiln("train", config, *overrides, timeout=600)
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -105,14 +95,14 @@ def assert_bitwise(a, b):
 def straight(tmp_path_factory, corpus):
     """12 uninterrupted steps: what every interrupted run must reproduce."""
     tmp = tmp_path_factory.mktemp("straight")
-    config = write_config(tmp, corpus)
+    config = write_run_config(tmp, corpus)
     kiln_train(config)
     return config, losses(tmp / "runs" / "r"), final_params(config)
 
 
 def test_resume_is_bitwise_exact(tmp_path, corpus, straight):
     _, want_losses, want_params = straight
-    config = write_config(tmp_path, corpus)
+    config = write_run_config(tmp_path, corpus)
     kiln_train(config, "train.steps=6")
     proc = kiln_train(config, "train.steps=12")
     assert "resuming from step 6" in proc.stderr
@@ -134,24 +124,15 @@ def wait_for_step(run_dir: Path, step: int, proc, timeout=300):
     raise AssertionError(f"step {step} not reached")
 
 
-def start(config: Path, *overrides):
-    return subprocess.Popen(
-        [sys.executable, "-m", "kiln.cli", "train", str(config), *overrides],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 def test_sigterm_saves_and_exits_cleanly_then_cosine_resume_is_exact(tmp_path, corpus):
     overrides = ["optim.schedule=cosine", "optim.warmup_steps=5", "train.steps=300"]
     (tmp_path / "ref").mkdir()
-    ref_config = write_config(tmp_path / "ref", corpus)
+    ref_config = write_run_config(tmp_path / "ref", corpus)
     kiln_train(ref_config, *overrides)
     want = losses(tmp_path / "ref" / "runs" / "r")
 
-    config = write_config(tmp_path, corpus)
-    proc = start(config, *overrides, "checkpoint.every_steps=0")
+    config = write_run_config(tmp_path, corpus)
+    proc = start_kiln("train", config, *overrides, "checkpoint.every_steps=0")
     run_dir = tmp_path / "runs" / "r"
     wait_for_step(run_dir, 2, proc)
     proc.send_signal(signal.SIGTERM)
@@ -168,9 +149,9 @@ def test_sigterm_saves_and_exits_cleanly_then_cosine_resume_is_exact(tmp_path, c
 
 def test_kill_9_during_async_saves_resumes_from_last_complete(tmp_path, corpus, straight):
     _, want_losses, want_params = straight
-    config = write_config(tmp_path, corpus, **{"checkpoint.every_steps": 1, "checkpoint.keep": 3})
+    config = write_run_config(tmp_path, corpus, checkpoint={"every_steps": 1, "keep": 3})
     run_dir = tmp_path / "runs" / "r"
-    proc = start(config, "train.steps=400")
+    proc = start_kiln("train", config, "train.steps=400")
     wait_for_step(run_dir, 5, proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
@@ -191,7 +172,7 @@ def test_kill_9_during_async_saves_resumes_from_last_complete(tmp_path, corpus, 
 
 def test_restore_onto_a_different_mesh(tmp_path, corpus, straight):
     _, want_losses, _ = straight
-    config = write_config(tmp_path, corpus)
+    config = write_run_config(tmp_path, corpus)
     kiln_train(config, "train.steps=6")  # saved on fsdp=8
     kiln_train(config, "train.steps=7", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
     got = losses(tmp_path / "runs" / "r")
@@ -200,7 +181,7 @@ def test_restore_onto_a_different_mesh(tmp_path, corpus, straight):
 
 
 def test_incompatible_resume_is_refused_and_changes_nothing(tmp_path, corpus):
-    config = write_config(tmp_path, corpus)
+    config = write_run_config(tmp_path, corpus)
     kiln_train(config, "train.steps=3")
     run_dir = tmp_path / "runs" / "r"
     before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
@@ -213,7 +194,7 @@ def test_incompatible_resume_is_refused_and_changes_nothing(tmp_path, corpus):
 def test_load_params_from_starts_a_fresh_optimizer(tmp_path, corpus, straight):
     source_config, _, source_params = straight
     source_run = load_config(source_config).run_dir
-    config = write_config(tmp_path, corpus, **{"checkpoint.load_params_from": str(source_run)})
+    config = write_run_config(tmp_path, corpus, checkpoint={"load_params_from": str(source_run)})
     kiln_train(config, "train.steps=1", "optim.learning_rate=1e-9")
     params = final_params(config, "train.steps=1")
     assert int(params["step"]) == 1
@@ -224,3 +205,30 @@ def test_load_params_from_starts_a_fresh_optimizer(tmp_path, corpus, straight):
         np.testing.assert_allclose(x, y, atol=1e-6)
     adam_counts = [c for c in jax.tree.leaves(params["opt_state"]) if np.ndim(c) == 0]
     assert adam_counts and all(int(c) == 1 for c in adam_counts)  # a fresh optimizer, one step old
+
+
+def test_orbax_routine_warnings_are_dropped_and_other_absl_records_kept(
+    tmp_path, caplog, monkeypatch
+):
+    from absl import logging as absl_logging
+
+    absl = logging.getLogger("absl")
+    assert absl.level < logging.ERROR  # importing kiln.checkpoint silenced nothing
+    caplog.set_level(logging.INFO)
+    (tmp_path / "checkpoints").mkdir()
+
+    def records() -> list[logging.LogRecord]:
+        caplog.clear()
+        assert latest_complete_step(tmp_path / "checkpoints") is None  # orbax warns: read-only
+        absl_logging.warning("a warning of another absl user")
+        return [r for r in caplog.records if r.name == "absl"]
+
+    kept = records()
+    assert [r.getMessage() for r in kept] == ["a warning of another absl user"]
+    quiet = [f for f in absl.filters if type(f).__name__ == "_QuietOrbax"]
+    assert len(quiet) == 1  # installed once, however many managers were opened
+    # What the filter drops: orbax's own warnings, from orbax's files.
+    monkeypatch.setattr(type(quiet[0]), "filter", lambda self, record: True)
+    unfiltered = records()
+    orbax = [r for r in unfiltered if f"{os.sep}orbax{os.sep}" in r.pathname]
+    assert any(r.levelno == logging.WARNING for r in orbax), [r.getMessage() for r in unfiltered]

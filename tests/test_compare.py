@@ -3,13 +3,11 @@
 import json
 import shutil
 import struct
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import REPO, kiln
 from kiln.compare import compare, read_run, smooth
 from kiln.errors import KilnError
 
@@ -20,7 +18,6 @@ METRICS = [
     "learning/final_norm_scale",
 ]
 STEPS = list(range(10, 110, 10))
-REPO = Path(__file__).resolve().parents[1]
 
 
 def fake_values(seed: int) -> dict[str, list[float]]:
@@ -156,16 +153,6 @@ def test_library_errors_name_what_is_missing(two_runs):
     with pytest.raises(KilnError, match=r"no metrics.jsonl and no TensorBoard events"):
         compare([root / "empty"], ["learning/loss"], root / "x.png")
     assert not (root / "x.png").exists()
-
-
-def kiln(*args, cwd):
-    return subprocess.run(
-        [sys.executable, "-m", "kiln.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=300,
-    )
 
 
 def test_cli_missing_run_dir_or_tag_exits_2_with_one_line(two_runs):

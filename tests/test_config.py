@@ -1,48 +1,32 @@
 """Config loading, overrides, validation and the CLI's handling of bad input."""
 
 import math
-import subprocess
-import sys
-from pathlib import Path
+import re
+import typing
 
+import pydantic
 import pytest
 
-from kiln.config import Config, check_devices, load_config, schema_rows
+from conftest import REPO, assert_user_error, kiln, make_config, write_config
+from kiln.config import MESH_AXES, Config, MeshConfig, check_devices, load_config, schema_rows
 from kiln.errors import KilnError
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
+CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
 
 
-def kiln(*args, cwd=None):
-    """Run the CLI in a subprocess, as a user would."""
-    return subprocess.run(
-        [sys.executable, "-m", "kiln.cli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=300,
-    )
-
-
-def write(path: Path, text: str) -> Path:
-    path.write_text(text)
-    return path
-
-
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_shipped_config_validates(path):
     config = load_config(path)
     assert isinstance(config, Config)
 
 
 def test_configs_directory_is_not_empty():
-    names = {p.relative_to(ROOT / "configs").as_posix() for p in CONFIGS}
+    names = {p.relative_to(REPO / "configs").as_posix() for p in CONFIGS}
     assert {"tiny.yaml", "base.yaml", "models/llama3-1b.yaml", "models/llama3-8b.yaml"} <= names
 
 
 def test_overrides_nested_lists_scientific_and_booleans(tmp_path):
-    cfg = write(tmp_path / "c.yaml", "model: {d_model: 64, num_heads: 4}\n")
+    cfg = write_config(tmp_path / "c.yaml", "model: {d_model: 64, num_heads: 4}\n")
     c = load_config(
         cfg,
         [
@@ -65,30 +49,30 @@ def test_overrides_nested_lists_scientific_and_booleans(tmp_path):
 
 def test_scientific_notation_in_yaml_files(tmp_path):
     # YAML 1.1 reads `1e-4` as a string; the schema must still take it as a number.
-    c = load_config(write(tmp_path / "c.yaml", "loss: {z_loss_multiplier: 1e-4}\n"))
+    c = load_config(write_config(tmp_path / "c.yaml", "loss: {z_loss_multiplier: 1e-4}\n"))
     assert c.loss.z_loss_multiplier == 1e-4
 
 
 def test_base_config_chain_of_three(tmp_path):
     (tmp_path / "sub").mkdir()
-    write(tmp_path / "a.yaml", "model: {d_model: 64, num_layers: 2}\ntrain: {steps: 7}\n")
-    write(tmp_path / "sub" / "b.yaml", "base_config: ../a.yaml\nmodel: {num_layers: 3}\n")
-    c = write(tmp_path / "sub" / "c.yaml", "base_config: b.yaml\nmodel: {num_heads: 2}\n")
+    write_config(tmp_path / "a.yaml", "model: {d_model: 64, num_layers: 2}\ntrain: {steps: 7}\n")
+    write_config(tmp_path / "sub" / "b.yaml", "base_config: ../a.yaml\nmodel: {num_layers: 3}\n")
+    c = write_config(tmp_path / "sub" / "c.yaml", "base_config: b.yaml\nmodel: {num_heads: 2}\n")
     config = load_config(c, ["train.steps=9"])
     assert (config.model.d_model, config.model.num_layers, config.model.num_heads) == (64, 3, 2)
     assert config.train.steps == 9
 
 
 def test_base_config_loop_is_detected(tmp_path):
-    write(tmp_path / "a.yaml", "base_config: b.yaml\n")
-    write(tmp_path / "b.yaml", "base_config: a.yaml\n")
+    write_config(tmp_path / "a.yaml", "base_config: b.yaml\n")
+    write_config(tmp_path / "b.yaml", "base_config: a.yaml\n")
     with pytest.raises(KilnError, match="loop"):
         load_config(tmp_path / "a.yaml")
 
 
 def test_config_is_frozen():
     c = Config()
-    with pytest.raises(Exception, match="frozen"):
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
         c.loss.z_loss_multiplier = 1.0
 
 
@@ -116,12 +100,89 @@ def test_config_is_frozen():
         (["distillation.balance=static"], "distillation.balance"),
         (["mesh.rules.batch=[data,data]"], "repeats a mesh axis"),
         (["loss.vocab_chunk_size=100"], "loss.vocab_chunk_size"),
+        (
+            ["loss.z_loss_multiplier=1e38"],
+            "loss.z_loss_multiplier: got '1e38'; allowed: 0 <= z <= 1",
+        ),
+        (["loss.z_loss_multiplier=1.5"], "overflow float32"),
+        (["model.vocab_size=2147483648"], "model.vocab_size"),
+        (["train.steps=2147483648"], "train.steps"),
+        (["train.seed=-1"], "train.seed"),
+        (["data.seed=4294967296"], "data.seed"),
+        (["distillation.layer_map=[[0,-1]]"], "layer -1 in [0, -1] is negative"),
+        (["distributed.coordinator_address=host"], "distributed.coordinator_address"),
     ],
 )
 def test_bad_values_are_rejected_with_the_field_named(tmp_path, overrides, message):
-    cfg = write(tmp_path / "c.yaml", "mesh: {fsdp: 1}\n")
-    with pytest.raises(KilnError, match=message.replace(".", r"\.")):
+    cfg = write_config(tmp_path / "c.yaml", "mesh: {fsdp: 1}\n")
+    with pytest.raises(KilnError, match=re.escape(message)):
         load_config(cfg, overrides)
+
+
+def test_bounds_are_inclusive_where_they_say_so(tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", "mesh: {fsdp: 1}\n")
+    c = load_config(cfg, ["loss.z_loss_multiplier=1", "train.seed=4294967295", "data.seed=0"])
+    assert (c.loss.z_loss_multiplier, c.train.seed) == (1.0, 2**32 - 1)
+
+
+def test_mesh_axes_rules_and_size_fields_are_one_declaration():
+    assert MESH_AXES == ("data", "fsdp", "tensor", "sequence")
+    assert list(MeshConfig.model_fields) == [*MESH_AXES, "rules"]
+    (axis_literal,) = typing.get_args(
+        typing.get_args(MeshConfig.model_fields["rules"].annotation)[1]
+    )
+    assert typing.get_args(axis_literal) == MESH_AXES
+
+
+def test_every_problem_is_reported_at_once():
+    raw = {
+        "model": {"num_heads": 3},  # rule: does not divide d_model (and an odd head width)
+        "data": {"seq_len": 4096},  # rule: longer than model.max_seq_len
+        "optim": {"learning_rate": 0, "warmup_steps": 500},  # field; the warmup rule needs train
+        "train": {"steps": "many", "run_name": "a/b"},  # two fields
+        "loss": {"z_loss_multiplier": 2.0},  # field
+        "bogus": {},  # unknown section
+    }
+    with pytest.raises(KilnError) as e:
+        make_config(raw)
+    lines = str(e.value).splitlines()
+    assert len(lines) == 8, lines
+    for field in (
+        "optim.learning_rate: got 0",
+        "train.steps: got 'many'",
+        "train.run_name: got 'a/b'",
+    ):
+        assert sum(line.startswith(field) for line in lines) == 1, (field, lines)
+    for start in ("loss.z_loss_multiplier: got 2.0", "unknown key 'bogus'", "model.num_heads: 3"):
+        assert sum(line.startswith(start) for line in lines) == 1, (start, lines)
+    assert "model.head_dim: rotary embeddings need an even head width, got 85" in lines
+    assert "data.seq_len: 4096 exceeds model.max_seq_len=2048" in lines
+    # optim and train failed on their own fields, so the rule relating them is not guessed at.
+    assert not any("warmup_steps" in line for line in lines)
+    # Directly through the schema: every rule between fields, one line each.
+    with pytest.raises(pydantic.ValidationError) as e:
+        Config.model_validate({"model": {"num_heads": 3}, "data": {"seq_len": 4096}})
+    assert "model.num_heads: 3" in str(e.value) and "data.seq_len: 4096" in str(e.value)
+
+
+def test_mesh_rules_count_the_shards_each_dimension_really_gets():
+    # batch [data, fsdp] claims fsdp first, so `length: [fsdp]` leaves the length whole and an
+    # odd sequence length is fine; with batch on data only, length gets fsdp's 2 shards.
+    sizes = {"data": 1, "fsdp": 2, "tensor": 2, "sequence": 1}
+    base = {"data": {"seq_len": 15}, "train": {"global_batch_size": 8}}
+    make_config(base, mesh={**sizes, "rules": {"length": ["fsdp"]}})
+    with pytest.raises(KilnError, match=r"data\.seq_len: 15 is not divisible by the 2 sequence"):
+        make_config(base, mesh={**sizes, "rules": {"length": ["fsdp"], "batch": ["data"]}})
+    # The logits' vocabulary gets tensor only when fsdp went to the batch: 384 / 2 per shard.
+    vocab = {"vocab": ["tensor", "fsdp"]}
+    config = make_config(base, mesh={**sizes, "rules": vocab}, loss={"vocab_chunk_size": 192})
+    assert check_devices(config, 4) == sizes
+    with pytest.raises(KilnError, match=r"384 / 4 vocabulary shards"):
+        make_config(
+            base,
+            mesh={**sizes, "rules": {**vocab, "batch": ["data"]}},
+            loss={"vocab_chunk_size": 192},
+        )
 
 
 def test_tiling_must_divide_tokens_per_shard_batch_and_sequence():
@@ -165,26 +226,18 @@ def test_schema_lists_every_field():
 # --- the CLI, as a user runs it ------------------------------------------------------------
 
 
-def assert_user_error(proc, *needles):
-    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
-    assert "Traceback" not in proc.stderr, proc.stderr
-    assert len(proc.stderr.strip().splitlines()) <= 4, proc.stderr
-    for needle in needles:
-        assert needle in proc.stderr, (needle, proc.stderr)
-
-
 def test_cli_bad_yaml_names_the_line(tmp_path):
-    cfg = write(tmp_path / "bad.yaml", "model:\n  d_model: 64\n  num_heads: [1, 2\n")
+    cfg = write_config(tmp_path / "bad.yaml", "model:\n  d_model: 64\n  num_heads: [1, 2\n")
     assert_user_error(kiln("config", cfg), "line 4", "invalid YAML")
 
 
 def test_cli_unknown_key_suggests(tmp_path):
-    cfg = write(tmp_path / "c.yaml", "model: {d_modle: 64}\n")
+    cfg = write_config(tmp_path / "c.yaml", "model: {d_modle: 64}\n")
     assert_user_error(kiln("config", cfg), "model.d_modle", "did you mean 'd_model'")
 
 
 def test_cli_wrong_type(tmp_path):
-    cfg = write(tmp_path / "c.yaml", "train: {steps: many}\n")
+    cfg = write_config(tmp_path / "c.yaml", "train: {steps: many}\n")
     assert_user_error(kiln("config", cfg), "train.steps", "'many'", "integer")
 
 
@@ -193,19 +246,19 @@ def test_cli_missing_file(tmp_path):
 
 
 def test_cli_override_without_equals(tmp_path):
-    cfg = write(tmp_path / "c.yaml", "{}\n")
+    cfg = write_config(tmp_path / "c.yaml", "{}\n")
     assert_user_error(kiln("config", cfg, "train.steps"), "KEY=VALUE")
 
 
 def test_cli_failed_validation_creates_no_run_directory(tmp_path):
-    cfg = write(tmp_path / "c.yaml", f"train: {{output_dir: {tmp_path / 'runs'}}}\n")
+    cfg = write_config(tmp_path / "c.yaml", f"train: {{output_dir: {tmp_path / 'runs'}}}\n")
     proc = kiln("train", cfg, "loss.z_loss_multiplier=nan")
     assert_user_error(proc, "loss.z_loss_multiplier", "finite")
     assert not (tmp_path / "runs").exists()
 
 
 def test_cli_config_prints_resolved_yaml(tmp_path):
-    cfg = write(tmp_path / "c.yaml", "model: {d_model: 64}\n")
+    cfg = write_config(tmp_path / "c.yaml", "model: {d_model: 64}\n")
     proc = kiln("config", cfg, "loss.z_loss_multiplier=1e-4")
     assert proc.returncode == 0, proc.stderr
     assert "d_model: 64" in proc.stdout
@@ -219,3 +272,73 @@ def test_cli_schema_lists_every_field():
         assert name in proc.stdout
     md = kiln("config", "--schema", "--format", "markdown")
     assert md.stdout.startswith("| field | type | default | description |")
+
+
+def test_cli_reports_every_problem_of_a_file_one_line_each(tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", "model: {num_heads: 3}\ntrain: {steps: 0}\n")
+    proc = kiln("config", cfg, "optim.learning_rate=-1")
+    assert_user_error(
+        proc, "model.num_heads: 3", "train.steps: got 0", "optim.learning_rate: got -1", lines=4
+    )  # and model.head_dim (odd head width)
+
+
+@pytest.mark.parametrize(
+    "name", ["..", ".", "a/b", "/tmp/elsewhere", "../up", "x\\y"], ids=lambda n: repr(n)
+)
+def test_cli_run_name_is_one_path_component(tmp_path, name):
+    cfg = write_config(tmp_path / "c.yaml", train={"output_dir": str(tmp_path / "runs")})
+    proc = kiln("train", cfg, f"train.run_name={name}")
+    assert_user_error(proc, f"train.run_name: got {name!r}", "single directory name")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]  # nothing written
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("model.vocab_size=1000000000000", "model.vocab_size: got 1000000000000"),
+        ("train.seed=99999999999999999999999", "train.seed: got 99999999999999999999999"),
+        ("data.seed=-1", "data.seed: got -1"),
+        ("loss.z_loss_multiplier=1e38", "overflow float32"),
+        ("train.global_batch_size=4294967296", "train.global_batch_size"),
+    ],
+)
+def test_cli_out_of_range_values_exit_2_with_one_line(tmp_path, override, needle):
+    cfg = write_config(tmp_path / "c.yaml", "{}\n")
+    assert_user_error(kiln("config", cfg, override), needle)
+
+
+def test_a_stopped_run_exits_1_with_one_line_through_the_process_exit(
+    tmp_path, monkeypatch, capsys
+):
+    from kiln import cli, distributed, train
+    from kiln.errors import RunStopped
+
+    def stopped(config):
+        raise RunStopped("3 consecutive steps had a non-finite loss or gradient")
+
+    left = []
+    monkeypatch.setattr(train, "run", stopped)
+    monkeypatch.setattr(distributed, "leave_if_joined", left.append)
+    assert cli.main(["train", str(write_config(tmp_path / "c.yaml", "{}\n"))]) == 1
+    assert capsys.readouterr().err == (
+        "kiln: error: 3 consecutive steps had a non-finite loss or gradient\n"
+    )
+    assert left == [1]  # a process of a multi-process run leaves at once, with code 1
+
+
+@pytest.mark.slow
+def test_cli_run_whose_steps_all_go_non_finite_exits_1(tmp_path):
+    # A learning rate of 1e30 leaves parameters of ~1e30 after step 1: step 2 overflows.
+    cfg = write_config(
+        tmp_path / "c.yaml",
+        model={"d_model": 16, "num_layers": 1, "num_heads": 2, "d_ff": 32, "max_seq_len": 8},
+        data={"source": "synthetic", "seq_len": 8},
+        optim={"learning_rate": 1e30, "schedule": "constant", "grad_clip": None},
+        train={"steps": 3, "global_batch_size": 8, "max_consecutive_skips": 1,
+               "output_dir": str(tmp_path / "runs")},
+    )  # fmt: skip
+    proc = kiln("train", cfg, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("kiln: error: 1 consecutive steps had a non-finite loss"), last

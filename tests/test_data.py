@@ -6,18 +6,18 @@ import collections
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kiln.config import config_from_dict, load_config
+from conftest import assert_user_error, kiln, make_config, start_kiln
+from kiln.config import load_config
 from kiln.data import load_tokenizer, make_datasets
 from kiln.data.prepare import prepare
 from kiln.data.sources import resolve_inputs, stdlib_root
+from kiln.data.synthetic import MARKOV_SUCCESSORS, markov_chain, markov_windows
 from kiln.errors import KilnError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,13 +59,12 @@ def cfg(
         "cache_dir": str(tmp_path / "cache"),
         **data,
     }
-    return config_from_dict(
-        {
-            "data": data,
-            "model": {"vocab_size": vocab},
-            "train": {"global_batch_size": batch, "output_dir": str(tmp_path / "runs")},
-            "distributed": {"num_processes": processes, "process_id": process_id},
-        }
+    return make_config(
+        data=data,
+        model={"vocab_size": vocab},
+        train={"global_batch_size": batch},
+        distributed={"num_processes": processes, "process_id": process_id},
+        output_dir=tmp_path / "runs",
     )
 
 
@@ -176,6 +175,40 @@ def test_file_tokenizers_find_special_ids_and_round_trip(trained_tokenizers):
         assert tok.decode(ids) == text
         batch = tok.encode_batch([text, "lazy dogs"])
         assert batch[0].tolist() == ids
+
+
+def test_two_tokenizer_files_never_share_a_cache_entry(tmp_path, monkeypatch):
+    """Same relative spec, same size, same mtime, different files: two tokenizers."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    for directory, words in ((first, ["kiln", "mesh"]), (second, ["mesh", "kiln"])):
+        directory.mkdir()
+        vocab = {w: i for i, w in enumerate(["<unk>", "</s>", *words])}
+        tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.save(str(directory / "tok.json"))
+        os.utime(directory / "tok.json", ns=(1_700_000_000_000_000_000,) * 2)
+    files = [first / "tok.json", second / "tok.json"]
+    assert files[0].stat().st_size == files[1].stat().st_size  # only the contents differ
+    monkeypatch.chdir(first)
+    a = load_tokenizer("tok.json")
+    monkeypatch.chdir(second)
+    b = load_tokenizer("tok.json")
+    assert a.encode("kiln mesh") == [2, 3] and b.encode("kiln mesh") == [3, 2]
+    assert a.sha256 != b.sha256
+    # The same file again, whichever setting names it: cached.
+    assert load_tokenizer("tok.json", what="--tokenizer") is b
+    # A rewritten file (new contents, new mtime) is read again.
+    files[1].write_text(files[0].read_text())
+    assert load_tokenizer("tok.json").encode("kiln mesh") == [2, 3]
+    # Errors name the setting the spec came from, whichever was asked first.
+    (second / "bad.json").write_text("{}")
+    with pytest.raises(KilnError, match=r"^data\.tokenizer: .*bad\.json is not a valid"):
+        load_tokenizer("bad.json")
+    with pytest.raises(KilnError, match=r"^--tokenizer: .*bad\.json is not a valid"):
+        load_tokenizer("bad.json", what="--tokenizer")
 
 
 def test_jsonl_with_sentencepiece_prepares_into_token_shards(tmp_path, trained_tokenizers):
@@ -328,6 +361,60 @@ def test_markov_source_has_its_stated_entropy(tmp_path):
     assert next(uniform.train_iterator())["inputs"].max() < 259
 
 
+def dense_markov_reference(vocab_size: int, seed: int):
+    """The chain built as a dense float64 [V, V] matrix, sampled by inverse CDF over all V
+    states: the construction the sparse chain must reproduce draw for draw."""
+    rng = np.random.default_rng([seed, 0x4D41524B])
+    v, k = vocab_size, MARKOV_SUCCESSORS
+    trans = np.zeros((v, v))
+    for i in range(v):
+        others = rng.choice(np.delete(np.arange(v), (i + 1) % v), size=k - 1, replace=False)
+        trans[i, np.concatenate([[(i + 1) % v], others])] = rng.dirichlet(np.ones(k))
+    pi = np.linalg.matrix_power(trans.T, 256) @ np.full(v, 1.0 / v)
+    pi /= pi.sum()
+    plogp = np.where(trans > 0, trans * np.log(np.where(trans > 0, trans, 1)), 0)
+    return trans, pi, -(pi * plogp.sum(1)).sum()
+
+
+def test_markov_chain_matches_its_dense_construction_and_is_read_only():
+    chain = markov_chain(259, 3)
+    trans, pi, entropy = dense_markov_reference(259, 3)
+    dense = np.zeros((259, 259))
+    probs = np.diff(chain.cum_probs, prepend=0.0, axis=1)
+    np.put_along_axis(dense, chain.successors, probs, axis=1)
+    # float64, the same Dirichlet draws; cumulative sums and differences round at ~1e-16.
+    np.testing.assert_allclose(dense, trans, rtol=0, atol=1e-15)
+    np.testing.assert_allclose(chain.stationary, pi, rtol=1e-10)
+    assert chain.entropy_rate == pytest.approx(entropy, rel=1e-12)
+    # Sampling: inverse CDF over the dense rows gives the same tokens.
+    ids = np.arange(16)
+    got = markov_windows(ids, 65, 259, 3, 0)
+    u = np.stack([np.random.default_rng([3, 0, int(i)]).random(65) for i in ids])
+    cum = np.cumsum(trans, axis=1)
+    want = np.empty_like(got)
+    start = np.cumsum(pi)
+    start[-1] = 1.0
+    want[:, 0] = np.searchsorted(start, u[:, 0], side="right")
+    for t in range(1, 65):
+        want[:, t] = (cum[want[:, t - 1]] <= u[:, t, None]).sum(1)
+    np.testing.assert_array_equal(got, want)
+    for array in (chain.successors, chain.cum_probs, chain.stationary):
+        with pytest.raises(ValueError, match="read-only"):
+            array[0] = 0
+
+
+def test_markov_chain_scales_to_large_vocabularies():
+    # Dense, this chain would be a 34 GB [65536, 65536] float64 matrix.
+    chain = markov_chain(65536, 0)
+    assert chain.successors.shape == chain.cum_probs.shape == (65536, MARKOV_SUCCESSORS)
+    assert np.all(np.diff(chain.successors, axis=1) > 0)  # distinct successors, ascending
+    assert np.all((chain.successors == (np.arange(1, 65537) % 65536)[:, None]).any(1))
+    assert np.isclose(chain.stationary.sum(), 1.0) and 1.0 < chain.entropy_rate < 2.5
+    tokens = markov_windows(np.arange(4), 33, 65536, 0, 1)
+    nxt = chain.successors[tokens[:, :-1]]
+    assert np.all((nxt == tokens[:, 1:, None]).any(-1))  # every step follows an edge
+
+
 def test_tiny_config_trains_on_the_standard_library(tmp_path):
     files = resolve_inputs(["stdlib:**/*.py"])
     assert stdlib_root() / "os.py" in files
@@ -374,12 +461,12 @@ def test_prepare_is_parallel_idempotent_and_the_same_for_any_worker_count(tmp_pa
 
     # The command line, in a process of its own (worker processes, not threads).
     out = tmp_path / "cli"
-    cmd = [sys.executable, "-m", "kiln.cli", "prepare", "--input", str(tmp_path / "in" / "*.txt")]
+    cmd = ["prepare", "--input", str(tmp_path / "in" / "*.txt")]
     cmd += ["--format", "text", "--output", str(out), "--workers", "2"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    run = kiln(*cmd, timeout=120)
     assert run.returncode == 0, run.stderr
     assert shard_bytes(out) == shard_bytes(tmp_path / "one")
-    assert "up to date" in subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+    assert "up to date" in kiln(*cmd, timeout=120).stdout
 
 
 def test_failed_prepare_leaves_no_output_that_looks_valid(tmp_path):
@@ -404,8 +491,8 @@ def test_killed_prepare_leaves_only_a_staging_directory_the_next_run_removes(tmp
     fifo = tmp_path / "blocks.txt"
     os.mkfifo(fifo)  # reading it blocks until a writer comes: the run is caught mid-way
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "kiln.cli", "prepare", "--format", "text", "--output", str(out)]
-    proc = subprocess.Popen([*cmd, "--input", str(fifo)], stderr=subprocess.DEVNULL)
+    cmd = ["prepare", "--format", "text", "--output", str(out)]
+    proc = start_kiln(*cmd, "--input", str(fifo))
     try:
         for _ in range(600):
             staging = list(tmp_path.glob(".out.partial-*"))
@@ -417,9 +504,7 @@ def test_killed_prepare_leaves_only_a_staging_directory_the_next_run_removes(tmp
         proc.wait()
     assert staging and not out.exists()
     (tmp_path / "fine.txt").write_text("hello")
-    run = subprocess.run(
-        [*cmd, "--input", str(tmp_path / "fine.txt")], capture_output=True, timeout=60
-    )
+    run = kiln(*cmd, "--input", str(tmp_path / "fine.txt"), timeout=60)
     assert run.returncode == 0, run.stderr
     assert json.loads((out / "manifest.json").read_text())["num_tokens"] == 6
     assert not list(tmp_path.glob(".out.partial-*"))
@@ -518,14 +603,21 @@ def test_vocab_too_small_and_bad_tokenizer_name_the_field(tmp_path, corpus):
             ],
             "--tokenizer: file not found: 'x.model'",
         ),
+        (
+            ["--input", "{tmp}/d.jsonl", "--format", "jsonl", "--workers", "0"],
+            "argument --workers: got '0'; allowed: an integer >= 1",
+        ),
+        (
+            ["--input", "{tmp}/d.jsonl", "--format", "jsonl", "--workers", "-3"],
+            "argument --workers: got '-3'; allowed: an integer >= 1",
+        ),
     ],
 )
 def test_cli_prepare_bad_input_exits_2_with_one_line(tmp_path, args, message):
     (tmp_path / "d.jsonl").write_text('{"content": "hello"}\n')
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "kiln.cli", "prepare", *[a.format(tmp=tmp_path) for a in args]]
-    run = subprocess.run([*cmd, "--output", str(out)], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 2
+    args = [a.format(tmp=tmp_path) for a in args]
+    run = kiln("prepare", *args, "--output", out, timeout=60)
+    assert_user_error(run)
     assert run.stderr.startswith(f"kiln: error: {message.format(tmp=tmp_path)}")
-    assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
     assert not out.exists()

@@ -2,11 +2,11 @@
 
 import subprocess
 import sys
-from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO, kiln, kiln_env
+
 REFERENCE = REPO / "docs" / "reference" / "config.md"
 
 
@@ -37,12 +37,9 @@ def test_every_page_is_in_the_nav():
 
 
 def test_config_reference_is_current():
-    table = subprocess.run(
-        [sys.executable, "-m", "kiln.cli", "config", "--schema", "--format", "markdown"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    proc = kiln("config", "--schema", "--format", "markdown")
+    assert proc.returncode == 0, proc.stderr
+    table = proc.stdout
     page = REFERENCE.read_text()
     assert page.startswith("# Config reference\n")
     assert page.endswith(table), (
@@ -52,5 +49,6 @@ def test_config_reference_is_current():
         [sys.executable, str(REPO / "scripts" / "config_reference.py"), "--check"],
         capture_output=True,
         text=True,
+        env=kiln_env(),
     )
     assert proc.returncode == 0, proc.stderr

@@ -1,7 +1,6 @@
 """Multi-process runs on 127.0.0.1: 2 processes x 4 CPU devices against 1 process x 8 devices."""
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -11,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO, kiln, kiln_env, write_config
+
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
-LAUNCH = ROOT / "scripts" / "launch_local.sh"
+LAUNCH = REPO / "scripts" / "launch_local.sh"
 
 # Gradient accumulation and the vocabulary-tiled loss both run across the process boundary: the
 # fsdp axis spans all 8 devices, so each process holds half of every parameter and batch.
@@ -30,26 +30,20 @@ CONFIG = {
 }  # fmt: skip
 
 
-def write_config(tmp: Path) -> Path:
-    path = tmp / "config.yaml"
-    path.write_text(json.dumps(CONFIG))  # JSON is YAML
-    return path
+def write_run_config(tmp: Path) -> Path:
+    return write_config(tmp / "config.yaml", CONFIG)
 
 
 def one_process(config: Path, *overrides: str) -> subprocess.CompletedProcess:
     """`kiln train` in one process with the 8 devices of conftest's XLA_FLAGS."""
-    return subprocess.run(
-        [sys.executable, "-m", "kiln.cli", "train", str(config), *overrides],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    return kiln("train", config, *overrides)
 
 
 def two_processes(config: Path, *overrides: str) -> subprocess.CompletedProcess:
     """`scripts/launch_local.sh 2 ...`: two processes with 4 devices each."""
-    env = {**os.environ, "PYTHON": sys.executable}
     return subprocess.run(
         ["bash", str(LAUNCH), "2", str(config), *overrides],
-        capture_output=True, text=True, timeout=300, env=env,
+        capture_output=True, text=True, timeout=300, env=kiln_env(PYTHON=sys.executable),
     )  # fmt: skip
 
 
@@ -65,7 +59,7 @@ def assert_close(got: dict[int, float], want: dict[int, float], steps) -> None:
 
 
 def test_two_processes_match_one_and_checkpoints_move_between_them(tmp_path):
-    config = write_config(tmp_path)
+    config = write_run_config(tmp_path)
     runs = tmp_path / "runs"
 
     # Reference: one process, 8 steps, checkpoints at steps 5 and 8.
@@ -105,7 +99,7 @@ def test_two_processes_match_one_and_checkpoints_move_between_them(tmp_path):
 
 @pytest.mark.parametrize("present", [0, 1], ids=["coordinator-alone", "coordinator-missing"])
 def test_a_process_that_never_starts_stops_the_other_with_a_clear_message(tmp_path, present):
-    config = write_config(tmp_path)
+    config = write_run_config(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"

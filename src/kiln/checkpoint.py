@@ -9,6 +9,7 @@ leftover temporaries are removed when a manager opens the directory.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,23 @@ import orbax.checkpoint as ocp
 from kiln.config import CheckpointConfig
 from kiln.errors import KilnError
 
-# orbax logs routine events (read-only managers, saves) as warnings; kiln reports its own.
-logging.getLogger("absl").setLevel(logging.ERROR)
+
+class _QuietOrbax(logging.Filter):
+    """Drops orbax's records below ERROR: it logs routine events (read-only managers, saves)
+    as warnings, and kiln reports its own. orbax logs through absl's logger, which other
+    libraries share, so the filter goes by the file a record comes from."""
+
+    root = str(Path(ocp.__file__).parents[1]) + os.sep  # site-packages/orbax/, as imported
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or not record.pathname.startswith(self.root)
+
+
+_QUIET_ORBAX = _QuietOrbax()
 
 
 def _manager(directory: Path, cfg: CheckpointConfig | None, *, read_only: bool = False):
+    logging.getLogger("absl").addFilter(_QUIET_ORBAX)  # once: addFilter skips a repeat
     options = ocp.CheckpointManagerOptions(
         max_to_keep=cfg.keep if cfg else None,
         keep_period=cfg.keep_every if cfg else None,

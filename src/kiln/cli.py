@@ -6,8 +6,27 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, RunStopped
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes are one line, like every other error (`--help` shows the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"kiln: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _at_least_one(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"got {text!r}; allowed: an integer >= 1")
+    return value
 
 
 def _add_config_args(p: argparse.ArgumentParser, *, optional: bool = False) -> None:
@@ -101,9 +120,7 @@ def format_schema(rows: Sequence[tuple[str, str, str, str]], fmt: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kiln", description="LLM pre-training and distillation on JAX."
-    )
+    parser = _Parser(prog="kiln", description="LLM pre-training and distillation on JAX.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("train", help="train from a YAML config (resumes the run if it exists)")
@@ -146,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, metavar="DIR", help="directory of the shards")
     p.add_argument(
         "--workers",
-        type=int,
+        type=_at_least_one,
         default=None,
         help="parallel workers (default: every core; one for inputs under 8 MB)",
     )
@@ -195,11 +212,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except KilnError as e:
+    except (KilnError, RunStopped) as e:
         if os.environ.get("KILN_DEBUG") == "1":
             raise
-        print(f"kiln: error: {e}", file=sys.stderr)
-        return _leave(2)
+        # One line per problem: bad input exits 2, a run that cannot go on exits 1.
+        for line in str(e).splitlines() or [type(e).__name__]:
+            print(f"kiln: error: {line}", file=sys.stderr)
+        return _leave(2 if isinstance(e, KilnError) else 1)
     except KeyboardInterrupt:
         print("kiln: interrupted", file=sys.stderr)
         return _leave(130)

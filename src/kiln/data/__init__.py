@@ -47,7 +47,9 @@ def make_datasets(config: Any) -> Datasets:
     }
     if d.source == "synthetic":
         v, seed = tokenizer.vocab_size, d.seed % 2**32
-        entropy = markov_chain(v, seed)[2] if d.synthetic_kind == "markov" else math.log(v)
+        entropy = (
+            markov_chain(v, seed).entropy_rate if d.synthetic_kind == "markov" else math.log(v)
+        )
         train = SyntheticWindows(d.synthetic_kind, v, d.seq_len, seed, stream=0)
         held_out = SyntheticWindows(d.synthetic_kind, v, d.seq_len, seed, stream=1)
         return Datasets(tokenizer, train, held_out, entropy_rate=entropy, **common)

@@ -69,23 +69,21 @@ class HuggingFaceTokenizer:
 
     kind = "huggingface"
 
-    def __init__(self, path: Path, spec: str, what: str):
+    def __init__(self, path: Path, spec: str):
         import tokenizers
 
-        self.spec, self.sha256 = spec, _file_sha256(path, what)
+        self.spec, self.sha256 = spec, _file_sha256(path)
         try:
             self._tok = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:
-            raise KilnError(
-                f"{what}: {path} is not a valid tokenizer.json ({_first_line(e)})"
-            ) from None
+            raise _BadFile(f"{path} is not a valid tokenizer.json ({_first_line(e)})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         vocab = self._tok.get_vocab(with_added_tokens=True)
         named = _special_names(path.parent / "tokenizer_config.json")
         eos = _pick(vocab, named.get("eos_token"), _EOS_NAMES)
         if eos is None:
-            raise KilnError(
-                f"{what}: {path} has no end-of-text token; looked for "
+            raise _BadFile(
+                f"{path} has no end-of-text token; looked for "
                 f"{', '.join(_EOS_NAMES)} (or eos_token in a tokenizer_config.json next to it)"
             )
         self.eos_id = eos
@@ -111,22 +109,20 @@ class SentencePieceTokenizer:
 
     kind = "sentencepiece"
 
-    def __init__(self, path: Path, spec: str, what: str):
+    def __init__(self, path: Path, spec: str):
         import sentencepiece
 
-        self.spec, self.sha256 = spec, _file_sha256(path, what)
+        self.spec, self.sha256 = spec, _file_sha256(path)
         self._sp = sentencepiece.SentencePieceProcessor()
         try:
             self._sp.Load(str(path))
         except Exception as e:
-            raise KilnError(
-                f"{what}: {path} is not a valid sentencepiece model ({_first_line(e)})"
+            raise _BadFile(
+                f"{path} is not a valid sentencepiece model ({_first_line(e)})"
             ) from None
         self.vocab_size = int(self._sp.GetPieceSize())
         if self._sp.eos_id() < 0:
-            raise KilnError(
-                f"{what}: {path} defines no end-of-sentence token (train it with eos_id >= 0)"
-            )
+            raise _BadFile(f"{path} defines no end-of-sentence token (train it with eos_id >= 0)")
         self.eos_id = int(self._sp.eos_id())
         self.bos_id = int(self._sp.bos_id()) if self._sp.bos_id() >= 0 else self.eos_id
         self.pad_id = int(self._sp.pad_id()) if self._sp.pad_id() >= 0 else self.eos_id
@@ -144,7 +140,24 @@ class SentencePieceTokenizer:
 
 def load_tokenizer(spec: str, what: str = "data.tokenizer") -> Tokenizer:
     """The tokenizer named by `spec` ('byte' or a local file path); raises KilnError naming `what`."""
-    return _load_cached(spec, what, *_file_identity(spec, what))
+    if spec == "byte":
+        return ByteTokenizer()
+    path = Path(spec).expanduser()
+    try:
+        st = path.stat()
+        resolved = path.resolve()
+    except OSError:
+        raise KilnError(f"{what}: file not found: {spec!r}; allowed: {ALLOWED}") from None
+    if path.is_dir():
+        raise KilnError(f"{what}: {spec!r} is a directory; allowed: {ALLOWED}")
+    if path.suffix not in (".json", ".model"):
+        raise KilnError(f"{what}: got {spec!r}; allowed: {ALLOWED}")
+    try:
+        # The file itself is the key (device, inode, size, mtime): a rewritten or replaced
+        # file is loaded again, and a relative spec means a different file in another cwd.
+        return _load_file(spec, resolved, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    except _BadFile as e:
+        raise KilnError(f"{what}: {e}") from None
 
 
 def identity(tok: Tokenizer) -> dict[str, Any]:
@@ -160,37 +173,23 @@ def identity(tok: Tokenizer) -> dict[str, Any]:
     }
 
 
-def _file_identity(spec: str, what: str) -> tuple[int, int]:
-    if spec == "byte":
-        return 0, 0
-    path = Path(spec).expanduser()
-    try:
-        st = path.stat()
-    except OSError:
-        raise KilnError(f"{what}: file not found: {spec!r}; allowed: {ALLOWED}") from None
-    return st.st_size, st.st_mtime_ns
+class _BadFile(Exception):
+    """A tokenizer file kiln cannot use; `load_tokenizer` names the setting it came from."""
 
 
 @functools.lru_cache(maxsize=8)
-def _load_cached(spec: str, what: str, size: int, mtime_ns: int) -> Tokenizer:
-    del size, mtime_ns  # part of the cache key only: a rewritten file is loaded again
-    if spec == "byte":
-        return ByteTokenizer()
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        raise KilnError(f"{what}: {spec!r} is a directory; allowed: {ALLOWED}")
+def _load_file(spec: str, path: Path, *file_identity: int) -> Tokenizer:
+    del file_identity  # part of the cache key only
     if path.suffix == ".json":
-        return HuggingFaceTokenizer(path, spec, what)
-    if path.suffix == ".model":
-        return SentencePieceTokenizer(path, spec, what)
-    raise KilnError(f"{what}: got {spec!r}; allowed: {ALLOWED}")
+        return HuggingFaceTokenizer(path, spec)
+    return SentencePieceTokenizer(path, spec)
 
 
-def _file_sha256(path: Path, what: str) -> str:
+def _file_sha256(path: Path) -> str:
     try:
         return hashlib.sha256(path.read_bytes()).hexdigest()
     except OSError as e:
-        raise KilnError(f"{what}: cannot read {path}: {e.strerror}") from None
+        raise _BadFile(f"cannot read {path}: {e.strerror}") from None
 
 
 def _special_names(config_path: Path) -> dict[str, str]:

@@ -1,0 +1,102 @@
+"""The mesh axes, declared once: their names, the default logical-axis rules, and the `mesh`
+section of the config (one size field per axis, and the rules)."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+import pydantic
+from pydantic import Field
+
+from kiln.errors import KilnError
+from kiln.schema import INT32_MAX, Section
+
+# The mesh axes in mesh order, each with its default size and what it splits. The axis names,
+# the values a rule may name and MeshConfig's size fields are all built from this table.
+_MESH_AXES: dict[str, tuple[int, str]] = {
+    "data": (1, "Data-parallel size (replicated params)"),
+    "fsdp": (-1, "Fully-sharded data-parallel size (params sharded, batch split)"),
+    "tensor": (1, "Tensor-parallel size (heads, MLP and vocab split)"),
+    "sequence": (1, "Sequence-parallel size (activations split along length)"),
+}
+MESH_AXES: tuple[str, ...] = tuple(_MESH_AXES)
+MeshAxis = Literal[MESH_AXES]  # type: ignore[valid-type]
+
+DEFAULT_AXIS_RULES: dict[str, list[str]] = {
+    # Parameters.
+    "vocab": ["tensor"],
+    "embed": ["fsdp"],
+    "heads": ["tensor"],
+    "kv_heads": ["tensor"],
+    "head_dim": [],
+    "mlp": ["tensor"],
+    "layers": [],
+    "norm": [],
+    # Activations.
+    "batch": ["data", "fsdp"],
+    "length": ["sequence"],
+    "act_embed": [],
+    "act_heads": ["tensor"],
+    "act_kv_heads": ["tensor"],
+    "act_mlp": ["tensor"],
+    "act_vocab": ["tensor"],
+}
+
+
+def _mesh_size(v: int) -> int:
+    if v == 0:
+        raise ValueError("a mesh size is a positive integer or -1 (fill)")
+    return v
+
+
+class _Mesh(Section):
+    """Device mesh sizes and the logical-axis -> mesh-axis rules."""
+
+    @pydantic.field_validator("rules", check_fields=False)
+    @classmethod
+    def _rules(cls, rules: dict[str, list[str]]) -> dict[str, list[str]]:
+        for name, axes in rules.items():
+            if len(set(axes)) != len(axes):
+                raise ValueError(f"rule {name!r} repeats a mesh axis: {axes}")
+        return {**{k: list(v) for k, v in DEFAULT_AXIS_RULES.items()}, **rules}
+
+    def sizes(self, num_devices: int) -> dict[str, int]:
+        """Mesh axis sizes with -1 resolved against `num_devices`."""
+        given = {a: getattr(self, a) for a in MESH_AXES}
+        fill = [a for a, s in given.items() if s == -1]
+        known = math.prod(s for s in given.values() if s != -1)
+        if fill:
+            if num_devices % known:
+                raise KilnError(
+                    f"mesh: sizes {given} leave {num_devices} devices / {known} = "
+                    f"{num_devices / known:g} for mesh.{fill[0]}=-1; it must be a whole number"
+                )
+            given[fill[0]] = num_devices // known
+        elif known != num_devices:
+            raise KilnError(
+                f"mesh: {'*'.join(MESH_AXES)} = {known} but {num_devices} devices are "
+                "present; make the product equal the device count or set one size to -1"
+            )
+        return given
+
+
+_MeshSize = Annotated[int, Field(ge=-1, le=INT32_MAX), pydantic.AfterValidator(_mesh_size)]
+
+MeshConfig: Any = pydantic.create_model(
+    "MeshConfig",
+    __base__=_Mesh,
+    __module__=__name__,
+    __doc__=_Mesh.__doc__,
+    **{
+        axis: (_MeshSize, Field(default, description=f"{what}; -1 = fill the remaining devices."))
+        for axis, (default, what) in _MESH_AXES.items()
+    },
+    rules=(
+        dict[str, list[MeshAxis]],
+        Field(
+            default_factory=lambda: {k: list(v) for k, v in DEFAULT_AXIS_RULES.items()},
+            description="Logical axis name -> mesh axes that shard it ([] = replicated). Keys given here replace the defaults one by one.",
+        ),
+    ),
+)
