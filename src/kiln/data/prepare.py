@@ -16,15 +16,13 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
-import multiprocessing
 import os
 import shutil
 import socket
 import sys
-import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor, as_completed
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import as_completed
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +37,7 @@ from kiln.data.sources import (
     resolve_inputs,
 )
 from kiln.data.tokenizers import Tokenizer, identity, load_tokenizer
+from kiln.data.workers import sigterm_as_interrupt, worker_pool
 from kiln.errors import KilnError
 
 MANIFEST = "manifest.json"
@@ -94,26 +93,28 @@ def prepare(
     output.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_staging(output)
     staging = output.parent / f".{output.name}.partial-{socket.gethostname()}-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
     start = time.perf_counter()
-    try:
-        shards = _run(tasks, field, tokenizer, staging, workers, progress, total)
-        manifest = {
-            **wanted,
-            "dtype": token_dtype(tokenizer.vocab_size).name,
-            "documents_end_with_eos": True,
-            "num_tokens": sum(s["num_tokens"] for s in shards),
-            "num_documents": sum(s["num_documents"] for s in shards),
-            "num_input_bytes": total,
-            "seconds": round(time.perf_counter() - start, 3),
-            "workers": workers,
-            "shards": shards,
-        }
-        _write_json(staging / MANIFEST, manifest)
-        _publish(staging, output)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with sigterm_as_interrupt():
+        try:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir()
+            shards = _run(tasks, field, tokenizer, staging, workers, progress, total)
+            manifest = {
+                **wanted,
+                "dtype": token_dtype(tokenizer.vocab_size).name,
+                "documents_end_with_eos": True,
+                "max_token_id": max((s["max_token_id"] for s in shards), default=-1),
+                "num_tokens": sum(s["num_tokens"] for s in shards),
+                "num_documents": sum(s["num_documents"] for s in shards),
+                "num_input_bytes": total,
+                "seconds": round(time.perf_counter() - start, 3),
+                "workers": workers,
+                "shards": shards,
+            }
+            _write_json(staging / MANIFEST, manifest)
+            _publish(staging, output)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     with contextlib.suppress(OSError):
         return json.loads((output / MANIFEST).read_text()), True
     return manifest, True
@@ -178,55 +179,42 @@ def _run(
     progress: bool,
     total_bytes: int,
 ) -> list[dict[str, Any]]:
+    names = [f"shard-{i:05d}" for i in range(len(tasks))]
+    args = [(t, field, tokenizer.spec, str(staging), names[i]) for i, t in enumerate(tasks)]
+    if workers == 1:
+        with _progress_bar(progress, total_bytes) as advance:
+            results = []
+            for task, a in zip(tasks, args):
+                results.append(_tokenize_task(*a))
+                advance(task.num_bytes)
+            return results
+    results: list[dict[str, Any]] = [{} for _ in tasks]
+    with worker_pool(workers) as pool:
+        # Every task is submitted before the progress bar starts its thread (see worker_pool).
+        futures = {pool.submit(_tokenize_task, *a): i for i, a in enumerate(args)}
+        with _progress_bar(progress, total_bytes) as advance:
+            for fut in as_completed(futures):
+                i = futures[fut]
+                results[i] = fut.result()
+                advance(tasks[i].num_bytes)
+    return results
+
+
+@contextlib.contextmanager
+def _progress_bar(show: bool, total_bytes: int) -> Iterator[Callable[[int], None]]:
+    """A bar of bytes tokenized (shown if `show`); yields the function that advances it."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-    names = [f"shard-{i:05d}" for i in range(len(tasks))]
-    results: list[dict[str, Any]] = [{} for _ in tasks]
     with Progress(
         "[progress.description]{task.description}",
         BarColumn(),
         DownloadColumn(),
         TimeRemainingColumn(),
-        disable=not progress,
+        disable=not show,
         transient=True,
     ) as bar:
         job = bar.add_task("tokenizing", total=total_bytes)
-        if workers == 1:
-            for i, task in enumerate(tasks):
-                results[i] = _tokenize_task(task, field, tokenizer.spec, str(staging), names[i])
-                bar.advance(job, task.num_bytes)
-            return results
-        with _executor(workers) as pool:
-            futures = {
-                pool.submit(_tokenize_task, t, field, tokenizer.spec, str(staging), names[i]): i
-                for i, t in enumerate(tasks)
-            }
-            try:
-                for fut in as_completed(futures):
-                    i = futures[fut]
-                    results[i] = fut.result()
-                    bar.advance(job, tasks[i].num_bytes)
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
-    return results
-
-
-def _executor(workers: int) -> Executor:
-    """Processes (fork) when this process is single-threaded and has not loaded JAX, as in
-    `kiln prepare`; threads otherwise (forking a live JAX runtime is unsafe, and spawn would
-    re-run an unguarded __main__). Thread workers still use every core for the tokenizers that
-    encode batches in native threads (tokenizers, sentencepiece); the byte tokenizer is I/O bound."""
-    if threading.active_count() == 1 and "jax" not in sys.modules:
-        ctx = multiprocessing.get_context("fork")
-        return ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init)
-    return ThreadPoolExecutor(workers)
-
-
-def _worker_init() -> None:
-    # One process per core already; the tokenizers library's own threads would oversubscribe.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        yield lambda num_bytes: bar.advance(job, num_bytes)
 
 
 def _tokenize_task(task: Task, field: str, spec: str, staging: str, name: str) -> dict[str, Any]:
@@ -246,6 +234,7 @@ def _tokenize_task(task: Task, field: str, spec: str, staging: str, name: str) -
     offsets.tofile(Path(staging) / f"{name}.idx")
     return {
         "name": name,
+        "max_token_id": int(tokens.max()) if len(tokens) else -1,
         "num_tokens": int(offsets[-1]),
         "num_documents": len(encoded),
         "inputs": list(task.paths),
