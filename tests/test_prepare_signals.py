@@ -96,3 +96,19 @@ def test_sigterm_and_sigint_stop_prepare_cleanly(stuck_prepare, tmp_path, signum
     assert wait_gone(workers, 10) == []
     # No output and no staging directory left behind.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+def test_sigterm_handling_is_restored_after_prepare():
+    from kiln.data.workers import sigterm_as_interrupt
+
+    def mine(_signum, _frame):
+        pass
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        with pytest.raises(KeyboardInterrupt), sigterm_as_interrupt():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs at the next bytecode; never reached
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -21,7 +21,7 @@ import shutil
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import as_completed
 from pathlib import Path
 from typing import Any
@@ -179,42 +179,33 @@ def _run(
     progress: bool,
     total_bytes: int,
 ) -> list[dict[str, Any]]:
-    names = [f"shard-{i:05d}" for i in range(len(tasks))]
-    args = [(t, field, tokenizer.spec, str(staging), names[i]) for i, t in enumerate(tasks)]
-    if workers == 1:
-        with _progress_bar(progress, total_bytes) as advance:
-            results = []
-            for task, a in zip(tasks, args):
-                results.append(_tokenize_task(*a))
-                advance(task.num_bytes)
-            return results
-    results: list[dict[str, Any]] = [{} for _ in tasks]
-    with worker_pool(workers) as pool:
-        # Every task is submitted before the progress bar starts its thread (see worker_pool).
-        futures = {pool.submit(_tokenize_task, *a): i for i, a in enumerate(args)}
-        with _progress_bar(progress, total_bytes) as advance:
-            for fut in as_completed(futures):
-                i = futures[fut]
-                results[i] = fut.result()
-                advance(tasks[i].num_bytes)
-    return results
-
-
-@contextlib.contextmanager
-def _progress_bar(show: bool, total_bytes: int) -> Iterator[Callable[[int], None]]:
-    """A bar of bytes tokenized (shown if `show`); yields the function that advances it."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-    with Progress(
+    jobs = [(t, field, tokenizer.spec, str(staging), f"shard-{i:05d}") for i, t in enumerate(tasks)]
+    # Built now, started (with its refresh thread) only once the workers exist: see worker_pool.
+    bar = Progress(
         "[progress.description]{task.description}",
         BarColumn(),
         DownloadColumn(),
         TimeRemainingColumn(),
-        disable=not show,
+        disable=not progress,
         transient=True,
-    ) as bar:
-        job = bar.add_task("tokenizing", total=total_bytes)
-        yield lambda num_bytes: bar.advance(job, num_bytes)
+    )
+    done = bar.add_task("tokenizing", total=total_bytes)
+    if workers == 1:
+        with bar:
+            results = []
+            for task, job in zip(tasks, jobs):
+                results.append(_tokenize_task(*job))
+                bar.advance(done, task.num_bytes)
+            return results
+    results = [{} for _ in tasks]
+    with worker_pool(workers, _tokenize_task, jobs) as futures, bar:
+        index = {fut: i for i, fut in enumerate(futures)}
+        for fut in as_completed(futures):
+            results[index[fut]] = fut.result()
+            bar.advance(done, tasks[index[fut]].num_bytes)
+    return results
 
 
 def _tokenize_task(task: Task, field: str, spec: str, staging: str, name: str) -> dict[str, Any]:

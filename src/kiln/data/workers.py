@@ -15,41 +15,63 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _POLL_SECONDS = 0.2
 
 
 @contextlib.contextmanager
-def worker_pool(workers: int) -> Iterator[Executor]:
-    """An executor of `workers` processes (fork) when this process is single-threaded and has not
-    loaded JAX, as in `kiln prepare`; of threads otherwise (forking a live JAX runtime is unsafe,
-    and spawn would re-run an unguarded __main__). Thread workers still use every core for the
-    tokenizers that encode batches in native threads (tokenizers, sentencepiece).
+def worker_pool(workers: int, fn: Callable, jobs: Sequence[tuple]) -> Iterator[list[Future]]:
+    """Futures of `fn(*job)` for every job, run by `workers` processes (fork) when this process
+    is single-threaded and has not loaded JAX, as in `kiln prepare`; by threads otherwise (forking
+    a live JAX runtime is unsafe, and spawn would re-run an unguarded __main__). Thread workers
+    still use every core for the tokenizers that encode batches in native threads (tokenizers,
+    sentencepiece).
 
-    Submit every task before starting other threads (e.g. a progress bar): processes are forked
-    at the first submit. On an exception the pending tasks are cancelled and the worker processes
-    stop at once, abandoning their running tasks.
+    Every job is submitted (and every process forked) before the block starts, with SIGINT and
+    SIGTERM held back meanwhile so that an interrupt never finds the pool half set up. Leaving
+    the block by an exception cancels the pending jobs and stops the worker processes at once,
+    abandoning their running jobs.
     """
+    pool: Executor | None = None
     stop = None
-    if threading.active_count() == 1 and "jax" not in sys.modules:
-        ctx = multiprocessing.get_context("fork")
-        stop = ctx.Event()
-        pool: Executor = ProcessPoolExecutor(
-            workers, mp_context=ctx, initializer=_worker_init, initargs=(os.getpid(), stop)
-        )
-    else:
-        pool = ThreadPoolExecutor(workers)
     try:
-        yield pool
+        with _signals_held():  # a signal that came meanwhile is raised as this block ends
+            if threading.active_count() == 1 and "jax" not in sys.modules:
+                ctx = multiprocessing.get_context("fork")
+                stop = ctx.Event()
+                pool = ProcessPoolExecutor(
+                    workers, mp_context=ctx, initializer=_worker_init, initargs=(os.getpid(), stop)
+                )
+            else:
+                pool = ThreadPoolExecutor(workers)
+            futures = [pool.submit(fn, *job) for job in jobs]
+        yield futures
     except BaseException:
         if stop is not None:
             stop.set()
-        pool.shutdown(wait=True, cancel_futures=True)
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
+
+
+_INTERRUPTS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM stay pending inside the block, and are delivered when it ends."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, _INTERRUPTS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _worker_init(parent: int, stop) -> None:
@@ -57,6 +79,11 @@ def _worker_init(parent: int, stop) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     # Ctrl-C reaches the whole process group: the parent alone handles it and stops the workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The parent's SIGTERM handler (see sigterm_as_interrupt) is inherited by fork; the pool
+    # ends a worker with SIGTERM, which should just end it.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):  # forked while the parent held them back
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _INTERRUPTS)
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -73,17 +100,21 @@ def _watch(parent: int, stop) -> None:
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """Inside the block SIGTERM raises KeyboardInterrupt, as SIGINT does (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
+    """Inside the block SIGTERM raises KeyboardInterrupt, as SIGINT does.
+
+    Only in the main thread, and only over a handler set from Python (or the default): one set
+    outside Python, e.g. by JAX's preemption service in a multi-process run, could not be put back.
+    """
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
         yield
         return
 
     def interrupt(_signum, _frame):
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         yield
     finally:
-        # None: the previous handler was not installed from Python; the default is the nearest.
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        signal.signal(signal.SIGTERM, previous)
