@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import os
@@ -621,3 +622,84 @@ def test_cli_prepare_bad_input_exits_2_with_one_line(tmp_path, args, message):
     assert_user_error(run)
     assert run.stderr.startswith(f"kiln: error: {message.format(tmp=tmp_path)}")
     assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Token ids beyond model.vocab_size are refused, never trained on
+
+
+def flip_token(shard: Path, position: int, value: int) -> None:
+    tokens = np.fromfile(shard, np.uint16)
+    tokens[position] = value
+    tokens.tofile(shard)
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path, corpus):
+    out = tmp_path / "shards"
+    manifest, _ = prepare(
+        sorted(tmp_path.glob("*.txt")), "text", "text", load_tokenizer("byte"), out
+    )
+    # The recorded maximum is the shard's own (numpy reference), here EOS.
+    assert manifest["max_token_id"] == int(np.fromfile(out / "shard-00000.bin", np.uint16).max())
+    assert manifest["shards"][0]["max_token_id"] == EOS
+    config = cfg(tmp_path, source="tokens", paths=[str(out)])
+    bad = r"shard-00000\.bin: holds token id {}, but model\.vocab_size is 384"
+
+    # Prepared for a larger vocabulary: refused from the manifest alone, before any read.
+    entry = json.loads((out / "manifest.json").read_text())
+    entry["shards"][0]["max_token_id"] = 384
+    (out / "manifest.json").write_text(json.dumps(entry))
+    with pytest.raises(KilnError, match=bad.format(384)):
+        make_datasets(config)
+
+    # A manifest of an older kiln (no recorded maximum): the shard is scanned at open.
+    del entry["shards"][0]["max_token_id"], entry["max_token_id"]
+    (out / "manifest.json").write_text(json.dumps(entry))
+    assert make_datasets(config).train.num_tokens == 125
+    flip_token(out / "shard-00000.bin", 40, 0xFFFF)
+    with pytest.raises(KilnError, match=bad.format(65535)):
+        make_datasets(config)
+
+    # Damaged after prepare (the recorded maximum is right, the bytes are not): the batch that
+    # reads the bad token is refused, for training and evaluation alike.
+    entry["shards"][0]["max_token_id"] = EOS
+    (out / "manifest.json").write_text(json.dumps(entry))
+    datasets = make_datasets(config)
+    with pytest.raises(KilnError, match=bad.format(65535)):
+        take(datasets.train_iterator(), 2)  # 8 windows, 4 a batch: one epoch
+    split = make_datasets(cfg(tmp_path, source="tokens", paths=[str(out)], eval_fraction=0.5))
+    refused = []
+    for windows in (split.train, split.eval):  # token 40 is in exactly one of them
+        with contextlib.suppress(KilnError):
+            windows.batch(np.arange(windows.num_windows))
+            continue
+        refused.append(windows)
+    assert len(refused) == 1
+    with pytest.raises(KilnError, match=bad.format(65535)):
+        refused[0].batch(np.arange(refused[0].num_windows))
+
+
+def test_cli_train_on_out_of_range_shards_exits_2_before_writing(tmp_path, corpus):
+    out = tmp_path / "shards"
+    prepare(sorted(tmp_path.glob("*.txt")), "text", "text", load_tokenizer("byte"), out)
+    flip_token(out / "shard-00000.bin", 3, 4000)
+    entry = json.loads((out / "manifest.json").read_text())
+    del entry["shards"][0]["max_token_id"]
+    (out / "manifest.json").write_text(json.dumps(entry))
+    config = tmp_path / "c.yaml"
+    raw = {"data": {"source": "tokens", "paths": [str(out)]}, "model": {"vocab_size": 384}}
+    config.write_text(json.dumps(raw))  # JSON is YAML
+    runs = tmp_path / "runs"
+    run = subprocess.run(
+        [sys.executable, "-m", "kiln.cli", "train", str(config), f"train.output_dir={runs}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.splitlines() == [
+        f"kiln: error: {out}/shard-00000.bin: holds token id 4000, but model.vocab_size is "
+        "384; allowed: ids below it (the shard is damaged or was prepared for another "
+        "vocabulary; re-run kiln prepare with data.tokenizer)"
+    ]
+    assert not runs.exists()

@@ -267,7 +267,7 @@ def _load_yaml_tree(path: Path, stack: tuple[Path, ...]) -> dict[str, Any]:
     if not path.is_file():
         raise KilnError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -276,7 +276,10 @@ def _load_yaml_tree(path: Path, stack: tuple[Path, ...]) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as e:
         raise KilnError(f"cannot read config {path}: {e}") from None
     if data is None:
-        data = {}
+        raise KilnError(
+            f"{path}: the config file is empty; allowed: a mapping of sections (`{{}}` for all "
+            "defaults)"
+        )
     if not isinstance(data, dict):
         raise KilnError(
             f"{path}: the top level must be a mapping of sections, got {type(data).__name__}"
@@ -288,6 +291,31 @@ def _load_yaml_tree(path: Path, stack: tuple[Path, ...]) -> dict[str, Any]:
         raise KilnError(f"{path}: base_config must be a path string, got {base!r}")
     parent = _load_yaml_tree(path.parent / base, (*stack, resolved))
     return _deep_merge(parent, data)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            lines: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = lines.get(key)
+                except TypeError:  # an unhashable key: the base class reports it
+                    continue
+                if first is not None:
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"duplicate key {key!r} (first at line {first}); give each key once",
+                        key_node.start_mark,
+                    )
+                lines[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
 
 
 def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:

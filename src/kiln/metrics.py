@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -73,7 +75,11 @@ class MetricsLogger:
             return
         from tensorboardX import SummaryWriter
 
-        self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        # A resumed run repeats the steps after its checkpoint: what the interrupted run logged
+        # for them is dropped, so each step is recorded once (TensorBoard: events from
+        # purge_step on are hidden when read).
+        dropped = drop_rows_after(run_dir / "metrics.jsonl", start_step)
+        self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
         self.jsonl = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
         peak, source = peak_tflops(config)
         self.console.print(
@@ -81,6 +87,11 @@ class MetricsLogger:
             f"perf/mfu is relative to {peak:g} TFLOP/s per device ({source})",
             highlight=False,
         )
+        if dropped:
+            self.info(
+                f"metrics.jsonl: dropped {dropped} rows logged after step {start_step} by the "
+                "interrupted run (or left half-written); they are logged again"
+            )
         if self.interactive:
             self.bar = Progress(
                 TextColumn("step {task.completed}/{task.total}"),
@@ -136,6 +147,36 @@ class MetricsLogger:
             self.bar.stop()
         self.tb.close()
         self.jsonl.close()
+
+
+def drop_rows_after(path: Path, step: int) -> int:
+    """Keep the rows of a metrics.jsonl up to `step`, replacing the file atomically; returns how
+    many rows were dropped: later steps, and a torn (unterminated) or unreadable line."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return 0
+    *complete, torn = data.split(b"\n")  # after the last newline: a half-written row, or b""
+    kept = [line for line in complete if _step_of(line) <= step]
+    dropped = len(complete) - len(kept) + bool(torn)
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as fh:
+            fh.writelines(line + b"\n" for line in kept)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    return dropped
+
+
+def _step_of(line: bytes) -> float:
+    """The step of a metrics.jsonl row; infinity for a line that is not one (dropped)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return math.inf
+    step = row.get("step") if isinstance(row, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else math.inf
 
 
 _CONSOLE = (

@@ -60,7 +60,7 @@ def make_datasets(config: Any) -> Datasets:
             raise KilnError(
                 "data.paths: empty; source=tokens needs `kiln prepare` output directories"
             )
-        corpus = open_corpus(dirs, tokenizer)
+        corpus = open_corpus(dirs, tokenizer, config.model.vocab_size)
     else:
         files = resolve_inputs(d.paths)
         cache = cache_dir_for(config, files, tokenizer)
@@ -73,11 +73,11 @@ def make_datasets(config: Any) -> Datasets:
             progress=sys.stderr.isatty(),
             what="data.cache_dir",
         )
-        corpus = open_corpus([cache], tokenizer, what="data.cache_dir")
+        corpus = open_corpus([cache], tokenizer, config.model.vocab_size, what="data.cache_dir")
     train_docs, eval_docs = split_documents(corpus.num_documents, d.eval_fraction)
     ids = (d.seq_len, tokenizer.eos_id, tokenizer.pad_id)
-    train = StreamWindows(corpus, train_docs, *ids)
-    held_out = StreamWindows(corpus, eval_docs, *ids)
+    train = StreamWindows(corpus, train_docs, *ids, vocab_size=config.model.vocab_size)
+    held_out = StreamWindows(corpus, eval_docs, *ids, vocab_size=config.model.vocab_size)
     if train.num_windows == 0:
         raise KilnError(
             f"data.paths: {d.paths} give {train.num_tokens} training tokens; at least 2 are needed"

@@ -19,11 +19,12 @@ from kiln.errors import KilnError
 class Corpus:
     """Documents (each ending in EOS) spread over memory-mapped shards.
 
-    shards: one 1-D token memmap per shard.
+    shards: one 1-D token memmap per shard; paths: their .bin files.
     doc_shard, doc_start, doc_len: [num_documents] shard index, offset in it, length.
     """
 
     shards: list[np.ndarray]
+    paths: list[Path]
     doc_shard: np.ndarray
     doc_start: np.ndarray
     doc_len: np.ndarray
@@ -37,9 +38,13 @@ class Corpus:
         return int(self.doc_len.sum())
 
 
-def open_corpus(dirs: Sequence[Path], tokenizer: Tokenizer, what: str = "data.paths") -> Corpus:
-    """Open one or more `kiln prepare` outputs as one corpus; checks they match `tokenizer`."""
+def open_corpus(
+    dirs: Sequence[Path], tokenizer: Tokenizer, vocab_size: int, what: str = "data.paths"
+) -> Corpus:
+    """Open one or more `kiln prepare` outputs as one corpus; checks they match `tokenizer` and
+    that every token id is below `vocab_size` (model.vocab_size)."""
     shards: list[np.ndarray] = []
+    paths: list[Path] = []
     doc_shard, doc_start, doc_len = [], [], []
     for d in dirs:
         manifest = read_manifest(Path(d), what)
@@ -47,6 +52,8 @@ def open_corpus(dirs: Sequence[Path], tokenizer: Tokenizer, what: str = "data.pa
         dtype = np.dtype(manifest["dtype"])
         for entry in manifest["shards"]:
             tokens, offsets = _open_shard(Path(d), entry, dtype)
+            paths.append(Path(d) / f"{entry['name']}.bin")
+            _check_ids(paths[-1], tokens, entry, vocab_size)
             n = len(offsets) - 1
             doc_shard.append(np.full(n, len(shards), np.int32))
             doc_start.append(offsets[:-1])
@@ -55,7 +62,7 @@ def open_corpus(dirs: Sequence[Path], tokenizer: Tokenizer, what: str = "data.pa
     if not shards or not sum(len(s) for s in shards):
         raise KilnError(f"{what}: {[str(d) for d in dirs]} hold no tokens")
     return Corpus(
-        shards, np.concatenate(doc_shard), np.concatenate(doc_start), np.concatenate(doc_len)
+        shards, paths, np.concatenate(doc_shard), np.concatenate(doc_start), np.concatenate(doc_len)
     )
 
 
@@ -109,6 +116,30 @@ def _open_shard(d: Path, entry: dict[str, Any], dtype: np.dtype) -> tuple[np.nda
         raise KilnError(f"{idx_path}: document offsets are inconsistent; re-run kiln prepare")
     tokens = np.memmap(bin_path, dtype, mode="r") if n_tok else np.zeros(0, dtype)
     return tokens, offsets
+
+
+def _check_ids(path: Path, tokens: np.ndarray, entry: dict[str, Any], vocab_size: int) -> None:
+    """Refuse a shard whose manifest entry records an id >= vocab_size; shards of older
+    manifests, which lack the record, are scanned here."""
+    top = entry.get("max_token_id")
+    if not isinstance(top, int):
+        top = max((int(c.max()) for c in _chunks(tokens)), default=-1)
+    if top >= vocab_size:
+        raise token_id_error(path, top, vocab_size)
+
+
+def token_id_error(path: Path, token: int, vocab_size: int) -> KilnError:
+    """A shard holds `token` >= model.vocab_size: found at open time or in a batch being read."""
+    return KilnError(
+        f"{path}: holds token id {token}, but model.vocab_size is {vocab_size}; allowed: ids "
+        "below it (the shard is damaged or was prepared for another vocabulary; re-run kiln "
+        "prepare with data.tokenizer)"
+    )
+
+
+def _chunks(tokens: np.ndarray, size: int = 1 << 26):
+    for start in range(0, len(tokens), size):
+        yield tokens[start : start + size]
 
 
 def split_documents(num_documents: int, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from kiln.data import synthetic
-from kiln.data.corpus import Corpus
+from kiln.data.corpus import Corpus, token_id_error
 from kiln.data.tokenizers import Tokenizer
 from kiln.errors import KilnError
 
@@ -49,10 +49,25 @@ def pack(tokens_BxT: np.ndarray, valid_BxT: np.ndarray, eos_id: int | None, pad_
 
 
 class StreamWindows:
-    """Windows of seq_len + 1 tokens over the documents `doc_ids` of a corpus, end to end."""
+    """Windows of seq_len + 1 tokens over the documents `doc_ids` of a corpus, end to end.
 
-    def __init__(self, corpus: Corpus, doc_ids: np.ndarray, seq_len: int, eos_id: int, pad_id: int):
-        self.shards, self.seq_len, self.eos_id, self.pad_id = corpus.shards, seq_len, eos_id, pad_id
+    Every token read is checked against `vocab_size` (model.vocab_size): a shard damaged after
+    `open_corpus` checked its recorded maximum is refused rather than trained on.
+    """
+
+    def __init__(
+        self,
+        corpus: Corpus,
+        doc_ids: np.ndarray,
+        seq_len: int,
+        eos_id: int,
+        pad_id: int,
+        *,
+        vocab_size: int,
+    ):
+        self.shards, self.paths = corpus.shards, corpus.paths
+        self.seq_len, self.eos_id, self.pad_id = seq_len, eos_id, pad_id
+        self.vocab_size = vocab_size
         shard = corpus.doc_shard[doc_ids]
         start = corpus.doc_start[doc_ids]
         length = corpus.doc_len[doc_ids]
@@ -77,7 +92,10 @@ class StreamWindows:
         out = np.empty(q.shape, np.int32)
         for s in np.unique(shard):
             m = shard == s
-            out[m] = self.shards[s][local[m]]
+            tokens = self.shards[s][local[m]]
+            if tokens.max() >= self.vocab_size:
+                raise token_id_error(self.paths[s], int(tokens.max()), self.vocab_size)
+            out[m] = tokens
         return out
 
     def batch(self, window_ids: np.ndarray) -> Batch:

@@ -16,15 +16,13 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
-import multiprocessing
 import os
 import shutil
 import socket
 import sys
-import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +37,7 @@ from kiln.data.sources import (
     resolve_inputs,
 )
 from kiln.data.tokenizers import Tokenizer, identity, load_tokenizer
+from kiln.data.workers import sigterm_as_interrupt, worker_pool
 from kiln.errors import KilnError
 
 MANIFEST = "manifest.json"
@@ -94,26 +93,28 @@ def prepare(
     output.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_staging(output)
     staging = output.parent / f".{output.name}.partial-{socket.gethostname()}-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
     start = time.perf_counter()
-    try:
-        shards = _run(tasks, field, tokenizer, staging, workers, progress, total)
-        manifest = {
-            **wanted,
-            "dtype": token_dtype(tokenizer.vocab_size).name,
-            "documents_end_with_eos": True,
-            "num_tokens": sum(s["num_tokens"] for s in shards),
-            "num_documents": sum(s["num_documents"] for s in shards),
-            "num_input_bytes": total,
-            "seconds": round(time.perf_counter() - start, 3),
-            "workers": workers,
-            "shards": shards,
-        }
-        _write_json(staging / MANIFEST, manifest)
-        _publish(staging, output)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with sigterm_as_interrupt():
+        try:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir()
+            shards = _run(tasks, field, tokenizer, staging, workers, progress, total)
+            manifest = {
+                **wanted,
+                "dtype": token_dtype(tokenizer.vocab_size).name,
+                "documents_end_with_eos": True,
+                "max_token_id": max((s["max_token_id"] for s in shards), default=-1),
+                "num_tokens": sum(s["num_tokens"] for s in shards),
+                "num_documents": sum(s["num_documents"] for s in shards),
+                "num_input_bytes": total,
+                "seconds": round(time.perf_counter() - start, 3),
+                "workers": workers,
+                "shards": shards,
+            }
+            _write_json(staging / MANIFEST, manifest)
+            _publish(staging, output)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     with contextlib.suppress(OSError):
         return json.loads((output / MANIFEST).read_text()), True
     return manifest, True
@@ -180,53 +181,31 @@ def _run(
 ) -> list[dict[str, Any]]:
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-    names = [f"shard-{i:05d}" for i in range(len(tasks))]
-    results: list[dict[str, Any]] = [{} for _ in tasks]
-    with Progress(
+    jobs = [(t, field, tokenizer.spec, str(staging), f"shard-{i:05d}") for i, t in enumerate(tasks)]
+    # Built now, started (with its refresh thread) only once the workers exist: see worker_pool.
+    bar = Progress(
         "[progress.description]{task.description}",
         BarColumn(),
         DownloadColumn(),
         TimeRemainingColumn(),
         disable=not progress,
         transient=True,
-    ) as bar:
-        job = bar.add_task("tokenizing", total=total_bytes)
-        if workers == 1:
-            for i, task in enumerate(tasks):
-                results[i] = _tokenize_task(task, field, tokenizer.spec, str(staging), names[i])
-                bar.advance(job, task.num_bytes)
+    )
+    done = bar.add_task("tokenizing", total=total_bytes)
+    if workers == 1:
+        with bar:
+            results = []
+            for task, job in zip(tasks, jobs):
+                results.append(_tokenize_task(*job))
+                bar.advance(done, task.num_bytes)
             return results
-        with _executor(workers) as pool:
-            futures = {
-                pool.submit(_tokenize_task, t, field, tokenizer.spec, str(staging), names[i]): i
-                for i, t in enumerate(tasks)
-            }
-            try:
-                for fut in as_completed(futures):
-                    i = futures[fut]
-                    results[i] = fut.result()
-                    bar.advance(job, tasks[i].num_bytes)
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
+    results = [{} for _ in tasks]
+    with worker_pool(workers, _tokenize_task, jobs) as futures, bar:
+        index = {fut: i for i, fut in enumerate(futures)}
+        for fut in as_completed(futures):
+            results[index[fut]] = fut.result()
+            bar.advance(done, tasks[index[fut]].num_bytes)
     return results
-
-
-def _executor(workers: int) -> Executor:
-    """Processes (fork) when this process is single-threaded and has not loaded JAX, as in
-    `kiln prepare`; threads otherwise (forking a live JAX runtime is unsafe, and spawn would
-    re-run an unguarded __main__). Thread workers still use every core for the tokenizers that
-    encode batches in native threads (tokenizers, sentencepiece); the byte tokenizer is I/O bound."""
-    if threading.active_count() == 1 and "jax" not in sys.modules:
-        ctx = multiprocessing.get_context("fork")
-        return ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init)
-    return ThreadPoolExecutor(workers)
-
-
-def _worker_init() -> None:
-    # One process per core already; the tokenizers library's own threads would oversubscribe.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 def _tokenize_task(task: Task, field: str, spec: str, staging: str, name: str) -> dict[str, Any]:
@@ -246,6 +225,7 @@ def _tokenize_task(task: Task, field: str, spec: str, staging: str, name: str) -
     offsets.tofile(Path(staging) / f"{name}.idx")
     return {
         "name": name,
+        "max_token_id": int(tokens.max()) if len(tokens) else -1,
         "num_tokens": int(offsets[-1]),
         "num_documents": len(encoded),
         "inputs": list(task.paths),

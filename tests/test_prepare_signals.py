@@ -1,0 +1,114 @@
+"""`kiln prepare` under signals: its worker processes never outlive it, SIGTERM acts as SIGINT."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="finds worker processes through /proc"
+)
+
+
+def children(pid: int) -> list[int]:
+    """Live (not zombie) processes whose parent is `pid`."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _parent_and_state(int(entry.name))[0] == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    return _parent_and_state(pid)[1] not in (None, "Z", "X")
+
+
+def _parent_and_state(pid: int) -> tuple[int | None, str | None]:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None, None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[1]), fields[0]) if fields[0] not in "ZX" else (None, fields[0])
+
+
+@pytest.fixture
+def stuck_prepare(tmp_path):
+    """`kiln prepare --workers 2` whose second task waits forever: it reads a FIFO nobody writes.
+
+    Yields (process, its two worker pids); kills whatever is left when the test ends.
+    """
+    data = tmp_path / "in"
+    data.mkdir()
+    (data / "a.txt").write_text("kiln prepares tokens\n" * 10_000)  # 210 kB: a task of its own
+    os.mkfifo(data / "b.fifo")  # size 0: the second task
+    cmd = [sys.executable, "-m", "kiln.cli", "prepare", "--format", "text", "--workers", "2"]
+    inputs = ["--input", str(data / "a.txt"), str(data / "b.fifo")]
+    proc = subprocess.Popen(
+        [*cmd, *inputs, "--output", str(tmp_path / "out")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers) < 2:
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, "kiln prepare did not start 2 worker processes"
+            time.sleep(0.05)
+            workers = children(proc.pid)
+        assert len(workers) == 2, workers
+        yield proc, workers
+    finally:
+        for pid in [proc.pid, *workers]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+
+
+def wait_gone(pids: list[int], seconds: float) -> list[int]:
+    """The pids still alive after waiting up to `seconds` for them to exit."""
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def test_workers_exit_when_prepare_is_killed(stuck_prepare):
+    proc, workers = stuck_prepare
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert wait_gone(workers, 10) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_sigint_stop_prepare_cleanly(stuck_prepare, tmp_path, signum):
+    proc, workers = stuck_prepare
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.splitlines() == ["kiln: interrupted"]
+    assert wait_gone(workers, 10) == []
+    # No output and no staging directory left behind.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+def test_sigterm_handling_is_restored_after_prepare():
+    from kiln.data.workers import sigterm_as_interrupt
+
+    def mine(_signum, _frame):
+        pass
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        with pytest.raises(KeyboardInterrupt), sigterm_as_interrupt():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs at the next bytecode; never reached
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
