@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from kiln.errors import KilnError
 
 MESH_AXES = ("data", "fsdp", "tensor", "sequence")
+# Cap of distill/kd_mag_scale = hard / kd under dynamic balancing (see DistillationConfig).
+DEFAULT_MAX_KD_SCALE = 100.0
 
 DEFAULT_AXIS_RULES: dict[str, list[str]] = {
     # Parameters.
@@ -353,11 +355,17 @@ class DistillationConfig(_Section):
         0.0,
         ge=0,
         allow_inf_nan=False,
-        description="Weight of the feature loss with balance=none (>= 0).",
+        description="Weight of the feature loss (>= 0): beta * feature with balance=none, beta * (soft/feature) * feature inside kd with balance=dynamic; 0 switches it off.",
     )
     balance: Literal["none", "dynamic"] = Field(
         "none",
         description="none: (1-alpha) hard + alpha soft + beta feature; dynamic: magnitudes balanced against the hard loss.",
+    )
+    max_kd_scale: float = Field(
+        DEFAULT_MAX_KD_SCALE,
+        gt=0,
+        allow_inf_nan=False,
+        description="balance=dynamic: cap of kd_mag_scale = hard / kd (> 0), so a student near its teacher (kd -> 0) does not get its distillation gradient amplified without bound; 100 leaves balancing untouched while kd >= hard / 100.",
     )
     layer_map: list[tuple[int, int]] = Field(
         default_factory=list,

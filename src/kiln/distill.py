@@ -16,8 +16,8 @@ per-token means over the *global* batch, H, S and F, give `total = distillation_
 
 Gradient accumulation. `total` is linear in (H, S, F) with coefficients
 (c_H, c_S, c_F) = d total / d (H, S, F) that depend on the global means only through
-stop-gradients (balance none: 1 - alpha, alpha, beta; dynamic: 1, alpha H/K, alpha (H/K)(S/F)
-with K = S + (S/F) F). With W the global token weight and sums over micro-batches,
+stop-gradients (balance none: 1 - alpha, alpha, beta; dynamic: 1, alpha k, alpha k beta S/F
+with k = min(H/K, max_kd_scale), K = S + beta (S/F) F). With W the global token weight and sums over micro-batches,
 
     d total = (c_H d sum(hard) + c_S d sum(soft) + c_F d sum(feature)) / W,
 
@@ -243,6 +243,7 @@ def _student_sums(
         student_softcap=config.model.logit_softcap,
         teacher_softcap=teacher.config.model.logit_softcap,
         num_vocab_tiling=loss.num_vocab_tiling,
+        vocab_chunk_size=loss.vocab_chunk_size,
         mesh=mesh,
         rules=config.mesh.rules,
     )
@@ -275,6 +276,7 @@ def _coefficients(config: Config, sums, knobs) -> tuple[jax.Array, jax.Array, ja
 
     def total(h, s, f):
         kw = {"alpha": knobs["alpha"], "beta": knobs["beta"], "balance": dist.balance}
+        kw["max_kd_scale"] = dist.max_kd_scale
         return losses.distillation_loss(h, s, f, **kw)[0]
 
     return jax.grad(total, argnums=(0, 1, 2))(*_means(jax.lax.stop_gradient(sums)))
@@ -334,6 +336,7 @@ def _loss_and_grads(config, teacher, state, teacher_params, batch, mesh, param_s
         alpha=knobs["alpha"],
         beta=knobs["beta"],
         balance=config.distillation.balance,
+        max_kd_scale=config.distillation.max_kd_scale,
     )
     aux = {
         "z_loss": sums["z_loss_sum"] / denom,
