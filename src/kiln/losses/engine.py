@@ -84,20 +84,26 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
         x_t = None if wt is None else logits(g_n, vslice(wt, k), softcap=tiling.teacher_cap)
         return ChunkLogits(x_s, x_t, vslice(columns, k) == y_n[:, None], temp)
 
-    def grads(lg, stats, w_n):
-        """d(set k's combination)/d(raw student logits) [K, n, c], in the compute dtype."""
-        out = []
+    def backprop(lg, stats, h_n, w_n, w_Dc):
+        """Per gradient set k: its logit gradient [n, c] times the head and the hidden states.
+
+        Returns K-tuples of [n, D] and [D, c] float32 gradients (plain 2-D dots: a batched
+        einsum over K made XLA's CPU dots twice as slow).
+        """
+        dh, dw = [], []
+        h_Dn = h_n.T.astype(dtype)
         for k, names in enumerate(tiling.sets):
             cts = {t: w_n * coefs[offsets[k] + i] for i, t in enumerate(names)}
             parts = [loss.dlogits(lg, st, cts) for loss, st in zip(losses, stats)]
             g = sum(p for p in parts if p is not None)
-            out.append(softcap_grad(g, lg.student, tiling.student_cap))
-        return jnp.stack(out).astype(dtype)  # matmul operands in the compute dtype
+            # Matmul operands in the compute dtype; accumulation in float32.
+            g = softcap_grad(g, lg.student, tiling.student_cap).astype(dtype)
+            dh.append(jnp.dot(g, w_Dc.T, preferred_element_type=f32))
+            dw.append(jnp.dot(h_Dn, g, preferred_element_type=f32))
+        return tuple(dh), tuple(dw)
 
-    def backprop(h_n, g_Knc, w_Dc):
-        dh = jnp.einsum("knc,dc->knd", g_Knc, w_Dc, preferred_element_type=f32)
-        dw = jnp.einsum("nd,knc->kdc", h_n.astype(dtype), g_Knc, preferred_element_type=f32)
-        return dh, dw
+    def add(xs, ys):
+        return tuple(x + y for x, y in zip(xs, ys))
 
     def chunk_sums(lg, stats):
         return tuple(loss.sums(lg, st) for loss, st in zip(losses, stats))
@@ -110,8 +116,8 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
             stats = tuple(loss.stats(lg, axes) for loss in losses)
             sums = psum(chunk_sums(lg, stats), axes)
             if with_grads:
-                dh_n, dw_add = backprop(h_n, grads(lg, stats, w_n), ws)
-                dw = dw + dw_add
+                dh_n, dw_add = backprop(lg, stats, h_n, w_n, ws)
+                dw = add(dw, dw_add)
         else:
 
             def merge_chunk(acc, k):
@@ -133,15 +139,17 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
                 lg = chunk_logits(h_n, g_n, y_n, k)
                 sums = jax.tree.map(jnp.add, sums, chunk_sums(lg, stats))
                 if with_grads:
-                    dh_k, dw_k = backprop(h_n, grads(lg, stats, w_n), vslice(ws, k))
-                    dw_k = vslice(dw, k) + dw_k
-                    dw = jax.lax.dynamic_update_slice_in_dim(dw, dw_k, k * vchunk, axis=-1)
-                    dh_n = dh_n + dh_k
+                    dh_k, dw_k = backprop(lg, stats, h_n, w_n, vslice(ws, k))
+                    dw = tuple(
+                        jax.lax.dynamic_update_slice_in_dim(a, vslice(a, k) + b, k * vchunk, -1)
+                        for a, b in zip(dw, dw_k)
+                    )
+                    dh_n = add(dh_n, dh_k)
                 return (sums, dh_n, dw), None
 
             sums = zero
             if needs_pass:
-                dh0 = _varying(tiling, jnp.zeros((len(tiling.sets), chunk, d_model), f32))
+                dh0 = tuple(_varying(tiling, jnp.zeros((chunk, d_model), f32)) for _ in tiling.sets)
                 carry = (zero, dh0 if with_grads else None, dw)
                 (sums, dh_n, dw), _ = jax.lax.scan(second_pass, carry, jnp.arange(n_vchunks))
             sums = psum(sums, axes)
@@ -155,7 +163,9 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
         return None if x is None else x.reshape(tiling.num_chunks, chunk, *x.shape[2:])
 
     k_sets = len(tiling.sets)
-    dw0 = _varying(tiling, jnp.zeros((k_sets, d_model, vocab_local), f32)) if with_grads else None
+    dw0 = None
+    if with_grads:
+        dw0 = tuple(_varying(tiling, jnp.zeros((d_model, vocab_local), f32)) for _ in tiling.sets)
     w = weights.astype(f32)
     dw, (terms, dh) = jax.lax.scan(step, dw0, (cut(hs), cut(ht), cut(targets), cut(w)))
     terms = {k: v.reshape(batch, seq) for k, v in terms.items()}
@@ -164,9 +174,9 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
     sums["weight_sum"] = psum(jnp.sum(w), token_axes)
     if not with_grads:
         return Local(terms, sums, None, None)
-    dh = psum(dh.swapaxes(0, 1).reshape(k_sets, batch, seq, d_model), axes)
+    dh = psum(jnp.stack(dh).reshape(k_sets, batch, seq, d_model), axes)
     scatter = tiling.axes.scatter
-    dw = psum(dw, tuple(a for a in token_axes if a not in scatter))
+    dw = psum(jnp.stack(dw), tuple(a for a in token_axes if a not in scatter))
     if scatter:
         dw = jax.lax.psum_scatter(dw, scatter, scatter_dimension=1, tiled=True)
     return Local(terms, sums, dh, dw)

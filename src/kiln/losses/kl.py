@@ -66,6 +66,27 @@ def _log_ratio_excess(w):
     return jnp.where(jnp.abs(w) < 1e-3, series, jnp.log1p(w) - w / (1.0 + w))
 
 
+def _add(a, b):
+    return tuple(x + y for x, y in zip(a, b))
+
+
+def _row_sums(*xs_nV, block: int = 4096):
+    """Sums over the last axis of several arrays in one pass (a variadic reduction).
+
+    A single reduction over the chunk instead of one per array cuts the soft loss's
+    elementwise time on CPU; summing blocks of `block` entries first keeps the rounding of
+    long rows near float32 level (a flat variadic reduce adds sequentially: ~2e-5 relative
+    at 32k entries, ~4e-6 with blocks of 4096).
+    """
+    vocab = xs_nV[0].shape[-1]
+    blocked = vocab % block == 0 and vocab > block
+    if blocked:
+        xs_nV = tuple(x.reshape(*x.shape[:-1], vocab // block, block) for x in xs_nV)
+    zeros = (jnp.zeros((), f32),) * len(xs_nV)
+    partial = jax.lax.reduce(xs_nV, zeros, _add, (xs_nV[0].ndim - 1,))
+    return tuple(jnp.sum(p, axis=-1) for p in partial) if blocked else partial
+
+
 @dataclasses.dataclass(frozen=True)
 class SoftKL:
     """Chunk callback: per-token `soft` = T^2 KL(teacher_T || student_T), differentiable in the student."""
@@ -110,7 +131,7 @@ class SoftKL:
         e = _expm1_minus_x(d)
         g = jnp.where(small, q * (d * d + (d - 1.0) * e), p * (d - 1.0) + q)
         u = jnp.where(small, q * (d + e), p - q)
-        return KLSums(jnp.sum(g, axis=-1), jnp.sum(u, axis=-1), jnp.sum(q, axis=-1))
+        return KLSums(*_row_sums(g, u, q))
 
     def values(self, st, sums: KLSums, valid_n, temperature) -> dict[str, jax.Array]:
         w = sums.u / sums.q
