@@ -690,12 +690,7 @@ def test_cli_train_on_out_of_range_shards_exits_2_before_writing(tmp_path, corpu
     raw = {"data": {"source": "tokens", "paths": [str(out)]}, "model": {"vocab_size": 384}}
     config.write_text(json.dumps(raw))  # JSON is YAML
     runs = tmp_path / "runs"
-    run = subprocess.run(
-        [sys.executable, "-m", "kiln.cli", "train", str(config), f"train.output_dir={runs}"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = kiln("train", config, f"train.output_dir={runs}")
     assert run.returncode == 2, run.stderr[-2000:]
     assert run.stderr.splitlines() == [
         f"kiln: error: {out}/shard-00000.bin: holds token id 4000, but model.vocab_size is "

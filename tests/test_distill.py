@@ -102,13 +102,13 @@ def total_and_grad(**kw):
 
 def test_dynamic_balance_value_and_gradient():
     alpha = 0.7
-    value, grad = total_and_grad(alpha=alpha, beta=0.0, balance="dynamic")
+    value, grad = total_and_grad(alpha=alpha, beta=1.0, balance="dynamic")
     (h, dh), (s, ds), (f, df) = hard64(THETA), soft64(THETA), feature64(THETA)
     np.testing.assert_allclose(value, (1 + alpha) * h, rtol=1e-6)  # f32 arithmetic: 1e-6
     kd = s + (s / f) * f
     want = dh + alpha * (h / kd) * (ds + (s / f) * df)
     np.testing.assert_allclose(grad, want, rtol=1e-5)  # f32: 1e-5 relative
-    _, scales = losses.distillation_loss(h, s, f, alpha=alpha, beta=0.0, balance="dynamic")
+    _, scales = losses.distillation_loss(h, s, f, alpha=alpha, beta=1.0, balance="dynamic")
     np.testing.assert_allclose(float(scales["feature_mag_scale"]), s / f, rtol=1e-6)
     np.testing.assert_allclose(float(scales["kd_mag_scale"]), h / kd, rtol=1e-6)
 
@@ -150,6 +150,9 @@ def make_config(model=STUDENT_MODEL, tmp_path=None, **sections):
             "temperature": 2.0,
             "layer_map": [[0, 1]],
             "balance": "dynamic",
+            "beta": 1.0,  # the feature term at its full balanced weight
+            # Random models are near-uniform (soft ~ hard / 300): test the uncapped formula.
+            "max_kd_scale": 1000.0,
         },
     }
     for key, value in sections.items():
@@ -312,7 +315,7 @@ def test_schedules_reach_their_end_values():
     np.testing.assert_allclose([float(start[k]) for k in keys], [0.6, 2.0], rtol=1e-6)
     np.testing.assert_allclose([float(mid[k]) for k in keys], [0.35, 1.5], rtol=1e-6)
     np.testing.assert_allclose([float(end[k]) for k in keys], [0.1, 1.0], rtol=1e-6)
-    assert float(end["beta"]) == 0.0  # no beta_end: constant
+    assert float(end["beta"]) == 1.0  # no beta_end: constant (make_config's beta)
 
 
 # --- the command line ---------------------------------------------------------------------------

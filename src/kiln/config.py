@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field
 from kiln.axes import DEFAULT_AXIS_RULES, MESH_AXES, MeshAxis, MeshConfig
 from kiln.errors import KilnError
 from kiln.schema import (
+    DEFAULT_MAX_KD_SCALE,
     INT32_MAX,
     CheckpointConfig,
     DataConfig,
@@ -30,6 +31,7 @@ from kiln.schema import (
 
 __all__ = [
     "DEFAULT_AXIS_RULES",
+    "DEFAULT_MAX_KD_SCALE",
     "INT32_MAX",
     "MESH_AXES",
     "CheckpointConfig",

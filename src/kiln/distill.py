@@ -271,6 +271,7 @@ class DistillObjective(Objective):
             student_softcap=config.model.logit_softcap,
             teacher_softcap=self.teacher_config.model.logit_softcap,
             num_vocab_tiling=config.loss.num_vocab_tiling,
+            vocab_chunk_size=config.loss.vocab_chunk_size,
             mesh=self.mesh,
             rules=config.mesh.rules,
         )
@@ -297,9 +298,15 @@ class DistillObjective(Objective):
         return tuple(token_mean(sums[k], sums) for k in ("hard_sum", "soft_sum", "feature_sum"))
 
     def _total(self, hard, soft, feature):
-        knobs, balance = self.knobs, self.config.distillation.balance
+        knobs, dist = self.knobs, self.config.distillation
         return losses.distillation_loss(
-            hard, soft, feature, alpha=knobs["alpha"], beta=knobs["beta"], balance=balance
+            hard,
+            soft,
+            feature,
+            alpha=knobs["alpha"],
+            beta=knobs["beta"],
+            balance=dist.balance,
+            max_kd_scale=dist.max_kd_scale,
         )
 
     def coefficients(self, sums):

@@ -21,6 +21,8 @@ Seed = Annotated[int, Field(ge=0, lt=2**32)]
 # z * logsumexp^2 in float32: PaLM and MaxText use 1e-4; with z <= 1 the term stays finite
 # for any |logsumexp| below 1e19, while z = 1e38 overflows at the first step.
 Z_LOSS_MAX = 1.0
+# Cap of distill/kd_mag_scale = hard / kd under dynamic balancing (see DistillationConfig).
+DEFAULT_MAX_KD_SCALE = 100.0
 
 
 class Section(BaseModel):
@@ -323,11 +325,17 @@ class DistillationConfig(Section):
         0.0,
         ge=0,
         allow_inf_nan=False,
-        description="Weight of the feature loss with balance=none (>= 0).",
+        description="Weight of the feature loss (>= 0): beta * feature with balance=none, beta * (soft/feature) * feature inside kd with balance=dynamic; 0 switches it off.",
     )
     balance: Literal["none", "dynamic"] = Field(
         "none",
         description="none: (1-alpha) hard + alpha soft + beta feature; dynamic: magnitudes balanced against the hard loss.",
+    )
+    max_kd_scale: float = Field(
+        DEFAULT_MAX_KD_SCALE,
+        gt=0,
+        allow_inf_nan=False,
+        description="balance=dynamic: cap of kd_mag_scale = hard / kd (> 0), so a student near its teacher (kd -> 0) does not get its distillation gradient amplified without bound; 100 leaves balancing untouched while kd >= hard / 100.",
     )
     layer_map: list[tuple[int, int]] = Field(
         default_factory=list,

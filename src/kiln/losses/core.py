@@ -1,0 +1,179 @@
+"""What every loss shares: the head logits, a mergeable log-normaliser, and argument checks."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+f32 = jnp.float32
+
+
+def logits(hidden_ND: jax.Array, head_DV: jax.Array, *, softcap: float | None = None) -> jax.Array:
+    """Float32 logits [..., V] of hidden [..., D] through a head [D, V]; `cap tanh(x / cap)` if capped.
+
+    Both operands are promoted to their common dtype (a bfloat16 head with bfloat16 hidden
+    states stays bfloat16) and the product accumulates in float32.
+    """
+    dtype = jnp.promote_types(hidden_ND.dtype, head_DV.dtype)
+    x = jnp.einsum(
+        "...d,dv->...v",
+        hidden_ND.astype(dtype),
+        head_DV.astype(dtype),
+        preferred_element_type=f32,
+    )
+    return softcap * jnp.tanh(x / softcap) if softcap else x
+
+
+def softcap_grad(g_nV: jax.Array, capped_nV: jax.Array, cap: float | None) -> jax.Array:
+    """Chain rule of `cap tanh(x / cap)` from its output: d/dx = 1 - (output / cap)^2."""
+    return g_nV * (1.0 - jnp.square(capped_nV / cap)) if cap else g_nV
+
+
+class ChunkLogits(NamedTuple):
+    """The float32 logits of a block of tokens x vocabulary entries, as the loss callbacks see them."""
+
+    student: jax.Array  # [n, c], soft-capped as the student is
+    teacher: jax.Array | None  # [n, c], soft-capped as the teacher is; None without a teacher
+    hit: jax.Array  # [n, c] bool: the entry is the token's target
+    temperature: jax.Array | None  # scalar T of the soft loss
+
+
+class Normaliser(NamedTuple):
+    """log sum_v exp(x_v) of (a piece of) a row, mergeable across vocabulary pieces.
+
+    m = max, s = sum exp(x - m), c = sum (x - m) (only with label smoothing, else 0),
+    n = entries. Shifted sums keep float32 relative precision at any common logit offset.
+    """
+
+    m: jax.Array
+    s: jax.Array
+    c: jax.Array
+    n: jax.Array
+
+
+def axis_size(axes: tuple[str, ...]) -> int:
+    """Devices along mesh `axes` (inside shard_map); 1 for none."""
+    return math.prod(jax.lax.axis_size(a) for a in axes)
+
+
+def psum(x, axes):
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def pmax(x, axes):
+    return jax.lax.pmax(x, axes) if axes else x
+
+
+def normaliser(x_nV: jax.Array, axes: tuple[str, ...] = (), *, shifted_sum: bool) -> Normaliser:
+    """`Normaliser` of rows x [n, V]; with `axes`, the row's vocabulary is sharded over them.
+
+    The maximum is combined over `axes` before the exponentials, so the `exp(x - m)` here is
+    the same array later gradients need (XLA computes it once).
+    """
+    m_n = pmax(jnp.max(x_nV, axis=-1), axes)
+    m_n = jnp.where(jnp.isfinite(m_n), m_n, 0.0)
+    s_n = psum(jnp.sum(jnp.exp(x_nV - m_n[..., None]), axis=-1), axes)
+    zero = jnp.zeros_like(m_n)
+    c_n = psum(jnp.sum(x_nV - m_n[..., None], axis=-1), axes) if shifted_sum else zero
+    return Normaliser(m_n, s_n, c_n, jnp.full((), x_nV.shape[-1] * axis_size(axes), f32))
+
+
+def merge(a: Normaliser, b: Normaliser) -> Normaliser:
+    """Normaliser of two disjoint pieces of the same rows (an online logsumexp)."""
+    m = jnp.maximum(a.m, b.m)
+    s = a.s * jnp.exp(a.m - m) + b.s * jnp.exp(b.m - m)
+    c = (a.c + a.n * (a.m - m)) + (b.c + b.n * (b.m - m))
+    return Normaliser(m, s, c, a.n + b.n)
+
+
+def reduce(a: Normaliser, axes: tuple[str, ...]) -> Normaliser:
+    """Merge the pieces of a vocabulary sharded over mesh `axes` (inside shard_map)."""
+    if not axes:
+        return a
+    m = jax.lax.pmax(a.m, axes)
+    s, c = jax.lax.psum((a.s * jnp.exp(a.m - m), a.c + a.n * (a.m - m)), axes)
+    return Normaliser(m, s, c, a.n * axis_size(axes))
+
+
+def weighted_sum(x_BS: jax.Array, w_BS: jax.Array) -> jax.Array:
+    return jnp.sum(x_BS * w_BS)
+
+
+def scored(targets: jax.Array, weights: jax.Array | None, vocab: int) -> jax.Array:
+    """Tokens whose loss is defined: target in [0, vocab), or weight 0 (padding, ignore-index)."""
+    ok = (targets >= 0) & (targets < vocab)
+    return ok if weights is None else ok | (weights == 0)
+
+
+# --------------------------------------------------------------------------- argument checks
+
+
+def as_number(value) -> float | None:
+    """A Python or NumPy real number as float; None for arrays and traced values."""
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def check_z(z_loss_multiplier) -> float:
+    z = as_number(z_loss_multiplier)
+    if z is None or not math.isfinite(z) or z < 0:
+        raise ValueError(
+            f"z_loss_multiplier must be a finite Python number >= 0, got {z_loss_multiplier!r}"
+        )
+    return z
+
+
+def check_smoothing(label_smoothing) -> float:
+    eps = as_number(label_smoothing)
+    if eps is None or not 0.0 <= eps < 1.0:
+        raise ValueError(
+            f"label_smoothing must be a Python number in [0, 1), got {label_smoothing!r}"
+        )
+    return eps
+
+
+def check_cap(name: str, cap) -> float | None:
+    if cap is None:
+        return None
+    value = as_number(cap)
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be None or a finite Python number > 0, got {cap!r}")
+    return value
+
+
+def check_temperature(temperature) -> None:
+    """A Python number must be finite and > 0 (a traced temperature is the caller's to check)."""
+    t = as_number(temperature)
+    if t is not None and not (math.isfinite(t) and t > 0):
+        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+
+
+def check_positive_int(name: str, value, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        allowed = "an integer >= 1 or None" if optional else "an integer >= 1"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def check_targets(targets, weights, vocab: int, name: str = "targets_BS") -> None:
+    """Eagerly refuse a target outside [0, vocab) with nonzero weight, when both are concrete.
+
+    Under `jit` the values are unknown here; the loss of such a token is NaN instead (see
+    `CrossEntropy.values`), which makes the step non-finite so the trainer skips it.
+    """
+    if isinstance(targets, jax.core.Tracer) or isinstance(weights, jax.core.Tracer):
+        return
+    y, w = np.asarray(targets), np.asarray(weights)
+    bad = ((y < 0) | (y >= vocab)) & (w != 0)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{name}: target id {int(y[where])} at position {where} has weight {w[where]} but is "
+            f"outside the vocabulary [0, {vocab}); give such tokens weight 0"
+        )
