@@ -44,6 +44,10 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """Shape and numerics of the decoder-only Transformer."""
 
+    family: Literal["llama"] = Field(
+        "llama",
+        description="Model family (the implementation in kiln.model.FAMILIES): llama = pre-norm RMSNorm blocks, grouped-query attention with rotary embeddings, SwiGLU MLP.",
+    )
     vocab_size: int = Field(
         384,
         gt=0,
@@ -70,6 +74,10 @@ class ModelConfig(_Section):
     )
     param_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Storage dtype of parameters (and optimizer moments)."
+    )
+    logits_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None,
+        description="Input dtype of the LM head matmul (forward and both backward products; float32 accumulation either way); null = the compute dtype `dtype`, float32 = keep the head in full precision.",
     )
     remat: Literal["none", "full", "save_dots"] = Field(
         "none",

@@ -5,10 +5,10 @@ checkpoint, parameters only), restored straight into its shardings on the studen
 an argument of the jitted step, not part of the train state: no optimizer state, no gradients,
 forward only. The student is an ordinary kiln train state; when `distillation.layer_map` pairs
 layers of different widths, a learned `FeatureProjection` (one [D_student, D_teacher] map per
-pair) is attached to the student model as `distill_projection`, so it is a trainable parameter
-like any other, checkpointed and resumed with the student. Its keys sit beside the
-Transformer's, so the student's checkpoints also serve `kiln train` with
-`checkpoint.load_params_from` (which restores only the parameters it knows).
+pair) is the `distill_projection` of the `Student` model, so it is a trainable parameter like
+any other, checkpointed and resumed with the student. Its keys sit beside the backbone's, so
+the student's checkpoints also serve `kiln train` with `checkpoint.load_params_from` (which
+restores only the parameters it knows).
 
 Losses (per token, weighted, `kiln.losses`): hard = student cross-entropy with z-loss,
 soft = T^2 KL(teacher_T || student_T), feature = distance of the paired hidden states; their
@@ -44,14 +44,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kiln import losses, train
-from kiln.checkpoint import abstract_like, latest_complete_step, restore_params
+from kiln.checkpoint import latest_complete_step, restore_params
 from kiln.config import Config, DistillationConfig, read_run_config
 from kiln.errors import KilnError
-from kiln.mesh import batch_sharding, make_mesh, state_shardings
-from kiln.model import DTYPES, Transformer, create_model, flops_per_token
+from kiln.mesh import batch_sharding, in_mesh, make_mesh, sharded_abstract, sharded_init
+from kiln.model import DTYPES, FAMILIES, LanguageModel, build_model, flops_per_token
+from kiln.model.student import FeatureProjection, student_class
 from kiln.train import BATCH_KEYS, Batch, TrainState
 
-PROJECTION = "distill_projection"
 # Tags under distill/ that every step reports (besides the scheduled alpha, temperature, beta).
 METRICS = (
     "hard_loss",
@@ -80,7 +80,7 @@ class Teacher:
     params: nnx.State
     rest: nnx.State
 
-    def model(self, params: nnx.State | None = None) -> Transformer:
+    def model(self, params: nnx.State | None = None) -> LanguageModel:
         return nnx.merge(self.graphdef, self.params if params is None else params, self.rest)
 
 
@@ -138,54 +138,40 @@ def _same_tokenizer(a: str, b: str) -> bool:
 def load_teacher(config: Config, mesh) -> Teacher:
     """The teacher's parameters, restored from its latest checkpoint into shardings on `mesh`."""
     teacher_cfg, run_dir, step = read_teacher_config(config)
-    rules = config.mesh.rules
-
-    def build() -> Transformer:
-        return Transformer(teacher_cfg.model, rngs=nnx.Rngs(0), mesh=mesh, rules=rules)
-
-    graphdef, abstract, rest = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
-    target = abstract_like(abstract, state_shardings(abstract, mesh, rules))
+    graphdef, abstract = sharded_abstract(
+        lambda: build_model(teacher_cfg.model, rngs=nnx.Rngs(0)), mesh, config.mesh.rules
+    )
+    target, rest = nnx.split_state(abstract, nnx.Param, ...)
     params, _ = restore_params(run_dir, target)
     return Teacher(teacher_cfg, run_dir, step, graphdef, params, rest)
-
-
-class FeatureProjection(nnx.Module):
-    """Student hidden states [P,B,S,D] -> teacher width [P,B,S,E], one learned map per pair."""
-
-    def __init__(self, pairs: int, d_student: int, d_teacher: int, *, rngs: nnx.Rngs, dtype):
-        w = jax.random.normal(rngs.params(), (pairs, d_student, d_teacher), jnp.float32)
-        # Variance 1/D keeps the projected states on the scale of the student's.
-        value = (w * d_student**-0.5).astype(dtype)
-        self.w = nnx.Param(value, out_sharding=(None, "embed", None), eager_sharding=False)
-
-    def __call__(self, feats_PBSD: jax.Array) -> jax.Array:
-        return jnp.einsum("PBSD,PDE->PBSE", feats_PBSD, self.w[...].astype(feats_PBSD.dtype))
 
 
 def init_student(
     config: Config, mesh, teacher_cfg: Config, *, load_params: bool
 ) -> tuple[TrainState, str | None]:
     """The student's train state (with a feature projection if widths differ), and a note."""
-    model = create_model(config, mesh, config.train.seed)
+    pairs = len(config.distillation.layer_map)
+    d_s, d_t = config.model.d_model, teacher_cfg.model.d_model
+    seed = config.train.seed
+
+    def build():
+        projection = None
+        if pairs and d_s != d_t:
+            rngs = nnx.Rngs(params=jax.random.fold_in(jax.random.key(seed), 1))
+            dtype = DTYPES[config.model.param_dtype]
+            projection = FeatureProjection(pairs, d_s, d_t, rngs=rngs, dtype=dtype)
+        student = student_class(FAMILIES[config.model.family])
+        return student(config.model, rngs=nnx.Rngs(seed), projection=projection)
+
+    model = sharded_init(build, mesh, config.mesh.rules)
     note = None
     source = config.checkpoint.load_params_from
     if load_params and source:
-        params, step = restore_params(source, nnx.state(model, nnx.Param))
+        # The backbone only: the projection starts fresh, whatever the source holds.
+        backbone = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("distill_projection")))
+        params, step = restore_params(source, nnx.state(model, backbone))
         nnx.update(model, params)
         note = f"student parameters from {source} (step {step})"
-    pairs = len(config.distillation.layer_map)
-    d_s, d_t = config.model.d_model, teacher_cfg.model.d_model
-    if pairs and d_s != d_t:
-        key = jax.random.fold_in(jax.random.key(config.train.seed), 1)
-        dtype = DTYPES[config.model.param_dtype]
-
-        def build() -> FeatureProjection:
-            return FeatureProjection(pairs, d_s, d_t, rngs=nnx.Rngs(params=key), dtype=dtype)
-
-        graphdef, abstract = nnx.split(nnx.eval_shape(build))
-        shardings = state_shardings(abstract, mesh, config.mesh.rules)
-        values = jax.jit(lambda: nnx.state(build()), out_shardings=shardings)()
-        setattr(model, PROJECTION, nnx.merge(graphdef, values))
     return train.state_from_model(config, mesh, model), note
 
 
@@ -215,9 +201,8 @@ def _teacher_outputs(config: Config, teacher: Teacher, teacher_params, mb: Batch
     """Teacher hidden states [B,S,E] and features [P,B,S,E] (or None): forward only."""
     model = teacher.model(jax.lax.stop_gradient(teacher_params))
     layers = [t for _, t in config.distillation.layer_map]
-    out = model(mb["inputs"], mb["positions"], mb["segment_ids"], collect_layers=layers)
-    hidden, feats = out if layers else (out, None)
-    return jax.lax.stop_gradient((hidden, feats, model.head_weight()))
+    out = model.hidden_states(mb["inputs"], mb["positions"], mb["segment_ids"], collect=layers)
+    return jax.lax.stop_gradient((out.hidden, out.features, model.head_weight()))
 
 
 def _student_sums(
@@ -228,9 +213,8 @@ def _student_sums(
     t_hidden, t_feats, t_head = outs
     model = state.model(params)
     layers = [s for s, _ in dist.layer_map]
-    out = model(mb["inputs"], mb["positions"], mb["segment_ids"], collect_layers=layers)
-    hidden, feats = out if layers else (out, None)
-    head = model.head_weight()
+    out = model.hidden_states(mb["inputs"], mb["positions"], mb["segment_ids"], collect=layers)
+    hidden, head = out.hidden, model.head_weight()
     hard = train.hidden_loss_sums(config, hidden, head, mb, mesh)
     soft = losses.soft_loss_sums(
         hidden,
@@ -248,10 +232,7 @@ def _student_sums(
     )
     feature_sum = jnp.zeros((), jnp.float32)
     if layers:
-        projection = getattr(model, PROJECTION, None)
-        if projection is not None:
-            feats = projection(feats)
-        per_token = losses.feature_loss(feats, t_feats, dist.feature_loss)
+        per_token = losses.feature_loss(model.project(out.features), t_feats, dist.feature_loss)
         feature_sum = jnp.sum(per_token * mb["weights"].astype(jnp.float32))
     return {
         "hard_sum": hard["loss_sum"],
@@ -361,7 +342,7 @@ def loss_and_grads(config: Config, teacher: Teacher, state: TrainState, batch):
     def fn(s, tp, b):
         return _loss_and_grads(config, teacher, s, tp, b, mesh, shardings)
 
-    return jax.jit(fn)(state, teacher.params, batch)
+    return in_mesh(jax.jit(fn), mesh, config.mesh.rules)(state, teacher.params, batch)
 
 
 def make_distill_step(config: Config, teacher: Teacher, mesh, shardings: TrainState) -> Callable:
@@ -383,6 +364,7 @@ def make_distill_step(config: Config, teacher: Teacher, mesh, shardings: TrainSt
         out_shardings=(shardings, NamedSharding(mesh, P())),
         donate_argnums=0,
     )
+    jitted = in_mesh(jitted, mesh, config.mesh.rules)
     return lambda state, batch: jitted(state, teacher.params, batch)
 
 
@@ -446,4 +428,5 @@ __all__ = [
     "read_teacher_config",
     "run",
     "schedule_values",
+    "student_class",
 ]

@@ -40,6 +40,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kiln.config import DEFAULT_AXIS_RULES
+from kiln.model.interface import _head_logits
 
 __all__ = [
     "cross_entropy",
@@ -279,7 +280,7 @@ def _mesh_axes(mesh: Mesh | None, rules: dict[str, list[str]] | None, d_model: i
 
 def _untiled(cfg: _LossSpec, hidden, head, targets, weights) -> dict[str, jax.Array]:
     """Materialised logits -> `cross_entropy`; gradients by autodiff."""
-    logits = jnp.einsum("bsd,dv->bsv", hidden, head, preferred_element_type=f32)
+    logits = _promoted_logits(hidden, head)
     if cfg.mesh is not None and _all_auto(cfg.mesh):
         # Keep the vocabulary sharded like the head (explicit meshes propagate it themselves).
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(cfg.mesh, cfg.spec("BSV")))
@@ -692,8 +693,14 @@ class _SoftSpec:
     teacher_cap: float | None
 
 
+def _promoted_logits(h, w):
+    """float32 logits h @ w in the wider of the two dtypes (the model's one head matmul)."""
+    dtype = jnp.promote_types(h.dtype, w.dtype)
+    return _head_logits(h.astype(dtype), w.astype(dtype), None)
+
+
 def _capped_logits(h, w, cap, cfg: _LossSpec):
-    logits = jnp.einsum("bsd,dv->bsv", h, w, preferred_element_type=f32)
+    logits = _promoted_logits(h, w)
     if cfg.mesh is not None and _all_auto(cfg.mesh):
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(cfg.mesh, cfg.spec("BSV")))
     return cap * jnp.tanh(logits / cap) if cap else logits

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from kiln import losses
 from kiln.config import Config
 from kiln.errors import KilnError
-from kiln.mesh import batch_sharding, make_mesh, state_shardings
+from kiln.mesh import batch_sharding, in_mesh, make_mesh, state_shardings
 from kiln.model import create_model, flops_per_token
 from kiln.optim import make_optimizer, make_schedule
 
@@ -82,7 +82,7 @@ def _axes(names):
 
 def model_loss_sums(config: Config, model, batch: Batch, mesh) -> dict[str, jax.Array]:
     """The model's LM loss sums on a batch (loss_sum, z_loss_sum, weight_sum), as configured."""
-    hidden = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+    hidden = model.hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"]).hidden
     return hidden_loss_sums(config, hidden, model.head_weight(), batch, mesh)
 
 
@@ -164,6 +164,7 @@ def loss_and_grads(config: Config, state: TrainState, batch: Batch):
     if fn is None:
         shardings = jax.tree.map(lambda x: x.sharding, state.params)
         fn = jax.jit(lambda s, b: _loss_and_grads(config, s, b, mesh, shardings))
+        fn = in_mesh(fn, mesh, config.mesh.rules)
         _LOSS_AND_GRADS[key] = fn
     return fn(state, place_batch(batch, mesh, config))
 
@@ -225,12 +226,13 @@ def make_train_step(config: Config, mesh, shardings: TrainState) -> Callable:
         return update(state, loss, aux, grads)
 
     data = batch_sharding(mesh, config.mesh.rules)
-    return jax.jit(
+    jitted = jax.jit(
         train_step,
         in_shardings=(shardings, {k: data for k in BATCH_KEYS}),
         out_shardings=(shardings, NamedSharding(mesh, P())),
         donate_argnums=0,
     )
+    return in_mesh(jitted, mesh, config.mesh.rules)
 
 
 def make_update(config: Config) -> Callable:
@@ -254,7 +256,6 @@ def make_update(config: Config) -> Callable:
             finite, apply, lambda operand: operand, (state.params, state.opt_state)
         )
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        model = new_state.model()
         metrics = {
             "learning/loss": loss,
             "learning/z_loss": aux["z_loss"],
@@ -263,8 +264,7 @@ def make_update(config: Config) -> Callable:
             "learning/grad_norm": raw_norm if clip is None else jnp.minimum(raw_norm, clip),
             "learning/param_norm": optax.tree.norm(params),
             "learning/current_learning_rate": lr,
-            "learning/lm_head_norm": jnp.linalg.norm(model.head_weight().astype(jnp.float32)),
-            "learning/final_norm_scale": jnp.mean(model.final_norm.scale[...].astype(jnp.float32)),
+            **new_state.model().diagnostics(),
             "learning/step_skipped": (~finite).astype(jnp.float32),
         }
         return new_state, metrics
@@ -278,7 +278,7 @@ def make_eval_step(config: Config, mesh) -> Callable:
     def eval_step(state: TrainState, batch: Batch):
         return model_loss_sums(config, state.model(), batch, mesh)
 
-    return jax.jit(eval_step)
+    return in_mesh(jax.jit(eval_step), mesh, config.mesh.rules)
 
 
 def evaluate(eval_step, state: TrainState, batches, mesh, config: Config) -> dict[str, float]:
