@@ -259,7 +259,8 @@ def test_accumulated_dynamic_gradient_is_the_reference_formula(teacher, batch):
 def test_student_identical_to_teacher_has_no_soft_loss(teacher, batch):
     config = make_config(TEACHER_MODEL, distillation={"layer_map": [[0, 0], [1, 1]]})
     mesh = make_mesh(config)
-    state = train.state_from_model(config, mesh, teacher.model())
+    state, _ = distill.init_student(config, mesh, teacher.config, load_params=False)
+    state = state.replace(params=teacher.params)  # equal widths: no projection, same keys
     _, aux, _ = distill.loss_and_grads(config, teacher, state, batch)
     assert abs(float(aux["distill/soft_loss"])) < 1e-6  # KL of a distribution with itself
     assert abs(float(aux["distill/feature_loss"])) < 1e-6  # cosine distance of equal states
