@@ -79,11 +79,12 @@ def _head_matmul_bwd(res, g):
     # Both backward products take the float32 logit gradient in the head's dtype, as the
     # forward takes the hidden states: in bfloat16 the head's three matmuls all run at bf16
     # speed, with float32 accumulation.
+    # The products are autodiff's own (same operand order), so float32 results are unchanged.
     hidden, head_DV = res
     g = g.astype(head_DV.dtype)
+    d_head_VD = jnp.einsum("...V,...D->VD", g, hidden, preferred_element_type=jnp.float32)
     d_hidden = jnp.einsum("...V,DV->...D", g, head_DV, preferred_element_type=jnp.float32)
-    d_head = jnp.einsum("...D,...V->DV", hidden, g, preferred_element_type=jnp.float32)
-    return d_hidden.astype(hidden.dtype), d_head.astype(head_DV.dtype)
+    return d_hidden.astype(hidden.dtype), d_head_VD.T.astype(head_DV.dtype)
 
 
 _head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)
