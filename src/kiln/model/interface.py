@@ -10,6 +10,7 @@ from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from kiln.config import ModelConfig
 
@@ -79,12 +80,34 @@ def _head_matmul_bwd(res, g):
     # Both backward products take the float32 logit gradient in the head's dtype, as the
     # forward takes the hidden states: in bfloat16 the head's three matmuls all run at bf16
     # speed, with float32 accumulation.
-    # The products are autodiff's own (same operand order), so float32 results are unchanged.
+    # The products (operand order, output shardings) are autodiff's own, so float32 results
+    # are unchanged and explicit-axis meshes know where the gradients go.
     hidden, head_DV = res
     g = g.astype(head_DV.dtype)
-    d_head_VD = jnp.einsum("...V,...D->VD", g, hidden, preferred_element_type=jnp.float32)
-    d_hidden = jnp.einsum("...V,DV->...D", g, head_DV, preferred_element_type=jnp.float32)
+    d_head_VD = jnp.einsum(
+        "...V,...D->VD",
+        g,
+        hidden,
+        preferred_element_type=jnp.float32,
+        out_sharding=_sharding_of(head_DV, transpose=True),
+    )
+    d_hidden = jnp.einsum(
+        "...V,DV->...D",
+        g,
+        head_DV,
+        preferred_element_type=jnp.float32,
+        out_sharding=_sharding_of(hidden),
+    )
     return d_hidden.astype(hidden.dtype), d_head_VD.T.astype(head_DV.dtype)
+
+
+def _sharding_of(x: jax.Array, *, transpose: bool = False):
+    """x's sharding in its type (dimensions reversed if `transpose`); None without a mesh."""
+    sharding = jax.typeof(x).sharding
+    if sharding.mesh.empty:
+        return None
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    return sharding.update(spec=P(*(spec[::-1] if transpose else spec)))
 
 
 _head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)
