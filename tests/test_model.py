@@ -425,9 +425,16 @@ def lm_batch(seed=0):
 
 
 def bf16_config(**model):
-    raw = make_config({**BF16, **model}, {"fsdp": 8}).model_dump()
+    raw = make_config({**BF16, **model}).model_dump()
     raw["loss"]["z_loss_multiplier"] = 1e-4
     return config_from_dict(raw)
+
+
+def one_device_mesh():
+    """The config's 1x1x1x1 mesh on the first device (the dtypes do not depend on sharding)."""
+    axes = ("data", "fsdp", "tensor", "sequence")
+    auto = (jax.sharding.AxisType.Auto,) * 4
+    return jax.make_mesh((1, 1, 1, 1), axes, axis_types=auto, devices=jax.devices()[:1])
 
 
 def _dot_generals(jaxpr):
@@ -444,7 +451,7 @@ def _dot_generals(jaxpr):
 
 def head_products(config):
     """(input dtypes, output dtype) of each dot_general on the head in one traced train step."""
-    mesh = make_mesh(config)
+    mesh = one_device_mesh()
     state = train.init_state(config, mesh)
     step = train.make_train_step(config, mesh, train.shardings_of(state))
     batch = train.place_batch(lm_batch(), mesh, config)
@@ -474,7 +481,7 @@ def test_bf16_head_loss_equals_the_float32_head_loss():
     batch = lm_batch()
 
     def loss_and_grad_norm(config):
-        state = train.init_state(config)
+        state = train.init_state(config, one_device_mesh())
         loss, _, grads = train.loss_and_grads(config, state, batch)
         return float(loss), float(
             np.sqrt(sum((np.asarray(g) ** 2).sum() for g in jax.tree.leaves(grads)))

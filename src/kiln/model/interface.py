@@ -10,7 +10,6 @@ from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from kiln.config import ModelConfig
 
@@ -67,58 +66,58 @@ def logits_dtype(cfg: ModelConfig):
     return DTYPES[cfg.logits_dtype or cfg.dtype]
 
 
-@jax.custom_vjp
-def _head_matmul(hidden: jax.Array, head_DV: jax.Array) -> jax.Array:
+def _f32_matmul(hidden: jax.Array, head_DV: jax.Array) -> jax.Array:
     return jnp.einsum("...D,DV->...V", hidden, head_DV, preferred_element_type=jnp.float32)
 
 
-def _head_matmul_fwd(hidden, head_DV):
-    return _head_matmul(hidden, head_DV), (hidden, head_DV)
+@jax.custom_vjp
+def _low_precision_matmul(hidden: jax.Array, head_DV: jax.Array) -> jax.Array:
+    return _f32_matmul(hidden, head_DV)
 
 
-def _head_matmul_bwd(res, g):
-    # Both backward products take the float32 logit gradient in the head's dtype, as the
-    # forward takes the hidden states: in bfloat16 the head's three matmuls all run at bf16
-    # speed, with float32 accumulation.
-    # The products (operand order, output shardings) are autodiff's own, so float32 results
-    # are unchanged and explicit-axis meshes know where the gradients go.
+def _low_precision_matmul_fwd(hidden, head_DV):
+    return _f32_matmul(hidden, head_DV), (hidden, head_DV)
+
+
+def _low_precision_matmul_bwd(res, g):
+    # Autodiff would multiply the float32 logit gradient with the bf16 operands, i.e. run
+    # both backward products in float32; cast it to the head's dtype first, as the forward
+    # casts the hidden states, so all three products run in bf16 with float32 accumulation.
+    # d head is contracted straight into [D, V] (no transpose after the product: XLA's CPU
+    # backend cannot run the bf16 x bf16 -> f32 dot it folds that transpose into), in the
+    # output shardings autodiff would give, so explicit-axis meshes know where they go.
     hidden, head_DV = res
     g = g.astype(head_DV.dtype)
-    d_head_VD = jnp.einsum(
-        "...V,...D->VD",
-        g,
-        hidden,
-        preferred_element_type=jnp.float32,
-        out_sharding=_sharding_of(head_DV, transpose=True),
+    f32 = jnp.float32
+    d_head = jnp.einsum(
+        "...D,...V->DV", hidden, g, preferred_element_type=f32, out_sharding=_sharding(head_DV)
     )
     d_hidden = jnp.einsum(
-        "...V,DV->...D",
-        g,
-        head_DV,
-        preferred_element_type=jnp.float32,
-        out_sharding=_sharding_of(hidden),
+        "...V,DV->...D", g, head_DV, preferred_element_type=f32, out_sharding=_sharding(hidden)
     )
-    return d_hidden.astype(hidden.dtype), d_head_VD.T.astype(head_DV.dtype)
+    return d_hidden.astype(hidden.dtype), d_head.astype(head_DV.dtype)
 
 
-def _sharding_of(x: jax.Array, *, transpose: bool = False):
-    """x's sharding in its type (dimensions reversed if `transpose`); None without a mesh."""
+def _sharding(x: jax.Array):
+    """x's sharding as its type carries it (None without a mesh)."""
     sharding = jax.typeof(x).sharding
-    if sharding.mesh.empty:
-        return None
-    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
-    return sharding.update(spec=P(*(spec[::-1] if transpose else spec)))
+    return None if sharding.mesh.empty else sharding
 
 
-_head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)
+_low_precision_matmul.defvjp(_low_precision_matmul_fwd, _low_precision_matmul_bwd)
 
 
 def _head_logits(hidden: jax.Array, head_DV: jax.Array, softcap: float | None) -> jax.Array:
-    """float32 logits [..., V] = hidden [..., D] @ head [D, V] in the head's dtype; cap * tanh(x / cap).
+    """float32 logits [..., V] = hidden [..., D] @ head [D, V]; cap * tanh(x / cap) if capped.
 
-    The matmul runs in the head's dtype with float32 accumulation, forward and backward.
+    The matmul runs in the head's dtype with float32 accumulation, forward and backward. A
+    float32 head is plain autodiff (its backward products are float32 already).
     """
-    logits = _head_matmul(hidden.astype(head_DV.dtype), head_DV)
+    hidden = hidden.astype(head_DV.dtype)
+    if head_DV.dtype == jnp.float32:
+        logits = _f32_matmul(hidden, head_DV)
+    else:
+        logits = _low_precision_matmul(hidden, head_DV)
     if softcap is not None:
         logits = softcap * jnp.tanh(logits / softcap)
     return logits
