@@ -1,9 +1,10 @@
 """Hugging Face Llama checkpoints <-> kiln run directories, from and to local files only.
 
-kiln's `llama` family is the Llama architecture: pre-norm RMSNorm blocks, grouped-query attention,
-SwiGLU, rotary embeddings. Both use the rotate-half rotary layout (HF's `rotate_half`, same
-frequencies), so q/k projections map without the head-dim permutation that HF's conversion
-script applies to Meta's interleaved checkpoints; tests/test_hf.py checks this on logits.
+kiln's `llama` family is the Llama architecture: pre-norm RMSNorm blocks, grouped-query
+attention, SwiGLU, rotary embeddings. Both use the rotate-half rotary layout (HF's
+`rotate_half`, same frequencies), so q/k projections map without the head-dim permutation
+that HF's conversion script applies to Meta's interleaved checkpoints; tests/test_hf.py
+checks this on logits.
 
 Layouts (kiln -> HF, where HF's Linear weight is [out, in]): wq [D,N,H] -> q_proj [N*H, D],
 wk/wv [D,K,H] -> [K*H, D], wo [N,H,D] -> o_proj [D, N*H], w_gate/w_up [D,F] -> [F, D],
