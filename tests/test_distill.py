@@ -11,10 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
+from flax import nnx
 
 from kiln import distill, losses, train
+from kiln.checkpoint import Checkpointer, restore_params
 from kiln.config import config_from_dict
-from kiln.mesh import make_mesh
+from kiln.mesh import make_mesh, sharded_init
+from kiln.model import create_model
+from kiln.runner import checkpoint_tree, restore_state
 
 SEQ, BATCH, VOCAB = 16, 16, 384
 TEACHER_MODEL = {"vocab_size": VOCAB, "d_model": 32, "num_layers": 2, "num_heads": 4, "d_ff": 64, "max_seq_len": SEQ}  # fmt: skip
@@ -270,7 +274,8 @@ def test_accumulated_dynamic_gradient_is_the_reference_formula(teacher, batch):
 def test_student_identical_to_teacher_has_no_soft_loss(teacher, batch):
     config = make_config(TEACHER_MODEL, distillation={"layer_map": [[0, 0], [1, 1]]})
     mesh = make_mesh(config)
-    state = train.state_from_model(config, mesh, teacher.model())
+    state = distill.init_student(config, mesh, teacher.config)
+    state = state.replace(params=teacher.params)  # equal widths: no projection, same keys
     _, aux, _ = distill.loss_and_grads(config, teacher, state, batch)
     assert abs(float(aux["distill/soft_loss"])) < 1e-6  # KL of a distribution with itself
     assert abs(float(aux["distill/feature_loss"])) < 1e-6  # cosine distance of equal states
@@ -303,6 +308,43 @@ def test_teacher_is_frozen_and_student_learns(teacher, batch):
     assert hard[2] < hard[0]  # the same batch three times
     assert int(state.step) == 3
     assert {f"distill/{k}" for k in distill.METRICS} <= set(metrics)
+
+
+def flat(params):
+    """{"blocks/attn/wq": array, ...} of an nnx state, on the host."""
+    return {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(params)}
+
+
+def test_checkpoint_of_the_earlier_student_layout_restores_into_the_student(tmp_path, teacher):
+    config = make_config()
+    mesh = make_mesh(config)
+    # How students were built before `Student`: the model with its projection set on it as
+    # an attribute, so the projection's keys sat beside the model's at top level.
+    old = create_model(config, mesh, seed=5)
+    projection = sharded_init(
+        lambda: distill.FeatureProjection(1, 16, 32, rngs=nnx.Rngs(6), dtype=jnp.float32),
+        mesh,
+        config.mesh.rules,
+    )
+    setattr(old, "distill_projection", projection)  # noqa: B010
+    old_state = train.state_from_model(config, mesh, old)
+    ckpt = Checkpointer(tmp_path, config.checkpoint)
+    ckpt.save(3, checkpoint_tree(old_state), {})
+    ckpt.close()
+
+    state = distill.init_student(config, mesh, teacher.config)
+    assert flat(state.params).keys() == flat(old_state.params).keys()
+    assert "distill_projection/w" in flat(state.params)
+    restored, _ = restore_state(tmp_path / "checkpoints", 3, state)
+    for got, want in zip(*map(jax.tree.leaves, (host(checkpoint_tree(restored)), host(checkpoint_tree(old_state)))), strict=True):  # fmt: skip
+        np.testing.assert_array_equal(got, want)  # bitwise
+    # `kiln train checkpoint.load_params_from=<distill run>` reads it as a plain model.
+    plain = train.init_state(config, mesh)
+    params, step = restore_params(tmp_path, plain.params)
+    want = flat(old_state.params)
+    assert step == 3 and flat(params).keys() == want.keys() - {"distill_projection/w"}
+    for key, value in flat(params).items():
+        np.testing.assert_array_equal(value, want[key])  # bitwise
 
 
 def test_schedules_reach_their_end_values():

@@ -39,7 +39,8 @@ def tokens(seed=0):
 
 def kiln_logits(model, inputs):
     positions = np.broadcast_to(np.arange(S), (B, S))
-    return np.asarray(model.logits(model(inputs, positions, np.ones((B, S), np.int32))))
+    hidden = model.hidden_states(inputs, positions, np.ones((B, S), np.int32)).hidden
+    return np.asarray(model.logits(hidden))
 
 
 def hf_logits(hf_dir, inputs):

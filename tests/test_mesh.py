@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -11,10 +12,14 @@ from kiln.errors import KilnError
 from kiln.mesh import (
     batch_sharding,
     constrain,
+    in_mesh,
     logical_sharding,
     logical_spec,
     make_mesh,
+    mesh_axes,
+    sharded_init,
     state_shardings,
+    use_mesh,
 )
 
 
@@ -67,12 +72,61 @@ def test_batch_sharding_splits_batch_and_length():
 
 def test_constrain_is_identity_without_mesh_and_pins_sharding_with_one():
     x = jnp.arange(64.0).reshape(8, 8)
-    assert constrain(x, None, DEFAULT_AXIS_RULES, ("batch", "act_embed")) is x
+    assert constrain(x, ("batch", "act_embed")) is x
     mesh = make_mesh(_config(fsdp=8))
-    y = jax.jit(lambda a: constrain(a * 2, mesh, DEFAULT_AXIS_RULES, ("batch", "act_embed")))(x)
+    double = jax.jit(lambda a: constrain(a * 2, ("batch", "act_embed")))
+    with use_mesh(mesh, DEFAULT_AXIS_RULES):
+        y = double(x)
     assert y.sharding.is_equivalent_to(
         logical_sharding(mesh, DEFAULT_AXIS_RULES, ("batch", "act_embed")), 2
     )
+    # The mesh is part of jit's cache key: outside the context the same function is unsharded.
+    assert len(double(x).sharding.device_set) == 1
+    np.testing.assert_array_equal(double(x), y)
+
+
+def test_use_mesh_sets_the_rules_that_constrain_reads_and_restores_them():
+    mesh = make_mesh(_config(data=2, fsdp=2, tensor=2))
+    rules = {**DEFAULT_AXIS_RULES, "act_embed": ["tensor"], "batch": ["fsdp"]}
+    names = ("batch", "act_embed")
+    x = jnp.arange(64.0).reshape(8, 8)
+    # One jitted function per set of rules: the rules are read when it is traced.
+    pinned = in_mesh(jax.jit(lambda a: constrain(a + 1, names)), mesh, rules)
+    assert pinned(x).sharding.spec == P("fsdp", "tensor")
+    with use_mesh(mesh, DEFAULT_AXIS_RULES):
+        with use_mesh(mesh, rules):
+            inner = jax.jit(lambda a: constrain(a + 1, names))(x)
+        outer = jax.jit(lambda a: constrain(a + 2, names))(x)
+    assert inner.sharding.spec == P("fsdp", "tensor")
+    assert outer.sharding.is_equivalent_to(logical_sharding(mesh, DEFAULT_AXIS_RULES, names), 2)
+    assert jax.sharding.get_abstract_mesh().empty  # nothing leaks out of the context
+
+
+def test_mesh_axes_derive_from_logical_spec():
+    rules = {**DEFAULT_AXIS_RULES, "length": ["fsdp"], "vocab": ["tensor", "fsdp"]}
+    shape = {"data": 1, "fsdp": 4, "tensor": 2}  # no sequence axis: left out
+    assert mesh_axes(("batch", "length", "vocab"), rules, shape) == (
+        ("data", "fsdp"),
+        (),
+        ("tensor",),
+    )
+    assert mesh_axes(("vocab",), rules, shape) == (("tensor", "fsdp"),)
+    assert mesh_axes(("length",), DEFAULT_AXIS_RULES, shape) == ((),)
+
+
+def test_sharded_init_places_each_variable_by_the_rules_with_the_unsharded_values():
+    class Tiny(nnx.Module):
+        def __init__(self, *, rngs: nnx.Rngs):
+            value = jax.random.normal(rngs.params(), (8, 4))
+            self.w = nnx.Param(value, out_sharding=("embed", "mlp"), eager_sharding=False)
+
+    mesh = make_mesh(_config(fsdp=4, tensor=2))
+    sharded = sharded_init(lambda: Tiny(rngs=nnx.Rngs(3)), mesh, DEFAULT_AXIS_RULES)
+    plain = sharded_init(lambda: Tiny(rngs=nnx.Rngs(3)), None, DEFAULT_AXIS_RULES)
+    assert sharded.w.get_value().sharding.spec == P("fsdp", "tensor")
+    assert {s.data.shape for s in sharded.w.get_value().addressable_shards} == {(2, 2)}
+    # Bitwise: threefry random bits do not depend on how the output is partitioned.
+    np.testing.assert_array_equal(sharded.w.get_value(), plain.w.get_value())
 
 
 def test_state_shardings_follow_variable_names_and_reject_uneven_splits():

@@ -11,16 +11,20 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from kiln import train
 from kiln.config import config_from_dict, load_config
-from kiln.mesh import batch_sharding, make_mesh, state_shardings
+from kiln.errors import KilnError
+from kiln.mesh import batch_sharding, make_mesh, sharded_abstract, state_shardings, use_mesh
 from kiln.model import (
-    Transformer,
-    attention,
+    FAMILIES,
+    ModelOutput,
+    abstract_model,
     create_model,
     flops_per_token,
     param_count,
     summary,
 )
+from kiln.model.llama import Transformer, attention
 
 ROOT = Path(__file__).resolve().parents[1]
 B, S, V = 8, 16, 128
@@ -68,24 +72,20 @@ def forward(model, tokens, positions, segments, mesh=None, rules=None):
 
     def fn(state, tokens, positions, segments):
         m = nnx.merge(graphdef, state)
-        return m.logits(m(tokens, positions, segments))
+        return m.logits(m.hidden_states(tokens, positions, segments).hidden)
 
     if mesh is None:
         return jax.jit(fn)(state, tokens, positions, segments)
     batch = batch_sharding(mesh, rules)
     shardings = (state_shardings(state, mesh, rules), batch, batch, batch)
-    return jax.jit(fn, in_shardings=shardings)(state, tokens, positions, segments)
+    with use_mesh(mesh, rules):
+        return jax.jit(fn, in_shardings=shardings)(state, tokens, positions, segments)
 
 
-def rebuild(model, model_cfg, mesh=None, rules=None):
-    """`model`'s parameters under another static setup (dtype, remat, mesh), without re-init."""
-    graphdef, _ = nnx.split(
-        nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0), mesh=mesh, rules=rules))
-    )
-    state = nnx.state(model)
-    if mesh is not None:
-        state = jax.device_put(state, state_shardings(state, mesh, rules))
-    return nnx.merge(graphdef, state)
+def rebuild(model, model_cfg):
+    """`model`'s parameters under another static setup (dtype, remat), without re-init."""
+    graphdef, _ = nnx.split(abstract_model(model_cfg))
+    return nnx.merge(graphdef, nnx.state(model))
 
 
 def rel_err(a, b):
@@ -193,8 +193,9 @@ def test_matches_numpy_reference(unsharded, batch, variant):
 def test_sharded_equals_unsharded(unsharded, batch, variant, mesh_name):
     config = make_config(VARIANTS[variant], MESHES[mesh_name])
     mesh = make_mesh(config)
-    # Same parameters placed by the rules (create_model's sharded init is checked below).
-    model = rebuild(unsharded[variant][0], config.model, mesh, config.mesh.rules)
+    # Same parameters placed by the rules (create_model's sharded init is checked below); the
+    # model itself holds no mesh, so the very same module runs sharded inside use_mesh.
+    model = unsharded[variant][0]
     logits = forward(model, *batch, mesh=mesh, rules=config.mesh.rules)
     # 1e-5 relative (float32): only the order of sharded reductions differs.
     assert rel_err(logits, unsharded[variant][1]) < 1e-5
@@ -249,10 +250,11 @@ def test_sharding_rules_come_from_the_config():
             "data": {"seq_len": S},
         }
     )
-    state = nnx.state(nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0))))
-    shardings = state_shardings(state, make_mesh(config), config.mesh.rules)
-    assert shardings["embedding"].get_value().spec == P("fsdp", None)
-    assert shardings["blocks"]["attn"]["wq"].get_value().spec == P(None, None, "tensor", None)
+    _, state = sharded_abstract(
+        lambda: Transformer(config.model, rngs=nnx.Rngs(0)), make_mesh(config), config.mesh.rules
+    )
+    assert state["embedding"].get_value().sharding.spec == P("fsdp", None)
+    assert state["blocks"]["attn"]["wq"].get_value().sharding.spec == P(None, None, "tensor", None)
 
 
 def _hidden_jacobian(model, tokens, positions, segments):
@@ -262,7 +264,7 @@ def _hidden_jacobian(model, tokens, positions, segments):
 
     def hidden_dot_r(table):
         m = nnx.merge(graphdef, table, rest)
-        return m(tokens[None], positions[None], segments[None])[0] @ r
+        return m.hidden_states(tokens[None], positions[None], segments[None]).hidden[0] @ r
 
     (jac,) = jax.tree.leaves(jax.jacrev(hidden_dot_r)(table))
     return np.asarray(jac)
@@ -282,13 +284,13 @@ def test_causal_and_no_gradient_across_documents(unsharded):
     assert np.all(jac_ts[visible] > 0.0)
 
 
-def run(model, tokens, positions, segments, collect_layers=()):
-    """model(...) under jit, as the trainer calls it."""
+def run(model, tokens, positions, segments, collect=()):
+    """model.hidden_states(...) under jit, as the trainer calls it."""
     graphdef, state = nnx.split(model)
 
     def fn(state, tokens, positions, segments):
         m = nnx.merge(graphdef, state)
-        return m(tokens, positions, segments, collect_layers=collect_layers)
+        return m.hidden_states(tokens, positions, segments, collect=collect)
 
     return jax.jit(fn)(state, tokens, positions, segments)
 
@@ -303,15 +305,18 @@ def test_document_packed_at_offset_equals_document_alone(unsharded):
         np.r_[0:k, 0:8, 0 : S - 8 - k],
         [1] * k + [2] * 8 + [0] * (S - 8 - k),
     )
-    hidden = run(model, *(jnp.asarray(np.stack([x, y])) for x, y in zip(alone, packed)))
+    hidden = run(model, *(jnp.asarray(np.stack([x, y])) for x, y in zip(alone, packed))).hidden
     # 1e-6 relative: identical inputs per token; only summation order over masked keys differs.
     assert rel_err(hidden[1, k : k + 8], hidden[0, :8]) < 1e-6
 
 
-def test_collect_layers_returns_the_residual_stream(unsharded, batch):
+def test_collect_returns_the_residual_stream(unsharded, batch):
     model, logits = unsharded["untied"]
     tokens, positions, segments = batch
-    hidden, feats = run(model, tokens, positions, segments, collect_layers=(1, 0))
+    out = run(model, tokens, positions, segments)
+    assert isinstance(out, ModelOutput) and out.features is None and out.aux == {}
+    hidden, feats, aux = run(model, tokens, positions, segments, collect=(1, 0))
+    assert aux == {}
     assert feats.shape == (2, B, S, TINY["d_model"])
     _, want = reference(model, tokens[2], positions[2], segments[2])
     # 1e-5 relative: float32 vs float64 reference, as above.
@@ -349,13 +354,149 @@ def test_bf16_compute_with_f32_params_stays_close_to_f32(unsharded, batch):
     f32_model, f32_logits = unsharded["untied"]
     model = rebuild(f32_model, f32_model.cfg.model_copy(update={"dtype": "bfloat16"}))
     assert model.blocks.attn.wq.get_value().dtype == jnp.float32
-    assert jax.eval_shape(lambda: model(*batch)).dtype == jnp.bfloat16
+    assert jax.eval_shape(lambda: model.hidden_states(*batch).hidden).dtype == jnp.bfloat16
     logits = forward(model, *batch)
     assert logits.dtype == jnp.float32
     # bf16 keeps 8 significant bits (unit roundoff 2^-9 ~ 2e-3). Each of the ~10 roundings per
     # block (inputs of every matmul, residual adds) adds up to 2e-3 relative error; over two
     # blocks and the head they accumulate to roughly 10x the unit roundoff: bound at 2e-2.
     assert rel_err(logits, f32_logits) < 2e-2
+
+
+def test_the_family_picks_the_implementation(unsharded):
+    config = make_config()
+    assert config.model.family == "llama" and FAMILIES["llama"] is Transformer
+    assert type(unsharded["untied"][0]) is Transformer  # create_model went through the registry
+    with pytest.raises(KilnError, match=r"model\.family: got 'gpt'; Input should be 'llama'"):
+        make_config({"family": "gpt"})
+
+
+def test_head_weight_is_cast_to_the_logits_dtype(unsharded):
+    f32_model = unsharded["untied"][0]
+    lm_head = np.asarray(f32_model.lm_head.get_value())
+    cases = [
+        ({"dtype": "bfloat16"}, jnp.bfloat16),  # default: the compute dtype
+        ({"dtype": "bfloat16", "logits_dtype": "float32"}, jnp.float32),  # opt out
+        ({"dtype": "float32", "logits_dtype": "bfloat16"}, jnp.bfloat16),
+    ]
+    for update, dtype in cases:
+        model = rebuild(f32_model, f32_model.cfg.model_copy(update=update))
+        assert model.head_weight().dtype == dtype, update
+        np.testing.assert_array_equal(model.head_weight(), lm_head.astype(dtype))
+        np.testing.assert_array_equal(model.head_weight(jnp.float32), lm_head)
+    tied = unsharded["tied"][0]
+    embedding = np.asarray(tied.embedding.get_value())
+    np.testing.assert_array_equal(tied.head_weight(), embedding.T)
+
+
+def test_diagnostics_are_the_head_norm_and_the_final_norm_scale(unsharded):
+    for name, (model, _) in unsharded.items():
+        p = jax.tree.map(lambda v: np.asarray(v, np.float64), nnx.to_pure_dict(nnx.state(model)))
+        head = p["embedding"].T if name == "tied" else p["lm_head"]
+        got = jax.jit(lambda m: m.diagnostics())(model)
+        assert set(got) == {"learning/lm_head_norm", "learning/final_norm_scale"}
+        assert all(v.dtype == jnp.float32 for v in got.values())
+        # 1e-6 relative: float32 sums of squares of 4096-8192 entries vs float64.
+        np.testing.assert_allclose(got["learning/lm_head_norm"], np.sqrt((head**2).sum()), 1e-6)
+        np.testing.assert_allclose(
+            got["learning/final_norm_scale"], p["final_norm"]["scale"].mean(), 1e-6
+        )
+
+
+# --- the LM head in the compute dtype ------------------------------------------------------------
+
+# A base.yaml-like model (bf16 compute, f32 parameters, remat) with a vocabulary no other
+# dimension of the step has, so every product on the head can be recognised by its shape.
+HEAD_V = 256
+BF16 = dict(dtype="bfloat16", param_dtype="float32", remat="save_dots", vocab_size=HEAD_V)
+
+
+def lm_batch(seed=0):
+    tokens, positions, segments = packed_batch(seed)
+    targets = jnp.asarray(np.random.default_rng(seed + 1).integers(0, HEAD_V, (B, S)))
+    weights = (segments > 0).astype(jnp.float32)
+    return {
+        "inputs": tokens,
+        "targets": targets,
+        "positions": positions,
+        "segment_ids": segments,
+        "weights": weights,
+    }
+
+
+def bf16_config(num_vocab_tiling=1, **model):
+    raw = make_config({**BF16, **model}).model_dump()
+    raw["loss"].update(z_loss_multiplier=1e-4, num_vocab_tiling=num_vocab_tiling)
+    return config_from_dict(raw)
+
+
+def one_device_mesh():
+    """The config's 1x1x1x1 mesh on the first device (the dtypes do not depend on sharding)."""
+    axes = ("data", "fsdp", "tensor", "sequence")
+    auto = (jax.sharding.AxisType.Auto,) * 4
+    return jax.make_mesh((1, 1, 1, 1), axes, axis_types=auto, devices=jax.devices()[:1])
+
+
+def _dot_generals(jaxpr):
+    """Every dot_general of a jaxpr, inside scans, conds, remat, custom VJPs and sub-jits too."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _dot_generals(inner)
+
+
+def head_products(config):
+    """(input dtypes, output dtype) of each dot_general on the head in one traced train step."""
+    mesh = one_device_mesh()
+    state = train.init_state(config, mesh)
+    step = train.make_train_step(config, mesh, train.shardings_of(state))
+    batch = train.place_batch(lm_batch(), mesh, config)
+    closed = step.trace(state, batch).jaxpr
+    out = []
+    for eqn in _dot_generals(closed.jaxpr):
+        shapes = [v.aval.shape for v in (*eqn.invars, *eqn.outvars)]
+        if any(HEAD_V in shape for shape in shapes):
+            out.append(
+                (tuple(str(v.aval.dtype) for v in eqn.invars), str(eqn.outvars[0].aval.dtype))
+            )
+    return out
+
+
+@pytest.mark.parametrize("num_vocab_tiling", [1, 2], ids=["untiled", "tiled"])
+def test_bf16_train_step_has_no_float32_matmul_on_the_head(num_vocab_tiling):
+    products = head_products(bf16_config(num_vocab_tiling))
+    # Forward logits, d hidden and d head: at least those three, each bf16 x bf16 -> f32.
+    assert len(products) >= 3, products
+    assert all(p == (("bfloat16", "bfloat16"), "float32") for p in products), products
+    # The opt-out keeps them all in float32 (so the check above can see a float32 product).
+    products = head_products(bf16_config(num_vocab_tiling, logits_dtype="float32"))
+    assert len(products) >= 3 and all(p[0] == ("float32", "float32") for p in products), products
+
+
+def test_bf16_head_loss_equals_the_float32_head_loss():
+    batch = lm_batch()
+
+    def loss_and_grad_norm(config):
+        state = train.init_state(config, one_device_mesh())
+        loss, _, grads = train.loss_and_grads(config, state, batch)
+        return float(loss), float(
+            np.sqrt(sum((np.asarray(g) ** 2).sum() for g in jax.tree.leaves(grads)))
+        )
+
+    got, got_norm = loss_and_grad_norm(bf16_config())
+    want, want_norm = loss_and_grad_norm(bf16_config(logits_dtype="float32"))
+    # The hidden states are bf16 in both; only the head's entries are rounded to bf16
+    # (relative error <= 2^-9 each), so each logit moves by at most 2^-9 sum_d |h_d w_dv|
+    # (~0.5 here: |h| ~ 1 after the norm, |w| ~ 0.02, D = 32), i.e. <= 1e-3, and the mean
+    # loss (~log 256 = 5.5) by at most as much: 1e-3 / 5.5 < 2e-4 relative. The backward
+    # products round the logit gradients and the head to bf16 too (2^-9 each), so each term
+    # of every gradient moves by <= 2 * 2^-9 < 4e-3 relative, and so does the gradient norm.
+    assert abs(got - want) / want < 2e-4
+    assert abs(got_norm - want_norm) / want_norm < 4e-3
 
 
 def test_remat_policies_give_the_same_gradients(unsharded, batch):
@@ -367,7 +508,7 @@ def test_remat_policies_give_the_same_gradients(unsharded, batch):
 
         def loss(state):
             m = nnx.merge(graphdef, state)
-            return jnp.mean(m.logits(m(*batch)) ** 2)
+            return jnp.mean(m.logits(m.hidden_states(*batch).hidden) ** 2)
 
         return jax.tree.leaves(jax.jit(jax.grad(loss))(state))
 
@@ -386,7 +527,7 @@ def test_layers_are_scanned_so_the_program_does_not_grow_with_depth(batch):
 
         def fn(state):
             m = nnx.merge(graphdef, state)
-            return m(*batch)
+            return m.hidden_states(*batch).hidden
 
         return len(jax.make_jaxpr(fn)(state).jaxpr.eqns)
 

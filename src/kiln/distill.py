@@ -43,14 +43,14 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from kiln import losses, train
-from kiln.checkpoint import abstract_like, latest_complete_step, restore_params
+from kiln.checkpoint import latest_complete_step, restore_params
 from kiln.config import Config, DistillationConfig, read_run_config
 from kiln.errors import KilnError
-from kiln.mesh import state_shardings
-from kiln.model import DTYPES, Transformer, create_model, flops_per_token
-from kiln.train import Batch, Objective, TrainState, lm_loss_sums, token_mean
+from kiln.mesh import sharded_abstract, sharded_init
+from kiln.model import DTYPES, FAMILIES, LanguageModel, build_model, flops_per_token
+from kiln.model.student import PROJECTION, FeatureProjection, student_class
+from kiln.train import Batch, Objective, TrainState, token_mean
 
-PROJECTION = "distill_projection"
 # Tags under distill/ that every step reports (besides the scheduled alpha, temperature, beta).
 METRICS = (
     "hard_loss",
@@ -79,7 +79,7 @@ class Teacher:
     params: nnx.State
     rest: nnx.State
 
-    def model(self, params: nnx.State | None = None) -> Transformer:
+    def model(self, params: nnx.State | None = None) -> LanguageModel:
         return nnx.merge(self.graphdef, self.params if params is None else params, self.rest)
 
 
@@ -137,46 +137,30 @@ def _same_tokenizer(a: str, b: str) -> bool:
 def load_teacher(config: Config, mesh) -> Teacher:
     """The teacher's parameters, restored from its latest checkpoint into shardings on `mesh`."""
     teacher_cfg, run_dir, step = read_teacher_config(config)
-    rules = config.mesh.rules
-
-    def build() -> Transformer:
-        return Transformer(teacher_cfg.model, rngs=nnx.Rngs(0), mesh=mesh, rules=rules)
-
-    graphdef, abstract, rest = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
-    target = abstract_like(abstract, state_shardings(abstract, mesh, rules))
+    graphdef, abstract = sharded_abstract(
+        lambda: build_model(teacher_cfg.model, rngs=nnx.Rngs(0)), mesh, config.mesh.rules
+    )
+    target, rest = nnx.split_state(abstract, nnx.Param, ...)
     params, _ = restore_params(run_dir, target)
     return Teacher(teacher_cfg, run_dir, step, graphdef, params, rest)
 
 
-class FeatureProjection(nnx.Module):
-    """Student hidden states [P,B,S,D] -> teacher width [P,B,S,E], one learned map per pair."""
-
-    def __init__(self, pairs: int, d_student: int, d_teacher: int, *, rngs: nnx.Rngs, dtype):
-        w = jax.random.normal(rngs.params(), (pairs, d_student, d_teacher), jnp.float32)
-        # Variance 1/D keeps the projected states on the scale of the student's.
-        value = (w * d_student**-0.5).astype(dtype)
-        self.w = nnx.Param(value, out_sharding=(None, "embed", None), eager_sharding=False)
-
-    def __call__(self, feats_PBSD: jax.Array) -> jax.Array:
-        return jnp.einsum("PBSD,PDE->PBSE", feats_PBSD, self.w[...].astype(feats_PBSD.dtype))
-
-
 def init_student(config: Config, mesh, teacher_cfg: Config) -> TrainState:
-    """The student's train state (with a feature projection if widths differ)."""
-    model = create_model(config, mesh, config.train.seed)
+    """The student's train state: a `Student` (with a feature projection if widths differ)."""
     pairs = len(config.distillation.layer_map)
     d_s, d_t = config.model.d_model, teacher_cfg.model.d_model
-    if pairs and d_s != d_t:
-        key = jax.random.fold_in(jax.random.key(config.train.seed), 1)
-        dtype = DTYPES[config.model.param_dtype]
+    seed = config.train.seed
 
-        def build() -> FeatureProjection:
-            return FeatureProjection(pairs, d_s, d_t, rngs=nnx.Rngs(params=key), dtype=dtype)
+    def build():
+        projection = None
+        if pairs and d_s != d_t:
+            rngs = nnx.Rngs(params=jax.random.fold_in(jax.random.key(seed), 1))
+            dtype = DTYPES[config.model.param_dtype]
+            projection = FeatureProjection(pairs, d_s, d_t, rngs=rngs, dtype=dtype)
+        student = student_class(FAMILIES[config.model.family])
+        return student(config.model, rngs=nnx.Rngs(seed), projection=projection)
 
-        graphdef, abstract = nnx.split(nnx.eval_shape(build))
-        shardings = state_shardings(abstract, mesh, config.mesh.rules)
-        values = jax.jit(lambda: nnx.state(build()), out_shardings=shardings)()
-        setattr(model, PROJECTION, nnx.merge(graphdef, values))
+    model = sharded_init(build, mesh, config.mesh.rules)
     return train.state_from_model(config, mesh, model)
 
 
@@ -243,55 +227,63 @@ class DistillObjective(Objective):
         params = jax.lax.stop_gradient(self.teacher_params)
         model = nnx.merge(self.teacher_graphdef, params, self.teacher_rest)
         layers = [t for _, t in self.config.distillation.layer_map]
-        out = model(
-            batch["inputs"], batch["positions"], batch["segment_ids"], collect_layers=layers
+        out = model.hidden_states(
+            batch["inputs"], batch["positions"], batch["segment_ids"], collect=layers
         )
-        hidden, feats = out if layers else (out, None)
-        return jax.lax.stop_gradient((hidden, feats, model.head_weight()))
+        return jax.lax.stop_gradient((out.hidden, out.features, model.head_weight()))
 
     def loss_sums(self, model, batch: Batch, coefficients):
-        """Weighted loss sums of one micro-batch and `c . (hard, soft, feature)` to differentiate."""
+        """Weighted loss sums of one micro-batch and `c . (hard, soft, feature)` to differentiate.
+
+        Hard and soft losses come from one pass over the student's logits. With coefficients
+        known before the pass (given, or constant under balance=none) the pass makes one
+        combined logit gradient; otherwise (dynamic balancing on one micro-batch) it makes
+        both and the coefficients follow from this micro-batch's own sums.
+        """
         config, dist = self.config, self.config.distillation
+        if coefficients is None and not self.needs_global_sums:
+            # balance=none: the coefficients do not depend on the sums.
+            coefficients = self.coefficients(dict.fromkeys(self.sum_keys, jnp.zeros(())))
         t_hidden, t_feats, t_head = self._teacher_outputs(batch)
         layers = [s for s, _ in dist.layer_map]
-        out = model(
-            batch["inputs"], batch["positions"], batch["segment_ids"], collect_layers=layers
+        out = model.hidden_states(
+            batch["inputs"], batch["positions"], batch["segment_ids"], collect=layers
         )
-        hidden, feats = out if layers else (out, None)
-        head = model.head_weight()
-        hard = lm_loss_sums(config, hidden, head, batch, self.mesh)
-        soft = losses.soft_loss_sums(
-            hidden,
-            head,
+        fused = losses.distill_loss_sums(
+            out.hidden,
+            model.head_weight(),
             t_hidden,
             t_head,
             batch["targets"],
             batch["weights"],
             temperature=self.knobs["temperature"],
+            z_loss_multiplier=config.loss.z_loss_multiplier,
+            label_smoothing=config.loss.label_smoothing,
             student_softcap=config.model.logit_softcap,
             teacher_softcap=self.teacher_config.model.logit_softcap,
             num_vocab_tiling=config.loss.num_vocab_tiling,
             vocab_chunk_size=config.loss.vocab_chunk_size,
             mesh=self.mesh,
             rules=config.mesh.rules,
+            coefficients=None if coefficients is None else coefficients[:2],
         )
         feature_sum = jnp.zeros((), jnp.float32)
         if layers:
-            projection = getattr(model, PROJECTION, None)
-            if projection is not None:
-                feats = projection(feats)
-            per_token = losses.feature_loss(feats, t_feats, dist.feature_loss)
+            per_token = losses.feature_loss(model.project(out.features), t_feats, dist.feature_loss)
             feature_sum = jnp.sum(per_token * batch["weights"].astype(jnp.float32))
         sums = {
-            "hard_sum": hard["loss_sum"],
-            "z_loss_sum": hard["z_loss_sum"],
-            "weight_sum": hard["weight_sum"],
-            "soft_sum": soft["soft_sum"],
-            "teacher_loss_sum": soft["teacher_loss_sum"],
+            "hard_sum": fused["loss_sum"],
+            "z_loss_sum": fused["z_loss_sum"],
+            "weight_sum": fused["weight_sum"],
+            "soft_sum": fused["soft_sum"],
+            "teacher_loss_sum": fused["teacher_loss_sum"],
             "feature_sum": feature_sum,
         }
-        c = self.coefficients(sums) if coefficients is None else coefficients
-        value = c[0] * sums["hard_sum"] + c[1] * sums["soft_sum"] + c[2] * sums["feature_sum"]
+        if coefficients is None:
+            c = self.coefficients(sums)
+            value = c[0] * sums["hard_sum"] + c[1] * sums["soft_sum"] + c[2] * feature_sum
+        else:
+            value = fused["objective_sum"] + coefficients[2] * feature_sum
         return value, sums
 
     def _means(self, sums):

@@ -1,9 +1,10 @@
 """Hugging Face Llama checkpoints <-> kiln run directories, from and to local files only.
 
-kiln's Transformer is the Llama architecture: pre-norm RMSNorm blocks, grouped-query attention,
-SwiGLU, rotary embeddings. Both use the rotate-half rotary layout (HF's `rotate_half`, same
-frequencies), so q/k projections map without the head-dim permutation that HF's conversion
-script applies to Meta's interleaved checkpoints; tests/test_hf.py checks this on logits.
+kiln's `llama` family is the Llama architecture: pre-norm RMSNorm blocks, grouped-query
+attention, SwiGLU, rotary embeddings. Both use the rotate-half rotary layout (HF's
+`rotate_half`, same frequencies), so q/k projections map without the head-dim permutation
+that HF's conversion script applies to Meta's interleaved checkpoints; tests/test_hf.py
+checks this on logits.
 
 Layouts (kiln -> HF, where HF's Linear weight is [out, in]): wq [D,N,H] -> q_proj [N*H, D],
 wk/wv [D,K,H] -> [K*H, D], wo [N,H,D] -> o_proj [D, N*H], w_gate/w_up [D,F] -> [F, D],
@@ -30,8 +31,8 @@ from kiln.checkpoint import Checkpointer, abstract_like, restore_params
 from kiln.config import config_from_dict, read_run_config
 from kiln.data.tokenizers import load_tokenizer
 from kiln.errors import KilnError
-from kiln.mesh import make_mesh, state_shardings
-from kiln.model import DTYPES, Transformer, abstract_state
+from kiln.mesh import make_mesh, sharded_abstract
+from kiln.model import DTYPES, abstract_state, build_model
 from kiln.runner import checkpoint_tree
 from kiln.train import state_from_model
 
@@ -415,13 +416,10 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> str:
     del tensors
 
     mesh = make_mesh(config)
-    rules = config.mesh.rules
-
-    def build() -> Transformer:
-        return Transformer(config.model, rngs=nnx.Rngs(0), mesh=mesh, rules=rules)
-
-    graphdef, state = nnx.split(nnx.eval_shape(build))
-    shardings = state_shardings(state, mesh, rules)
+    graphdef, state = sharded_abstract(
+        lambda: build_model(config.model, rngs=nnx.Rngs(0)), mesh, config.mesh.rules
+    )
+    shardings = jax.tree.map(lambda x: x.sharding, state)
     dtype = DTYPES[config.model.param_dtype]
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: x.astype(dtype), params))
     state = jax.device_put(state, shardings)

@@ -3,13 +3,23 @@
 Every array dimension in kiln carries a logical name (`embed`, `heads`, `batch`, ...);
 `config.mesh.rules` maps each name to the mesh axes that split it. A mesh axis is used at
 most once per array: if two dimensions of one array claim the same mesh axis, the first
-dimension keeps it and the later one is replicated along it.
+dimension keeps it and the later one is replicated along it. `logical_spec` is the one place
+that resolves names to axes; everything else here derives from it.
+
+Model code does not hold the mesh: `use_mesh(mesh, rules)` sets JAX's mesh (`jax.set_mesh`)
+and kiln's rules for the code traced inside it, and `constrain` reads both. A jitted function
+that runs model code must therefore be traced (called) inside `use_mesh`; `in_mesh` wraps one
+so that every call is. The rules are not part of jit's cache key (the mesh is), so a jitted
+function belongs to one set of rules: build it per config, as the trainer does.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -20,7 +30,8 @@ from kiln.config import DEFAULT_AXIS_RULES, MESH_AXES, check_devices
 from kiln.errors import KilnError
 
 Rules = Mapping[str, Sequence[str]] | Iterable[tuple[str, Sequence[str]]]
-FrozenRules = tuple[tuple[str, tuple[str, ...]], ...]
+# The rules of the innermost `use_mesh` (None outside: the defaults).
+_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("kiln_rules", default=None)
 
 
 def make_mesh(config: Any) -> Mesh:
@@ -28,12 +39,6 @@ def make_mesh(config: Any) -> Mesh:
     sizes = check_devices(config, jax.device_count())
     shape = tuple(sizes[a] for a in MESH_AXES)
     return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
-
-
-def freeze_rules(rules: Rules | None) -> FrozenRules:
-    """Rules as a hashable tuple of (logical name, mesh axes); None = the defaults."""
-    items = DEFAULT_AXIS_RULES.items() if rules is None else dict(rules).items()
-    return tuple((name, tuple(axes)) for name, axes in items)
 
 
 def logical_spec(names: tuple[str | None, ...], rules: Rules) -> PartitionSpec:
@@ -65,20 +70,83 @@ def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
     return logical_sharding(mesh, rules, ("batch", "length"))
 
 
-def constrain(x: jax.Array, mesh: Mesh | None, rules: Rules, names: tuple[str | None, ...]):
-    """Pin an activation's sharding inside jit; a no-op without a mesh."""
-    if mesh is None:
+def mesh_axes(
+    names: tuple[str | None, ...], rules: Rules, mesh_shape: Mapping[str, int]
+) -> tuple[tuple[str, ...], ...]:
+    """Per dimension, the mesh axes (those `mesh_shape` has) that split an array of these names."""
+    return tuple(
+        tuple(a for a in _entry_axes(entry) if a in mesh_shape)
+        for entry in logical_spec(names, rules)
+    )
+
+
+def _entry_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh | None, rules: Rules | None = None) -> Iterator[None]:
+    """Run (and trace) model code on `mesh` with these rules (None = the defaults).
+
+    Sets `jax.set_mesh(mesh)`, so bare PartitionSpecs resolve against it, and the rules that
+    `constrain` reads. With `mesh=None` model code runs unsharded. Not usable inside jit.
+    """
+    token = _RULES.set(rules)
+    try:
+        with jax.set_mesh(mesh):
+            yield
+    finally:
+        _RULES.reset(token)
+
+
+def current_rules() -> Rules:
+    """The rules of the innermost `use_mesh` (the defaults outside one)."""
+    rules = _RULES.get()
+    return DEFAULT_AXIS_RULES if rules is None else rules
+
+
+@dataclasses.dataclass(frozen=True)
+class InMesh:
+    """A jitted function whose calls, traces and lowerings run inside `use_mesh(mesh, rules)`.
+
+    `args` are bound in front of the caller's (e.g. an objective, an argument of the compiled
+    step). `trace` and `lower` are jit's own (`kiln compile`-style ahead-of-time use, jaxprs).
+    """
+
+    fn: Any
+    mesh: Mesh | None
+    rules: Rules | None
+    args: tuple = ()
+
+    def _run(self, method, args, kwargs):
+        with use_mesh(self.mesh, self.rules):
+            return method(*self.args, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return self._run(self.fn, args, kwargs)
+
+    def trace(self, *args, **kwargs):
+        return self._run(self.fn.trace, args, kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self._run(self.fn.lower, args, kwargs)
+
+
+def in_mesh(fn: Any, mesh: Mesh | None, rules: Rules | None, *args: Any) -> InMesh:
+    """Jitted `fn` with every call (so every trace) inside `use_mesh(mesh, rules)`; `args` bound first."""
+    return InMesh(fn, mesh, rules, args)
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """Pin an activation's sharding by its logical names; a no-op outside `use_mesh`."""
+    if jax.sharding.get_abstract_mesh().empty:
         return x
-    return jax.lax.with_sharding_constraint(x, logical_sharding(mesh, rules, names))
+    return jax.lax.with_sharding_constraint(x, logical_spec(names, current_rules()))
 
 
 def shards_per_dim(spec: PartitionSpec, sizes: Mapping[str, int]) -> tuple[int, ...]:
     """How many pieces each dimension is cut into by `spec` on a mesh of these axis sizes."""
-    out = []
-    for entry in spec:
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        out.append(math.prod(sizes[a] for a in axes))
-    return tuple(out)
+    return tuple(math.prod(sizes[a] for a in _entry_axes(entry)) for entry in spec)
 
 
 def param_spec(
@@ -129,6 +197,33 @@ def state_shardings(state: Any, mesh: Mesh, rules: Rules) -> Any:
         specs,
         is_leaf=lambda x: isinstance(x, PartitionSpec),
     )
+
+
+def sharded_abstract(build: Callable[[], Any], mesh: Mesh | None, rules: Rules):
+    """(graphdef, state) of the module `build()` makes: ShapeDtypeStructs, sharded by the rules.
+
+    Nothing is allocated (`nnx.eval_shape`); without a mesh the structs carry no sharding.
+    """
+    graphdef, abstract = nnx.split(nnx.eval_shape(build))
+    if mesh is None:
+        return graphdef, abstract
+    shardings = state_shardings(abstract, mesh, rules)
+    return graphdef, jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+    )
+
+
+def sharded_init(build: Callable[[], Any], mesh: Mesh | None, rules: Rules):
+    """The module `build()` makes, its variables created directly in the rules' shardings.
+
+    `build` is traced twice (shapes, then values under jit with out_shardings): each device
+    computes only its own shards of the random init, so no full copy exists anywhere.
+    """
+    graphdef, abstract = sharded_abstract(build, mesh, rules)
+    shardings = None if mesh is None else jax.tree.map(lambda x: x.sharding, abstract)
+    with use_mesh(mesh, rules):
+        state = jax.jit(lambda: nnx.state(build()), out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
 
 
 def mesh_sizes_for_summary(config: Any) -> dict[str, int]:

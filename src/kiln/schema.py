@@ -34,6 +34,10 @@ class Section(BaseModel):
 class ModelConfig(Section):
     """Shape and numerics of the decoder-only Transformer."""
 
+    family: Literal["llama"] = Field(
+        "llama",
+        description="Model family (the implementation in kiln.model.FAMILIES): llama = pre-norm RMSNorm blocks, grouped-query attention with rotary embeddings, SwiGLU MLP.",
+    )
     vocab_size: PositiveInt = Field(
         384,
         description="Vocabulary size of the embedding and LM head; >= the tokenizer's vocabulary (a multiple of 128 is fastest).",
@@ -63,6 +67,10 @@ class ModelConfig(Section):
     )
     param_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Storage dtype of parameters (and optimizer moments)."
+    )
+    logits_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None,
+        description="Input dtype of the LM head matmul (forward and both backward products; float32 accumulation either way); null = the compute dtype `dtype`, float32 = keep the head in full precision.",
     )
     remat: Literal["none", "full", "save_dots"] = Field(
         "none",

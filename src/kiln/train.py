@@ -24,7 +24,15 @@ from jax.sharding import PartitionSpec as P
 from kiln import losses
 from kiln.config import Config
 from kiln.errors import KilnError
-from kiln.mesh import batch_sharding, logical_spec, make_mesh, state_shardings
+from kiln.mesh import (
+    InMesh,
+    batch_sharding,
+    in_mesh,
+    logical_spec,
+    make_mesh,
+    state_shardings,
+    use_mesh,
+)
 from kiln.model import create_model, flops_per_token
 from kiln.optim import make_optimizer, make_schedule
 
@@ -143,8 +151,8 @@ class LMObjective(Objective):
     sum_keys: ClassVar[tuple[str, ...]] = ("loss_sum", "z_loss_sum", "weight_sum")
 
     def loss_sums(self, model, batch: Batch, coefficients: Any = None):
-        hidden = model(batch["inputs"], batch["positions"], batch["segment_ids"])
-        sums = lm_loss_sums(self.config, hidden, model.head_weight(), batch, self.mesh)
+        out = model.hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"])
+        sums = lm_loss_sums(self.config, out.hidden, model.head_weight(), batch, self.mesh)
         return sums["loss_sum"], sums
 
     def finalize(self, sums: Sums):
@@ -222,7 +230,8 @@ _jitted_loss_and_grads = jax.jit(objective_loss_and_grads)
 def run_objective(objective: Objective, state: TrainState, batch: Mapping[str, Any]):
     """(loss, aux, grads) of one global batch, compiled once per objective and state structure."""
     placed = place_batch(batch, objective.mesh, objective.config)
-    return _jitted_loss_and_grads(objective, state, placed)
+    with use_mesh(objective.mesh, objective.config.mesh.rules):
+        return _jitted_loss_and_grads(objective, state, placed)
 
 
 def compiled_objectives() -> int:
@@ -279,7 +288,7 @@ def _check_process_rows(sharding: NamedSharding, shape: tuple[int, ...], p: int,
 # The step
 
 
-def make_step(objective: Objective, shardings: TrainState) -> Callable:
+def make_step(objective: Objective, shardings: TrainState) -> InMesh:
     """The jitted pure `step(state, batch) -> (state, metrics)` of an objective, donated state.
 
     The objective's arrays (e.g. a teacher's parameters) are arguments of the compiled step,
@@ -288,7 +297,7 @@ def make_step(objective: Objective, shardings: TrainState) -> Callable:
     config, mesh = objective.config, objective.mesh
     update = make_update(config)
 
-    def step(state: TrainState, objective: Objective, batch: Batch):
+    def step(objective: Objective, state: TrainState, batch: Batch):
         loss, aux, grads = objective_loss_and_grads(objective, state, batch)
         state, metrics = update(state, loss, aux, grads)
         return state, {**metrics, **{k: v for k, v in aux.items() if "/" in k}}
@@ -296,14 +305,14 @@ def make_step(objective: Objective, shardings: TrainState) -> Callable:
     data = batch_sharding(mesh, config.mesh.rules)
     jitted = jax.jit(
         step,
-        in_shardings=(shardings, shardings_of(objective), {k: data for k in BATCH_KEYS}),
+        in_shardings=(shardings_of(objective), shardings, {k: data for k in BATCH_KEYS}),
         out_shardings=(shardings, NamedSharding(mesh, P())),
-        donate_argnums=0,
+        donate_argnums=1,
     )
-    return lambda state, batch: jitted(state, objective, batch)
+    return in_mesh(jitted, mesh, config.mesh.rules, objective)
 
 
-def make_train_step(config: Config, mesh: Mesh, shardings: TrainState) -> Callable:
+def make_train_step(config: Config, mesh: Mesh, shardings: TrainState) -> InMesh:
     """The jitted pre-training `train_step(state, batch) -> (state, metrics)`, donated state."""
     return make_step(LMObjective(config=config, mesh=mesh), shardings)
 
@@ -329,7 +338,6 @@ def make_update(config: Config) -> Callable:
             finite, apply, lambda operand: operand, (state.params, state.opt_state)
         )
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        model = new_state.model()
         metrics = {
             "learning/loss": loss,
             "learning/z_loss": aux["z_loss"],
@@ -338,8 +346,7 @@ def make_update(config: Config) -> Callable:
             "learning/grad_norm": raw_norm if clip is None else jnp.minimum(raw_norm, clip),
             "learning/param_norm": optax.tree.norm(params),
             "learning/current_learning_rate": lr,
-            "learning/lm_head_norm": jnp.linalg.norm(model.head_weight().astype(jnp.float32)),
-            "learning/final_norm_scale": jnp.mean(model.final_norm.scale[...].astype(jnp.float32)),
+            **new_state.model().diagnostics(),
             "learning/step_skipped": (~finite).astype(jnp.float32),
         }
         return new_state, metrics
@@ -358,7 +365,7 @@ def make_eval_step(config: Config, mesh: Mesh) -> Callable:
     def eval_step(state: TrainState, batch: Batch):
         return objective.loss_sums(state.model(), batch)[1]
 
-    return jax.jit(eval_step)
+    return in_mesh(jax.jit(eval_step), mesh, config.mesh.rules)
 
 
 def evaluate(eval_step, state: TrainState, batches, mesh, config: Config) -> dict[str, float]:

@@ -12,19 +12,58 @@ import numpy as np
 f32 = jnp.float32
 
 
+def _f32_matmul(hidden: jax.Array, head_DV: jax.Array) -> jax.Array:
+    return jnp.einsum("...D,DV->...V", hidden, head_DV, preferred_element_type=f32)
+
+
+@jax.custom_vjp
+def _low_precision_matmul(hidden: jax.Array, head_DV: jax.Array) -> jax.Array:
+    return _f32_matmul(hidden, head_DV)
+
+
+def _low_precision_matmul_fwd(hidden, head_DV):
+    return _f32_matmul(hidden, head_DV), (hidden, head_DV)
+
+
+def _low_precision_matmul_bwd(res, g):
+    # Autodiff would multiply the float32 logit gradient with the bf16 operands, i.e. run
+    # both backward products in float32; cast it to the head's dtype first, as the forward
+    # casts the hidden states, so all three products run in bf16 with float32 accumulation.
+    # d head is contracted straight into [D, V] (no transpose after the product: XLA's CPU
+    # backend cannot run the bf16 x bf16 -> f32 dot it folds that transpose into), in the
+    # output shardings autodiff would give, so explicit-axis meshes know where they go.
+    hidden, head_DV = res
+    g = g.astype(head_DV.dtype)
+    d_head = jnp.einsum(
+        "...D,...V->DV", hidden, g, preferred_element_type=f32, out_sharding=_sharding(head_DV)
+    )
+    d_hidden = jnp.einsum(
+        "...V,DV->...D", g, head_DV, preferred_element_type=f32, out_sharding=_sharding(hidden)
+    )
+    return d_hidden.astype(hidden.dtype), d_head.astype(head_DV.dtype)
+
+
+def _sharding(x: jax.Array):
+    """x's sharding as its type carries it (None without a mesh)."""
+    sharding = jax.typeof(x).sharding
+    return None if sharding.mesh.empty else sharding
+
+
+_low_precision_matmul.defvjp(_low_precision_matmul_fwd, _low_precision_matmul_bwd)
+
+
 def logits(hidden_ND: jax.Array, head_DV: jax.Array, *, softcap: float | None = None) -> jax.Array:
     """Float32 logits [..., V] of hidden [..., D] through a head [D, V]; `cap tanh(x / cap)` if capped.
 
-    Both operands are promoted to their common dtype (a bfloat16 head with bfloat16 hidden
-    states stays bfloat16) and the product accumulates in float32.
+    The one head matmul of kiln (the model's logits, the untiled and tiled losses, the soft
+    loss): it runs in the head's dtype (`LanguageModel.head_weight`, i.e. `model.logits_dtype`)
+    with float32 accumulation, forward and backward. A float32 head is plain autodiff.
     """
-    dtype = jnp.promote_types(hidden_ND.dtype, head_DV.dtype)
-    x = jnp.einsum(
-        "...d,dv->...v",
-        hidden_ND.astype(dtype),
-        head_DV.astype(dtype),
-        preferred_element_type=f32,
-    )
+    hidden_ND = hidden_ND.astype(head_DV.dtype)
+    if head_DV.dtype == f32:
+        x = _f32_matmul(hidden_ND, head_DV)
+    else:
+        x = _low_precision_matmul(hidden_ND, head_DV)
     return softcap * jnp.tanh(x / softcap) if softcap else x
 
 

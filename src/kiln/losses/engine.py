@@ -66,10 +66,7 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
     vchunk = tiling.vocab_chunk or vocab_local
     n_vchunks = vocab_local // vchunk
     axes, losses = tiling.axes.vocab, tiling.losses
-    dtype = jnp.promote_types(hs.dtype, ws.dtype)
-    ws = ws.astype(dtype)
-    if wt is not None:
-        wt = wt.astype(jnp.promote_types(ht.dtype, wt.dtype))
+    dtype = ws.dtype  # the head matmuls' input dtype, as in `logits`
     columns = jnp.arange(vocab_local)
     if axes:
         columns = columns + jax.lax.axis_index(axes) * vocab_local
@@ -96,7 +93,7 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
             cts = {t: w_n * coefs[offsets[k] + i] for i, t in enumerate(names)}
             parts = [loss.dlogits(lg, st, cts) for loss, st in zip(losses, stats)]
             g = sum(p for p in parts if p is not None)
-            # Matmul operands in the compute dtype; accumulation in float32.
+            # Matmul operands in the head's dtype; accumulation in float32.
             g = softcap_grad(g, lg.student, tiling.student_cap).astype(dtype)
             dh.append(jnp.dot(g, w_Dc.T, preferred_element_type=f32))
             dw.append(jnp.dot(h_Dn, g, preferred_element_type=f32))

@@ -1,4 +1,4 @@
-"""The decoder-only Transformer (Llama-style, Flax NNX) and what a config says about its size.
+"""The `llama` family: a decoder-only Transformer (Llama-style, Flax NNX) and its size accounting.
 
 Einsum letters: B batch, S query positions, T key positions, D d_model, N query heads,
 K key/value heads, G = N/K query heads per key/value head, H head_dim, F d_ff, V vocab,
@@ -7,9 +7,7 @@ L layers.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,18 +15,10 @@ from flax import nnx
 
 from kiln.config import ModelConfig
 from kiln.errors import KilnError
-from kiln.mesh import (
-    FrozenRules,
-    Rules,
-    constrain,
-    freeze_rules,
-    mesh_sizes_for_summary,
-    shards_per_dim,
-    state_shardings,
-    state_specs,
-)
+from kiln.losses import logits as head_logits
+from kiln.mesh import constrain
+from kiln.model.interface import DTYPES, ModelOutput, logits_dtype
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Residual stream and every [batch, seq, d_model] activation between sub-layers.
 ACT_BSD = ("batch", "length", "act_embed")
 _HEADS = ("batch", "length", "act_heads", None)
@@ -50,16 +40,17 @@ def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape: tuple[int, ...], names: tupl
     """A normal(init_std) parameter tagged with the logical names of its dimensions."""
     dtype = DTYPES[cfg.param_dtype]
     value = (cfg.init_std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    # Sharding is applied from these names by create_model (jit out_shardings), not eagerly.
+    # Sharding is applied from these names by mesh.sharded_init (jit out_shardings), not eagerly.
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
     """y = x / sqrt(mean(x^2) + eps) * scale, computed in float32, returned in x's dtype."""
 
-    def __init__(self, dim: int, name: str, cfg: ModelConfig):
+    def __init__(self, dim: int, axis: str, cfg: ModelConfig):
+        """`axis`: the logical name of the normalised dimension (how `scale` is sharded)."""
         ones = jnp.ones((dim,), DTYPES[cfg.param_dtype])
-        self.scale = nnx.Param(ones, out_sharding=(name,), eager_sharding=False)
+        self.scale = nnx.Param(ones, out_sharding=(axis,), eager_sharding=False)
         self.eps = cfg.norm_eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -127,7 +118,7 @@ def attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, *, query_block: int = QUER
 class Attention(nnx.Module):
     """Grouped-query causal self-attention that stays inside each packed document."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh, rules: FrozenRules):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, n, k, h = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.resolved_head_dim
         self.wq = _param(rngs, cfg, (d, n, h), ("embed", "heads", "head_dim"))
         self.wk = _param(rngs, cfg, (d, k, h), ("embed", "kv_heads", "head_dim"))
@@ -137,68 +128,67 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(h, "head_dim", cfg) if cfg.qk_norm else None
         self.theta = cfg.rope_theta
         self.dtype = DTYPES[cfg.dtype]
-        self.mesh, self.rules = mesh, rules
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS):
-        dt, mesh, rules = self.dtype, self.mesh, self.rules
+        dt = self.dtype
         q_BSNH = jnp.einsum("BSD,DNH->BSNH", x_BSD, self.wq[...].astype(dt))
         k_BTKH = jnp.einsum("BSD,DKH->BSKH", x_BSD, self.wk[...].astype(dt))
         v_BTKH = jnp.einsum("BSD,DKH->BSKH", x_BSD, self.wv[...].astype(dt))
         if self.q_norm is not None:
             q_BSNH, k_BTKH = self.q_norm(q_BSNH), self.k_norm(k_BTKH)
-        q_BSNH = constrain(rope(q_BSNH, positions_BS, self.theta), mesh, rules, _HEADS)
-        k_BTKH = constrain(rope(k_BTKH, positions_BS, self.theta), mesh, rules, _KV_HEADS)
-        v_BTKH = constrain(v_BTKH, mesh, rules, _KV_HEADS)
+        q_BSNH = constrain(rope(q_BSNH, positions_BS, self.theta), _HEADS)
+        k_BTKH = constrain(rope(k_BTKH, positions_BS, self.theta), _KV_HEADS)
+        v_BTKH = constrain(v_BTKH, _KV_HEADS)
 
-        out_BSNH = attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS)
-        out_BSNH = constrain(out_BSNH, mesh, rules, _HEADS)
+        out_BSNH = constrain(attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS), _HEADS)
         return jnp.einsum("BSNH,NHD->BSD", out_BSNH, self.wo[...].astype(dt))
 
 
 class Mlp(nnx.Module):
     """SwiGLU: (silu(x W_gate) * x W_up) W_down."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh, rules: FrozenRules):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.d_ff
         self.w_gate = _param(rngs, cfg, (d, f), ("embed", "mlp"))
         self.w_up = _param(rngs, cfg, (d, f), ("embed", "mlp"))
         self.w_down = _param(rngs, cfg, (f, d), ("mlp", "embed"))
         self.dtype = DTYPES[cfg.dtype]
-        self.mesh, self.rules = mesh, rules
 
     def __call__(self, x_BSD):
         dt = self.dtype
         gate_BSF = jnp.einsum("BSD,DF->BSF", x_BSD, self.w_gate[...].astype(dt))
         up_BSF = jnp.einsum("BSD,DF->BSF", x_BSD, self.w_up[...].astype(dt))
-        h_BSF = constrain(jax.nn.silu(gate_BSF) * up_BSF, self.mesh, self.rules, _MLP)
+        h_BSF = constrain(jax.nn.silu(gate_BSF) * up_BSF, _MLP)
         return jnp.einsum("BSF,FD->BSD", h_BSF, self.w_down[...].astype(dt))
 
 
 class Block(nnx.Module):
     """Pre-norm Transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh, rules: FrozenRules):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, "norm", cfg)
-        self.attn = Attention(cfg, rngs, mesh, rules)
+        self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, "norm", cfg)
-        self.mlp = Mlp(cfg, rngs, mesh, rules)
-        self.mesh, self.rules = mesh, rules
+        self.mlp = Mlp(cfg, rngs=rngs)
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS):
         x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS)
-        x_BSD = constrain(x_BSD, self.mesh, self.rules, ACT_BSD)
+        x_BSD = constrain(x_BSD, ACT_BSD)
         x_BSD = x_BSD + self.mlp(self.mlp_norm(x_BSD))
-        return constrain(x_BSD, self.mesh, self.rules, ACT_BSD)
+        return constrain(x_BSD, ACT_BSD)
 
 
 class Transformer(nnx.Module):
-    """Token embedding, `num_layers` scanned blocks, final RMSNorm; the LM head is separate."""
+    """Token embedding, `num_layers` scanned blocks, final RMSNorm; the LM head is separate.
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, mesh=None, rules: Rules | None = None):
+    Implements `kiln.model.LanguageModel`; activations are sharded by `kiln.mesh.constrain`,
+    so run it inside `kiln.mesh.use_mesh` to shard, outside to run on one device.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.mesh, self.rules = mesh, freeze_rules(rules)
         self.embedding = _param(rngs, cfg, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
-        self.blocks = _stacked_blocks(cfg, rngs, mesh, self.rules)
+        self.blocks = _stacked_blocks(cfg, rngs)
         self.final_norm = RMSNorm(cfg.d_model, "norm", cfg)
         self.lm_head = (
             None
@@ -206,21 +196,21 @@ class Transformer(nnx.Module):
             else _param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
         )
 
-    def __call__(
+    def hidden_states(
         self,
         inputs_BS: jax.Array,
         positions_BS: jax.Array,
         segment_ids_BS: jax.Array,
         *,
-        collect_layers: Sequence[int] = (),
-    ):
+        collect: Sequence[int] = (),
+    ) -> ModelOutput:
         """Hidden states [B,S,D] after the final norm, in the compute dtype.
 
-        With `collect_layers`, also returns feats [len(collect_layers),B,S,D]: the residual
-        stream after each listed block (0-based), before the final norm.
+        With `collect`, features [len(collect),B,S,D]: the residual stream after each listed
+        block (0-based), before the final norm; otherwise features is None. No aux terms.
         """
         cfg = self.cfg
-        collect = tuple(int(i) for i in collect_layers)
+        collect = tuple(int(i) for i in collect)
         for i in collect:
             if not 0 <= i < cfg.num_layers:
                 raise KilnError(
@@ -229,7 +219,7 @@ class Transformer(nnx.Module):
                 )
         table_VD = self.embedding[...]
         x_BSD = jnp.take(table_VD, inputs_BS, axis=0).astype(DTYPES[cfg.dtype])
-        x_BSD = constrain(x_BSD, self.mesh, self.rules, ACT_BSD)
+        x_BSD = constrain(x_BSD, ACT_BSD)
 
         graphdef, params = nnx.split(self.blocks)
 
@@ -240,124 +230,53 @@ class Transformer(nnx.Module):
         if cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
         x_BSD, all_LBSD = jax.lax.scan(body, x_BSD, params)
-        hidden_BSD = self.final_norm(x_BSD)
-        if not collect:
-            return hidden_BSD
-        return hidden_BSD, all_LBSD[jnp.asarray(collect)]
+        features = all_LBSD[jnp.asarray(collect)] if collect else None
+        return ModelOutput(self.final_norm(x_BSD), features, {})
 
-    def head_weight(self) -> jax.Array:
-        """LM head [D, V] in the parameter dtype (the embedding transposed when tied)."""
-        if self.lm_head is None:
-            return self.embedding[...].T
-        return self.lm_head[...]
+    def head_weight(self, dtype=None) -> jax.Array:
+        """LM head [D, V] (the embedding transposed when tied) in `dtype` (None: logits dtype)."""
+        head_DV = self.embedding[...].T if self.lm_head is None else self.lm_head[...]
+        return head_DV.astype(logits_dtype(self.cfg) if dtype is None else dtype)
 
     def logits(self, hidden_BSD: jax.Array) -> jax.Array:
         """Logits [..., V] in float32 from hidden [..., D]; cap * tanh(logits / cap) if capped."""
-        dt = DTYPES[self.cfg.dtype]
-        logits = jnp.einsum(
-            "...D,DV->...V",
-            hidden_BSD.astype(dt),
-            self.head_weight().astype(dt),
-            preferred_element_type=jnp.float32,
-        )
-        cap = self.cfg.logit_softcap
-        if cap is not None:
-            logits = cap * jnp.tanh(logits / cap)
+        logits = head_logits(hidden_BSD, self.head_weight(), softcap=self.cfg.logit_softcap)
         if logits.ndim == 3:
-            logits = constrain(logits, self.mesh, self.rules, ("batch", "length", "act_vocab"))
+            logits = constrain(logits, ("batch", "length", "act_vocab"))
         return logits
 
+    def diagnostics(self) -> dict[str, jax.Array]:
+        """The LM head's Frobenius norm and the final norm's mean scale, in float32."""
+        return {
+            "learning/lm_head_norm": jnp.linalg.norm(self.head_weight(jnp.float32)),
+            "learning/final_norm_scale": jnp.mean(self.final_norm.scale[...].astype(jnp.float32)),
+        }
 
-def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, mesh, rules: FrozenRules) -> Block:
+    def matmul_params(self) -> int:
+        """Parameters that multiply activations: all blocks' projections plus the LM head."""
+        m = self.cfg
+        d, f, h, n, k = m.d_model, m.d_ff, m.resolved_head_dim, m.num_heads, m.kv_heads
+        per_layer = d * (n + 2 * k) * h + n * h * d + 3 * d * f
+        return m.num_layers * per_layer + d * m.vocab_size
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 N_matmul + causal attention 6 L S N H (MaxText accounting).
+
+        Forward + backward = 3x the forward's 2 N FLOPs per token for matmul parameters N; the
+        attention scores and values cost 4 S N H per token per layer forward, halved for
+        causality, times 3 for training.
+        """
+        m = self.cfg
+        attention = 6.0 * m.num_layers * seq_len * m.num_heads * m.resolved_head_dim
+        return 6.0 * self.matmul_params() + attention
+
+
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
     """One Block whose parameters have a leading `layers` axis of size num_layers."""
 
     @nnx.split_rngs(splits=cfg.num_layers)
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make(layer_rngs: nnx.Rngs) -> Block:
-        return Block(cfg, layer_rngs, mesh, rules)
+        return Block(cfg, rngs=layer_rngs)
 
     return make(rngs)
-
-
-# ---------------------------------------------------------------------------------------------
-# Building and sizing
-
-
-def create_model(config: Any, mesh, seed: int) -> Transformer:
-    """The model of `config.model` with parameters created already sharded on `mesh` (or None)."""
-    cfg, rules = config.model, config.mesh.rules
-
-    def build() -> Transformer:
-        return Transformer(cfg, rngs=nnx.Rngs(seed), mesh=mesh, rules=rules)
-
-    graphdef, abstract = nnx.split(nnx.eval_shape(build))
-    out_shardings = None if mesh is None else state_shardings(abstract, mesh, rules)
-    # Each device computes only its own shards of the random init: no full copy anywhere.
-    state = jax.jit(lambda: nnx.state(build()), out_shardings=out_shardings)()
-    return nnx.merge(graphdef, state)
-
-
-def abstract_state(model_cfg: ModelConfig) -> nnx.State:
-    """Parameter shapes and dtypes (ShapeDtypeStructs) of the model, allocating nothing."""
-    model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
-    return nnx.state(model, nnx.Param)
-
-
-def param_count(model_cfg: ModelConfig) -> int:
-    """Number of parameters, from shapes only (jax.eval_shape)."""
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_state(model_cfg)))
-
-
-def matmul_params(model_cfg: ModelConfig) -> int:
-    """Parameters that multiply activations: all blocks' projections plus the LM head."""
-    d, f, h = model_cfg.d_model, model_cfg.d_ff, model_cfg.resolved_head_dim
-    n, k = model_cfg.num_heads, model_cfg.kv_heads
-    per_layer = d * (n + 2 * k) * h + n * h * d + 3 * d * f
-    return model_cfg.num_layers * per_layer + d * model_cfg.vocab_size
-
-
-def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 N_matmul + causal attention 6 L S N H (MaxText accounting).
-
-    Forward + backward = 3x the forward's 2 N FLOPs per token for matmul parameters N; the
-    attention scores and values cost 4 S N H per token per layer forward, halved for
-    causality, times 3 for training.
-    """
-    m = model_cfg
-    attention = 6.0 * m.num_layers * seq_len * m.num_heads * m.resolved_head_dim
-    return 6.0 * matmul_params(m) + attention
-
-
-def summary(config: Any) -> str:
-    """Parameters, FLOPs per token and per-device training memory for the configured mesh."""
-    m = config.model
-    state = abstract_state(m)
-    sizes = mesh_sizes_for_summary(config)
-    specs = state_specs(state, config.mesh.rules, sizes)
-    leaves = jax.tree.leaves(state)
-    spec_leaves = jax.tree.leaves(
-        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
-    )
-    itemsize = jnp.dtype(DTYPES[m.param_dtype]).itemsize
-    total = sum(math.prod(x.shape) for x in leaves)
-    per_device = sum(
-        math.prod(math.ceil(n / p) for n, p in zip(x.shape, shards_per_dim(spec, sizes)))
-        for x, spec in zip(leaves, spec_leaves)
-    )
-    embed = m.vocab_size * m.d_model
-    flops = flops_per_token(m, config.data.seq_len)
-    gib = per_device * itemsize / 2**30
-    mesh_text = " x ".join(f"{a}={s}" for a, s in sizes.items())
-    return "\n".join(
-        [
-            f"parameters:        {total:,} ({total / 1e9:.3f}B; embedding {embed:,}, "
-            f"LM head {'tied' if m.tie_embeddings else f'{embed:,}'}, "
-            f"non-embedding {total - embed * (1 if m.tie_embeddings else 2):,})",
-            f"FLOPs per token:   {flops:.4g} (training, seq_len {config.data.seq_len}; "
-            f"6 x {matmul_params(m):,} matmul params + causal attention)",
-            f"mesh:              {mesh_text} ({math.prod(sizes.values())} devices)",
-            f"memory per device: {per_device:,} parameters x {itemsize} bytes ({m.param_dtype})",
-            f"  params {gib:.2f} GiB + grads {gib:.2f} GiB + AdamW moments {2 * gib:.2f} GiB "
-            f"= {4 * gib:.2f} GiB (activations not included)",
-        ]
-    )

@@ -1,0 +1,109 @@
+"""Language models behind one interface: the family registry, building and sizing.
+
+`model.family` picks the implementation from `FAMILIES` (one line per family); every family
+implements `LanguageModel`, so the trainer, the distillation objective, Hugging Face interop
+and the size summary never name a concrete class.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kiln.config import ModelConfig
+from kiln.mesh import mesh_sizes_for_summary, sharded_init, shards_per_dim, state_specs
+from kiln.model.interface import DTYPES, LanguageModel, ModelOutput, logits_dtype
+from kiln.model.llama import Transformer
+
+# model.family -> the class that implements it; built as cls(model_cfg, rngs=...).
+FAMILIES: dict[str, type[LanguageModel]] = {
+    "llama": Transformer,
+}
+
+
+def build_model(model_cfg: ModelConfig, *, rngs: nnx.Rngs) -> LanguageModel:
+    """The configured family's model, initialised eagerly from `rngs` (unsharded)."""
+    return FAMILIES[model_cfg.family](model_cfg, rngs=rngs)
+
+
+def create_model(config: Any, mesh, seed: int) -> LanguageModel:
+    """The model of `config.model` with parameters created already sharded on `mesh` (or None)."""
+    return sharded_init(
+        lambda: build_model(config.model, rngs=nnx.Rngs(seed)), mesh, config.mesh.rules
+    )
+
+
+def abstract_model(model_cfg: ModelConfig) -> LanguageModel:
+    """The model with ShapeDtypeStructs for arrays (`nnx.eval_shape`): allocates nothing."""
+    return nnx.eval_shape(lambda: build_model(model_cfg, rngs=nnx.Rngs(0)))
+
+
+def abstract_state(model_cfg: ModelConfig) -> nnx.State:
+    """Parameter shapes and dtypes (ShapeDtypeStructs) of the model, allocating nothing."""
+    return nnx.state(abstract_model(model_cfg), nnx.Param)
+
+
+def param_count(model_cfg: ModelConfig) -> int:
+    """Number of parameters, from shapes only (jax.eval_shape)."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_state(model_cfg)))
+
+
+def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token of the configured family (`LanguageModel.flops_per_token`)."""
+    return abstract_model(model_cfg).flops_per_token(seq_len)
+
+
+def summary(config: Any) -> str:
+    """Parameters, FLOPs per token and per-device training memory for the configured mesh."""
+    m = config.model
+    model = abstract_model(m)
+    state = nnx.state(model, nnx.Param)
+    sizes = mesh_sizes_for_summary(config)
+    specs = state_specs(state, config.mesh.rules, sizes)
+    leaves = jax.tree.leaves(state)
+    spec_leaves = jax.tree.leaves(
+        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    )
+    itemsize = jnp.dtype(DTYPES[m.param_dtype]).itemsize
+    total = sum(math.prod(x.shape) for x in leaves)
+    per_device = sum(
+        math.prod(math.ceil(n / p) for n, p in zip(x.shape, shards_per_dim(spec, sizes)))
+        for x, spec in zip(leaves, spec_leaves)
+    )
+    embed = m.vocab_size * m.d_model
+    flops = model.flops_per_token(config.data.seq_len)
+    gib = per_device * itemsize / 2**30
+    mesh_text = " x ".join(f"{a}={s}" for a, s in sizes.items())
+    return "\n".join(
+        [
+            f"parameters:        {total:,} ({total / 1e9:.3f}B; embedding {embed:,}, "
+            f"LM head {'tied' if m.tie_embeddings else f'{embed:,}'}, "
+            f"non-embedding {total - embed * (1 if m.tie_embeddings else 2):,})",
+            f"FLOPs per token:   {flops:.4g} (training, seq_len {config.data.seq_len}; "
+            f"6 x {model.matmul_params():,} matmul params + causal attention)",
+            f"mesh:              {mesh_text} ({math.prod(sizes.values())} devices)",
+            f"memory per device: {per_device:,} parameters x {itemsize} bytes ({m.param_dtype})",
+            f"  params {gib:.2f} GiB + grads {gib:.2f} GiB + AdamW moments {2 * gib:.2f} GiB "
+            f"= {4 * gib:.2f} GiB (activations not included)",
+        ]
+    )
+
+
+__all__ = [
+    "DTYPES",
+    "FAMILIES",
+    "LanguageModel",
+    "ModelOutput",
+    "abstract_model",
+    "abstract_state",
+    "build_model",
+    "create_model",
+    "flops_per_token",
+    "logits_dtype",
+    "param_count",
+    "summary",
+]

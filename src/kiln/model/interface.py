@@ -1,0 +1,66 @@
+"""What the trainer needs of a language model, whichever family implements it.
+
+Einsum letters: B batch, S positions, D d_model, V vocab, P collected layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from kiln.config import ModelConfig
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class ModelOutput(NamedTuple):
+    """hidden [B,S,D] after the final norm (compute dtype); features [P,B,S,D] or None; aux terms."""
+
+    hidden: jax.Array
+    features: jax.Array | None
+    aux: dict[str, jax.Array]
+
+
+class LanguageModel(Protocol):
+    """A decoder that ends at hidden states; losses own the head (`head_weight`)."""
+
+    cfg: ModelConfig
+
+    def hidden_states(
+        self,
+        inputs_BS: jax.Array,
+        positions_BS: jax.Array,
+        segment_ids_BS: jax.Array,
+        *,
+        collect: Sequence[int] = (),
+    ) -> ModelOutput:
+        """Hidden states, plus the residual stream after each block in `collect` (0-based)."""
+        ...
+
+    def head_weight(self, dtype=None) -> jax.Array:
+        """LM head [D, V] cast to `dtype` (None = the logits dtype, `model.logits_dtype`)."""
+        ...
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """float32 logits [..., V] of hidden states [..., D] (soft-capped if configured)."""
+        ...
+
+    def diagnostics(self) -> dict[str, jax.Array]:
+        """float32 scalars logged every step (`learning/lm_head_norm`, ...)."""
+        ...
+
+    def matmul_params(self) -> int:
+        """Parameters that multiply activations (what 6 N of the FLOPs counts)."""
+        ...
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token at this sequence length."""
+        ...
+
+
+def logits_dtype(cfg: ModelConfig):
+    """dtype of the LM head matmul's inputs: `model.logits_dtype`, or the compute dtype."""
+    return DTYPES[cfg.logits_dtype or cfg.dtype]
