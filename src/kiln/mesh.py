@@ -34,11 +34,15 @@ Rules = Mapping[str, Sequence[str]] | Iterable[tuple[str, Sequence[str]]]
 _RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("kiln_rules", default=None)
 
 
-def make_mesh(config: Any) -> Mesh:
-    """Mesh with axes (data, fsdp, tensor, sequence) sized by `config.mesh` over all devices."""
-    sizes = check_devices(config, jax.device_count())
+def make_mesh(config: Any, devices: Sequence[Any] | None = None) -> Mesh:
+    """Mesh with axes (data, fsdp, tensor, sequence) sized by `config.mesh` over all devices.
+
+    `devices` (default: every device) may be compile-only devices of a TPU topology.
+    """
+    sizes = check_devices(config, jax.device_count() if devices is None else len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+    axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
 
 
 def logical_spec(names: tuple[str | None, ...], rules: Rules) -> PartitionSpec:
