@@ -48,6 +48,26 @@ def _add_config_args(p: argparse.ArgumentParser, *, optional: bool = False) -> N
     )
 
 
+def _add_device_args(p: argparse.ArgumentParser) -> None:
+    """--devices, --topology and --hbm-gb of `kiln compile` and `kiln config --summary`."""
+    p.add_argument(
+        "--devices", type=_at_least_one, default=None, metavar="N", help="N simulated CPU devices"
+    )
+    p.add_argument(
+        "--topology",
+        default=None,
+        metavar="NAME",
+        help="a TPU slice, e.g. v5p-8, v5e-16, v6e-8 (libtpu's compiler; pip install 'kiln[tpu]')",
+    )
+    p.add_argument(
+        "--hbm-gb",
+        type=_positive_float,
+        default=None,
+        metavar="X",
+        help="memory per device in GB (1e9 bytes): the compiled peak is checked against it",
+    )
+
+
 def _load(args: argparse.Namespace):
     from kiln.config import load_config
 
@@ -78,12 +98,22 @@ def cmd_config(args: argparse.Namespace) -> int:
         return 0
     if args.config is None:
         raise KilnError("kiln config: give a CONFIG.yaml, or --schema to list every field")
-    config = _load(args)
+    given = [f for f, v in (("--devices", args.devices), ("--topology", args.topology)) if v]
+    given += ["--hbm-gb"] if args.hbm_gb is not None else []
+    if given and not args.summary:
+        raise KilnError(f"kiln config: {', '.join(given)} only apply with --summary")
     if args.summary:
+        from kiln import compile as aot
         from kiln.model import summary
 
-        print(summary(config))
+        config = _load(args)
+        # Devices before anything starts JAX's backend (simulated CPU devices are set first).
+        devices = aot.summary_devices(config, args.devices, args.topology)
+        report = aot.compile_report(config, devices)
+        print(summary(config, len(devices)))
+        print(aot.summary_lines(report, args.hbm_gb))
         return 0
+    config = _load(args)
     print(config.to_yaml(), end="")
     return 0
 
@@ -181,8 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--format", choices=("text", "markdown"), default="text", help="format of --schema"
     )
     p.add_argument(
-        "--summary", action="store_true", help="parameters, FLOPs per token and memory per device"
+        "--summary",
+        action="store_true",
+        help="parameters, FLOPs per token, memory per device (state, and compiled activations)",
     )
+    _add_device_args(p)
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser(
@@ -190,22 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile the train step ahead of time: memory, FLOPs, collectives (allocates nothing)",
     )
     _add_config_args(p)
-    p.add_argument(
-        "--devices", type=_at_least_one, default=None, metavar="N", help="N simulated CPU devices"
-    )
-    p.add_argument(
-        "--topology",
-        default=None,
-        metavar="NAME",
-        help="a TPU slice, e.g. v5p-8, v5e-16, v6e-8 (libtpu's compiler; pip install 'kiln[tpu]')",
-    )
-    p.add_argument(
-        "--hbm-gb",
-        type=_positive_float,
-        default=None,
-        metavar="X",
-        help="memory per device in GB (1e9 bytes): exit 1 if the peak exceeds it",
-    )
+    _add_device_args(p)
     p.add_argument(
         "--fit",
         action="store_true",

@@ -18,7 +18,7 @@ import re
 import time
 from typing import Any
 
-from kiln.config import Config
+from kiln.config import MESH_AXES, Config
 from kiln.errors import KilnError, RunStopped
 
 GB = 1e9  # --hbm-gb is in decimal gigabytes, as accelerator memory is sold
@@ -258,3 +258,30 @@ def check_fits(report: StepReport, hbm_gb: float | None, config_path: str) -> No
             f"--hbm-gb {hbm_gb:g}; search settings that fit with "
             f"`kiln compile {config_path} --fit --hbm-gb {hbm_gb:g}`"
         )
+
+
+def summary_devices(config: Config, devices: int | None, topology: str | None) -> list[Any]:
+    """Devices for `kiln config --summary`: as `kiln compile`, or as many as an explicit mesh has."""
+    sizes = [getattr(config.mesh, a) for a in MESH_AXES]
+    if devices is None and topology is None and -1 not in sizes:
+        devices = math.prod(sizes)
+    return target_devices(devices, topology)
+
+
+def summary_lines(report: StepReport, hbm_gb: float | None) -> str:
+    """The compiled memory of `kiln config --summary`: activations and whether the peak fits."""
+    m = report.memory
+    lines = [
+        f"compiled step:     {report.devices} {report.platform} devices, per device: arguments "
+        f"{m['arguments'] / GB:.2f} GB + activations and temporaries {m['temporaries'] / GB:.2f} GB"
+        f" -> peak {m['peak'] / GB:.2f} GB ({report.peak_source}; `kiln compile` for more)"
+    ]
+    if hbm_gb is None:
+        lines.append("fits:              give --hbm-gb X to check the peak against X GB")
+    else:
+        verdict = "yes" if report.fits(hbm_gb) else "NO"
+        lines.append(
+            f"fits:              {verdict}, peak {m['peak'] / GB:.2f} GB per device vs {hbm_gb:g} GB"
+            + ("" if report.fits(hbm_gb) else "; try `kiln compile --fit`")
+        )
+    return "\n".join(lines)

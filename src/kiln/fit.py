@@ -65,6 +65,7 @@ class FitResult:
             "hbm_gb": self.hbm_gb,
             "fits": self.best is not None,
             "overrides": None if self.best is None else self.best.overrides(),
+            "best": None if self.best is None else dataclasses.asdict(self.best),
             "trials": [
                 {**dataclasses.asdict(s), "peak_bytes": peak, "fits": peak <= self.hbm_gb * GB}
                 for s, peak in self.trials

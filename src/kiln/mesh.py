@@ -230,9 +230,10 @@ def sharded_init(build: Callable[[], Any], mesh: Mesh | None, rules: Rules):
     return nnx.merge(graphdef, state)
 
 
-def mesh_sizes_for_summary(config: Any) -> dict[str, int]:
-    """Mesh sizes for planning: -1 resolved against the local devices, explicit sizes as given."""
+def mesh_sizes_for_summary(config: Any, num_devices: int | None = None) -> dict[str, int]:
+    """Mesh sizes for planning: -1 resolved against `num_devices` (default: the local devices)."""
     given = {a: getattr(config.mesh, a) for a in MESH_AXES}
     if -1 not in given.values():
         return given
-    return config.mesh.sizes(max(jax.device_count(), math.prod(s for s in given.values() if s > 0)))
+    count = jax.device_count() if num_devices is None else num_devices
+    return config.mesh.sizes(max(count, math.prod(s for s in given.values() if s > 0)))
