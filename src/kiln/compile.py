@@ -36,8 +36,10 @@ def use_cpu_devices(count: int) -> list[Any]:
     import jax
 
     # Refused once the backend has started: then its devices are used, if there are enough.
+    # CPU only, so that an installed libtpu or CUDA plugin is not started for nothing.
     with contextlib.suppress(RuntimeError):
         jax.config.update("jax_num_cpu_devices", count)
+        jax.config.update("jax_platforms", "cpu")
     devices = jax.devices("cpu")
     if len(devices) < count:
         raise KilnError(
