@@ -219,7 +219,10 @@ TARGET = re.compile(
 @pytest.mark.slow
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_shipped_model_configs_fit_the_hardware_they_name(path):
-    """memory(L) = a + b L from 1 and 2 layers, extrapolated to the config's layer count."""
+    """memory(L) = a + b L from 2 and 4 layers, extrapolated to the config's layer count.
+
+    Not from 1 layer: XLA compiles a one-step scan without its loop, differently.
+    """
     target = TARGET.search(path.read_text())
     assert target, f"{path.name}: no '# Target: ...' comment with its `kiln compile` check"
     assert ROOT / target.group(1) == path
@@ -227,9 +230,9 @@ def test_shipped_model_configs_fit_the_hardware_they_name(path):
     layers = load_config(path).model.num_layers
     peak = {
         n: aot.compile_report(load_config(path, [f"model.num_layers={n}"]), devices).memory["peak"]
-        for n in (1, 2)
+        for n in (2, 4)
     }
-    per_layer = peak[2] - peak[1]
+    per_layer = (peak[4] - peak[2]) / 2
     assert per_layer > 0
-    extrapolated = peak[1] + per_layer * (layers - 1)
+    extrapolated = peak[2] + per_layer * (layers - 2)
     assert extrapolated <= budget * 1e9, (path.name, extrapolated / 1e9, budget)

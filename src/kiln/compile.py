@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import math
+import os
 import re
 import time
 from typing import Any
@@ -90,6 +91,9 @@ def topology_devices(name: str) -> list[Any]:
             "pip install 'kiln[tpu]'"
         )
     from jax.experimental.topologies import get_topology_desc
+
+    # Compile-only devices hold no chip: libtpu's one-process-per-TPU lock does not apply.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
     return list(get_topology_desc(platform="tpu", **args).devices)
 
