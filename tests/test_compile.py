@@ -171,6 +171,38 @@ def test_config_summary_reports_the_compiled_activations(small_1b_report, capsys
     assert_user_error(kiln("config", "configs/tiny.yaml", "--hbm-gb", "8", cwd=ROOT), "--summary")
 
 
+def test_distillation_configs_compile_the_distill_step_with_the_teacher_abstract(tmp_path):
+    import math
+
+    import jax
+
+    from kiln.distill import abstract_teacher
+    from kiln.mesh import make_mesh
+
+    teacher_dir = tmp_path / "teacher"
+    teacher_dir.mkdir()  # its config.yaml only: compiling reads no checkpoint
+    (teacher_dir / "config.yaml").write_text(load_config(ROOT / "configs/tiny.yaml").to_yaml())
+    student = ["distillation.layer_map=[]", "train.global_batch_size=16"]
+    devices = aot.use_cpu_devices(8)
+    distill = load_config(
+        ROOT / "configs/distill_tiny.yaml",
+        [*student, f"distillation.teacher_run_dir={teacher_dir}"],
+    )
+    plain = load_config(
+        ROOT / "configs/distill_tiny.yaml", [*student, "distillation.teacher_run_dir=null"]
+    )
+    got, alone = aot.compile_report(distill, devices), aot.compile_report(plain, devices)
+    assert (got.command, alone.command) == ("kiln distill", "kiln train")
+    # The teacher's parameters are arguments of the step: its shards on one device, exactly.
+    teacher_cfg = load_config(ROOT / "configs/tiny.yaml")
+    teacher = abstract_teacher(distill, make_mesh(distill, devices), teacher_cfg, teacher_dir, -1)
+    per_device = sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+        for x in jax.tree.leaves(teacher.params)
+    )
+    assert got.memory["arguments"] - alone.memory["arguments"] == per_device
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu (the kiln[tpu] extra) is not installed")
 def test_topology_compiles_with_the_tpu_compiler(small_1b_report):
