@@ -64,26 +64,22 @@ def test_compile_reports_the_memory_of_the_step_kiln_train_runs(
     assert report.collectives["all-gather"]["ops"] > 0
 
 
-def test_cli_json_is_the_report(small_1b_report, capsys):
-    _, report = small_1b_report
-    assert main(["compile", str(LLAMA_1B), *SMALL_1B, "--devices", "8", "--json"]) == 0
-    got = json.loads(capsys.readouterr().out)
-    assert got["memory"] == report.memory
-    assert got["collectives"] == report.collectives
-    assert got["flops"] == report.flops
-
-
 def test_peak_over_the_budget_prints_the_report_and_exits_1(small_1b_report, capsys):
     _, report = small_1b_report
     budget = report.memory["peak"] / 1e9 * 0.99
-    code = main(["compile", str(LLAMA_1B), *SMALL_1B, "--devices", "8", f"--hbm-gb={budget}"])
+    args = ["compile", str(LLAMA_1B), *SMALL_1B, "--devices", "8", f"--hbm-gb={budget}", "--json"]
+    code = main(args)
     out, err = capsys.readouterr()
     assert code == 1
-    assert re.search(rf"peak +{report.memory['peak'] / 1e9:.3f} GB", out)
-    assert "all-gather" in out and "counts a scan body once" in out
+    got = json.loads(out)
+    assert (got["memory"], got["collectives"]) == (report.memory, report.collectives)
+    assert got["flops"] == report.flops
     err = err.strip().splitlines()
     assert len(err) == 1 and "exceeds --hbm-gb" in err[0] and "--fit" in err[0]
     assert report.fits(report.memory["peak"] / 1e9) and not report.fits(budget)
+    text = aot.format_report(report, "c.yaml")
+    assert re.search(rf"peak +{report.memory['peak'] / 1e9:.3f} GB", text)
+    assert "all-gather" in text and "counts a scan body once" in text
 
 
 @pytest.mark.parametrize(
