@@ -1,0 +1,270 @@
+"""Attention implementations behind one signature, picked by `model.attention` per platform.
+
+Every implementation is `fn(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS) -> out_BSNH`: causal
+self-attention that stays inside each packed document (equal segment ids; padding is segment
+0 and attends only to padding), grouped-query (query head n reads key/value head n // G),
+softmax(q k^T / sqrt(H)) v with float32 scores. Einsum letters as in `kiln.model.llama`,
+plus R = C*G query rows of one key/value head and P sequence shards.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kiln.errors import KilnError
+from kiln.mesh import current_rules, logical_spec, mesh_axes
+
+# Masked scores: exp(MASKED - max) is exactly 0 in float32, so no gradient leaks through.
+MASKED = float(jnp.finfo(jnp.float32).min)
+# Query rows per attention block for long sequences: bounds the float32 scores held at once
+# to [batch, heads, QUERY_BLOCK, keys].
+QUERY_BLOCK = 512
+# Query and key rows per splash-attention kernel block (capped at the sequence length).
+SPLASH_BLOCK = 512
+
+
+def _rows(q_BCKGH, idx_C, seg_BC, k_BTKH, v_BTKH, seg_BT):
+    """Attention of C query rows (at positions idx_C) over the T keys at positions 0..T-1."""
+    # The G query heads of a key/value head are folded into the rows, R = C*G (c-major, so
+    # a sequence-sharded C stays evenly split): one batch and one free dimension a side,
+    # which XLA runs markedly faster than two free dimensions on the query side.
+    b, c, k, g, h = q_BCKGH.shape
+    t = k_BTKH.shape[1]
+    q_BKRH = q_BCKGH.transpose(0, 2, 1, 3, 4).reshape(b, k, c * g, h)
+    scores_BKRT = jnp.einsum(
+        "BKRH,BTKH->BKRT", q_BKRH, k_BTKH, preferred_element_type=jnp.float32
+    ) * (h**-0.5)
+    # Padding (segment 0) attends only to padding, so no row is ever fully masked.
+    same_doc_BCT = seg_BC[:, :, None] == seg_BT[:, None, :]
+    mask_BCT = same_doc_BCT & (idx_C[:, None] >= jnp.arange(t)[None, :])[None]
+    mask_BRT = jnp.broadcast_to(mask_BCT[:, :, None], (b, c, g, t)).reshape(b, c * g, t)
+    scores_BKRT = jnp.where(mask_BRT[:, None], scores_BKRT, MASKED)
+    probs_BKRT = jax.nn.softmax(scores_BKRT, axis=-1).astype(v_BTKH.dtype)
+    out_BKRH = jnp.einsum("BKRT,BTKH->BKRH", probs_BKRT, v_BTKH)
+    return out_BKRH.reshape(b, k, c, g, h).transpose(0, 2, 1, 3, 4)
+
+
+def dense_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, *, query_block: int = QUERY_BLOCK):
+    """Every query row against every key, masked afterwards (kiln's attention before skipping).
+
+    Sequences longer than `query_block` (and a multiple of it) are processed `query_block`
+    query rows at a time and recomputed in the backward pass, so the score matrix is never
+    whole; the blocks are strided (block j holds rows j, j + S/query_block, ...) so that each
+    block is split evenly when the sequence is sharded.
+    """
+    b, s, n, h = q_BSNH.shape
+    k = k_BTKH.shape[2]
+    q_BSKGH = q_BSNH.reshape(b, s, k, n // k, h)
+    key_idx_T = jnp.arange(s)
+    rows = functools.partial(_rows, k_BTKH=k_BTKH, v_BTKH=v_BTKH, seg_BT=segment_ids_BS)
+
+    blocks = s // query_block if s > query_block and s % query_block == 0 else 1
+    if blocks == 1:
+        return rows(q_BSKGH, key_idx_T, segment_ids_BS).reshape(b, s, n, h)
+    # Row c * blocks + j goes to block j.
+    q_JBCKGH = jnp.moveaxis(q_BSKGH.reshape(b, s // blocks, blocks, k, n // k, h), 2, 0)
+    idx_JC = key_idx_T.reshape(s // blocks, blocks).T
+    seg_JBC = jnp.moveaxis(segment_ids_BS.reshape(b, s // blocks, blocks), 2, 0)
+    out_JBCKGH = jax.lax.map(
+        jax.checkpoint(lambda a: rows(*a), prevent_cse=False), (q_JBCKGH, idx_JC, seg_JBC)
+    )
+    return jnp.moveaxis(out_JBCKGH, 0, 2).reshape(b, s, n, h)
+
+
+def sequence_shards() -> int:
+    """How many pieces the mesh of the code being traced cuts the `length` axis into (1: none)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    axes = mesh_axes(("length",), current_rules(), dict(mesh.shape))[0]
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def causal_attention(
+    q_BSNH,
+    k_BTKH,
+    v_BTKH,
+    segment_ids_BS,
+    *,
+    query_block: int = QUERY_BLOCK,
+    shards: int | None = None,
+):
+    """`dense_attention`, but key blocks wholly above the causal diagonal are never computed.
+
+    Query blocks of `query_block` rows are contiguous within each of the P sequence shards
+    (`shards`; None = the traced mesh's): block m holds rows p*S/P + m*query_block/P + t of
+    every shard p, so each block splits evenly over the shards, and it reads only the keys
+    before its last row, (P-1)*S/P + (m+1)*query_block/P of them. Unsharded this computes
+    about (1 + query_block/S)/2 of the dense scores; with P shards the blocks also carry the
+    keys of the later shards, (2P-1)/2P of dense at long sequences. The blocks are an
+    unrolled loop (each key length is static) recomputed in the backward pass. A sequence of
+    one block is computed exactly as `dense_attention` computes it.
+    """
+    b, s, n, h = q_BSNH.shape
+    k = k_BTKH.shape[2]
+    shards = sequence_shards() if shards is None else shards
+    local = s // shards
+    tile = query_block // shards
+    if s <= query_block or s % shards or query_block % shards or local % tile:
+        return dense_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, query_block=query_block)
+    q_BPLKGH = q_BSNH.reshape(b, shards, local, k, n // k, h)
+    idx_PL = jnp.arange(s).reshape(shards, local)
+    seg_BPL = segment_ids_BS.reshape(b, shards, local)
+    block = jax.checkpoint(_rows, prevent_cse=False)
+    outs = []
+    for m in range(local // tile):
+        cut = slice(m * tile, (m + 1) * tile)
+        end = (shards - 1) * local + (m + 1) * tile
+        out_BCKGH = block(
+            q_BPLKGH[:, :, cut].reshape(b, shards * tile, k, n // k, h),
+            idx_PL[:, cut].reshape(shards * tile),
+            seg_BPL[:, :, cut].reshape(b, shards * tile),
+            k_BTKH[:, :end],
+            v_BTKH[:, :end],
+            segment_ids_BS[:, :end],
+        )
+        outs.append(out_BCKGH.reshape(b, shards, tile, n, h))
+    return jnp.stack(outs, axis=2).reshape(b, s, n, h)
+
+
+def cudnn_arguments(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS) -> dict:
+    """Arguments of `jax.nn.dot_product_attention` for kiln's mask: causal and same document.
+
+    JAX 0.10.2's `jax.nn.dot_product_attention` has no segment ids; packed documents are a
+    boolean mask [B, 1, S, T] (same segment), which JAX turns into an additive bias that
+    cuDNN reads from memory (B*S*T elements in the compute dtype), combined with cuDNN's own
+    causal mask, which skips the blocks above the diagonal.
+    """
+    same_doc_B1ST = (segment_ids_BS[:, :, None] == segment_ids_BS[:, None, :])[:, None]
+    return dict(
+        query=q_BSNH,
+        key=k_BTKH,
+        value=v_BTKH,
+        mask=same_doc_B1ST,
+        is_causal=True,
+        scale=q_BSNH.shape[-1] ** -0.5,
+    )
+
+
+def _platform() -> str:
+    """Platform of the traced mesh's devices ('cpu', 'gpu', 'tpu'), else JAX's default backend."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return device.platform if device is not None else jax.default_backend()
+
+
+def _require(name: str, platform: str) -> None:
+    if _platform() != platform:
+        raise KilnError(
+            f"model.attention: got {name!r}, which runs on {platform.upper()} only, but the "
+            f"devices are {_platform()!r}; use 'auto' or 'xla'"
+        )
+
+
+def cudnn_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS):
+    """cuDNN's fused attention (`jax.nn.dot_product_attention`), bf16/fp16 on NVIDIA GPUs."""
+    _require("cudnn", "gpu")
+    if q_BSNH.dtype not in (jnp.bfloat16, jnp.float16):
+        raise KilnError(
+            f"model.attention: 'cudnn' needs model.dtype bfloat16 or float16, got "
+            f"{jnp.dtype(q_BSNH.dtype).name}; use 'xla' for float32"
+        )
+    args = cudnn_arguments(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS)
+    try:
+        return jax.nn.dot_product_attention(**args, implementation="cudnn")
+    except (NotImplementedError, ValueError, RuntimeError) as e:
+        raise KilnError(f"model.attention: 'cudnn' refused this model: {e}; use 'xla'") from e
+
+
+def splash_attention(
+    q_BSNH,
+    k_BTKH,
+    v_BTKH,
+    segment_ids_BS,
+    *,
+    block: int = SPLASH_BLOCK,
+    interpret: bool = False,
+):
+    """Pallas splash attention (TPU), under `shard_map` over batch and heads.
+
+    Inside each shard the whole sequence is one kernel call per batch row (vmapped), with a
+    causal mask and the segment ids; the kernel skips the blocks the mask empties. A
+    sequence-sharded mesh gathers the queries of all shards first (the kernel sees the whole
+    sequence), so sequence sharding costs no accuracy but does not split this work.
+    `interpret=True` runs the kernel in Pallas' interpreter (CPU; tests only).
+    """
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    if not interpret:
+        _require("splash", "tpu")
+    s, h = q_BSNH.shape[1], q_BSNH.shape[3]
+    blk = min(block, s)
+    if s % blk or blk % 128:
+        raise KilnError(
+            f"model.attention: 'splash' needs data.seq_len a multiple of 128 (and of {block} "
+            f"when longer), got {s}"
+        )
+
+    def per_shard(q_BSNH, k_BTKH, v_BTKH, seg_BS):
+        heads = q_BSNH.shape[2]
+        mask = splash.MultiHeadMask([splash.CausalMask((s, s))] * heads)
+        sizes = dict(block_q=blk, block_kv=blk, block_q_dkv=blk, block_kv_dkv=blk)
+        sizes.update(block_q_dq=blk, block_kv_dq=blk)
+        kernel = splash.make_splash_mha(
+            mask,
+            block_sizes=splash.BlockSizes(**sizes),
+            head_shards=1,
+            q_seq_shards=1,
+            interpret=interpret,
+        )
+        # The kernel does not scale the scores: scale the queries (exact for H a power of 4).
+        q_BNSH = (q_BSNH * h**-0.5).astype(q_BSNH.dtype).transpose(0, 2, 1, 3)
+        k_BKTH, v_BKTH = k_BTKH.transpose(0, 2, 1, 3), v_BTKH.transpose(0, 2, 1, 3)
+        segments = splash.SegmentIds(q=seg_BS, kv=seg_BS)
+        out_BNSH = jax.vmap(kernel)(q_BNSH, k_BKTH, v_BKTH, segments)
+        return out_BNSH.transpose(0, 2, 1, 3)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return per_shard(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS)
+    rules = current_rules()
+    q_spec = logical_spec(("batch", None, "act_heads", None), rules)
+    kv_spec = logical_spec(("batch", None, "act_kv_heads", None), rules)
+    seg_spec = logical_spec(("batch", None), rules)
+    return jax.shard_map(
+        per_shard,
+        mesh=mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
+        out_specs=q_spec,
+        check_vma=False,
+    )(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS)
+
+
+IMPLEMENTATIONS = {
+    "xla": causal_attention,
+    "cudnn": cudnn_attention,
+    "splash": splash_attention,
+}
+# What `auto` picks per platform; a GPU falls back to `xla` unless the compute dtype is
+# bf16/fp16 (cuDNN's fused attention has no float32 kernel).
+AUTO = {"tpu": "splash", "gpu": "cudnn", "cpu": "xla"}
+
+
+def resolve(name: str, dtype) -> str:
+    """The implementation `model.attention=name` runs for activations of `dtype` on this platform."""
+    if name != "auto":
+        return name
+    chosen = AUTO.get(_platform(), "xla")
+    if chosen == "cudnn" and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return "xla"
+    return chosen
+
+
+def attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, *, implementation: str = "auto"):
+    """Causal, same-document, grouped-query attention by `implementation` (a `model.attention`)."""
+    return IMPLEMENTATIONS[resolve(implementation, q_BSNH.dtype)](
+        q_BSNH, k_BTKH, v_BTKH, segment_ids_BS
+    )
