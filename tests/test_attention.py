@@ -7,13 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import make_config
+from conftest import REPO, assert_user_error, kiln, make_config
 from kiln.errors import KilnError
 from kiln.mesh import make_mesh, use_mesh
 from kiln.model import create_model
 from kiln.model.attention import (
     IMPLEMENTATIONS,
     causal_attention,
+    check,
     cudnn_arguments,
     cudnn_attention,
     dense_attention,
@@ -220,6 +221,22 @@ def test_gpu_and_tpu_kernels_refuse_other_platforms_in_one_line():
     assert "\n" not in str(e.value) and "'cpu'" in str(e.value)
     with pytest.raises(KilnError, match=r"model\.attention: got 'splash', .* TPU only"):
         splash_attention(q, k, v, seg)
+    with pytest.raises(KilnError, match=r"'cudnn' needs model\.dtype bfloat16 or float16, got fl"):
+        check("cudnn", "gpu", jnp.float32)
+    check("cudnn", "gpu", jnp.bfloat16)
+    check("splash", "tpu", jnp.float32)
+    check("xla", "cpu", jnp.float32)
+
+
+def test_kiln_train_refuses_a_kernel_of_another_platform_before_writing(tmp_path):
+    proc = kiln(
+        "train",
+        REPO / "configs" / "tiny.yaml",
+        "model.attention=cudnn",
+        f"train.output_dir={tmp_path}",
+    )
+    assert_user_error(proc, "model.attention: got 'cudnn'", "GPU only", "'cpu'")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_auto_picks_xla_on_cpu_and_the_model_dispatches_through_the_registry():

@@ -156,22 +156,27 @@ def _platform() -> str:
     return device.platform if device is not None else jax.default_backend()
 
 
-def _require(name: str, platform: str) -> None:
-    if _platform() != platform:
+HALF = (jnp.bfloat16, jnp.float16)
+
+
+def check(name: str, platform: str, dtype) -> None:
+    """Refuse, in one line, an implementation that cannot run on `platform` for this `dtype`."""
+    needs = {"cudnn": "gpu", "splash": "tpu"}.get(name)
+    if needs is not None and platform != needs:
         raise KilnError(
-            f"model.attention: got {name!r}, which runs on {platform.upper()} only, but the "
-            f"devices are {_platform()!r}; use 'auto' or 'xla'"
+            f"model.attention: got {name!r}, which runs on {needs.upper()} only, but the "
+            f"devices are {platform!r}; use 'auto' or 'xla'"
+        )
+    if name == "cudnn" and jnp.dtype(dtype) not in HALF:
+        raise KilnError(
+            f"model.attention: 'cudnn' needs model.dtype bfloat16 or float16, got "
+            f"{jnp.dtype(dtype).name}; use 'xla' for float32"
         )
 
 
 def cudnn_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS):
     """cuDNN's fused attention (`jax.nn.dot_product_attention`), bf16/fp16 on NVIDIA GPUs."""
-    _require("cudnn", "gpu")
-    if q_BSNH.dtype not in (jnp.bfloat16, jnp.float16):
-        raise KilnError(
-            f"model.attention: 'cudnn' needs model.dtype bfloat16 or float16, got "
-            f"{jnp.dtype(q_BSNH.dtype).name}; use 'xla' for float32"
-        )
+    check("cudnn", _platform(), q_BSNH.dtype)
     args = cudnn_arguments(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS)
     try:
         return jax.nn.dot_product_attention(**args, implementation="cudnn")
@@ -199,7 +204,7 @@ def splash_attention(
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     if not interpret:
-        _require("splash", "tpu")
+        check("splash", _platform(), q_BSNH.dtype)
     s, h = q_BSNH.shape[1], q_BSNH.shape[3]
     blk = min(block, s)
     if s % blk or blk % 128:
@@ -258,7 +263,7 @@ def resolve(name: str, dtype) -> str:
     if name != "auto":
         return name
     chosen = AUTO.get(_platform(), "xla")
-    if chosen == "cudnn" and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+    if chosen == "cudnn" and jnp.dtype(dtype) not in HALF:
         return "xla"
     return chosen
 
