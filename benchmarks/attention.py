@@ -4,10 +4,11 @@ For each sequence length, both paths (`kiln.model.attention.causal_attention`, w
 `model.attention: xla` runs, and `dense_attention`, kiln's attention before skipping) are
 compiled as value and gradients of sum(attention * cotangent) with respect to q, k and v,
 float32, grouped-query, two packed documents per row. FLOPs are XLA's `cost_analysis()` of the
-compiled programs. XLA counts a loop body once, and the dense path loops over its query blocks
-(`lax.map`), so its FLOPs are taken from a second compile of the same function with that map
-unrolled (`dense_flops`; `dense_flops_loop_counted_once` is the looped program's own figure).
-The skipping path is an unrolled loop already. Times are medians of interleaved rounds.
+compiled programs. XLA counts a loop body once, and both paths loop over their query blocks
+(`lax.map`), so FLOPs are taken from a second compile of each function with that map unrolled
+(`*_flops`; `*_flops_loop_counted_once` are the looped programs' own figures). Temporary
+bytes are `memory_analysis()` of the programs that are timed. Times are medians of
+interleaved rounds.
 
     nice python benchmarks/attention.py [--seq 4096 8192] [--rounds 3]
 """
@@ -70,6 +71,7 @@ def measure(seq: int, a) -> dict:
     skip = compile_grad(causal_attention, q, k, v, seg, cot)
     with mock.patch.object(jax.lax, "map", _unrolled_map):
         dense_unrolled = compile_grad(dense_attention, q, k, v, seg, cot)
+        skip_unrolled = compile_grad(causal_attention, q, k, v, seg, cot)
     args = (q, k, v)
     # Outputs and gradients compared (the scalar loss is a sum with cancellation).
     out_want = jax.jit(dense_attention)(q, k, v, seg)
@@ -84,7 +86,7 @@ def measure(seq: int, a) -> dict:
         times["xla"].append(run(skip, args))
     dense_s, skip_s = (statistics.median(times[n]) for n in ("dense", "xla"))
     dense_flops = dense_unrolled.cost_analysis()["flops"]
-    skip_flops = skip.cost_analysis()["flops"]
+    skip_flops = skip_unrolled.cost_analysis()["flops"]
     return {
         "seq": seq,
         "dense_seconds": round(dense_s, 4),
@@ -93,6 +95,7 @@ def measure(seq: int, a) -> dict:
         "dense_flops": dense_flops,
         "dense_flops_loop_counted_once": dense.cost_analysis()["flops"],
         "xla_flops": skip_flops,
+        "xla_flops_loop_counted_once": skip.cost_analysis()["flops"],
         "flops_ratio": round(skip_flops / dense_flops, 4),
         "dense_temp_bytes": dense.memory_analysis().temp_size_in_bytes,
         "xla_temp_bytes": skip.memory_analysis().temp_size_in_bytes,

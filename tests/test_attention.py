@@ -117,8 +117,8 @@ def _dot_flops(jaxpr, times=1):
     return total * times
 
 
-@pytest.mark.parametrize("shards,fraction", [(1, (1 + 2 + 3 + 4) / 16), (2, (32 + 8 * 2.5) / 64)])
-def test_causal_skipping_computes_only_blocks_below_the_diagonal(shards, fraction):
+@pytest.mark.parametrize("shards,fraction", [(1, 9 / 16), (2, 25 / 32)])
+def test_causal_skipping_computes_only_tiles_on_or_below_the_diagonal(shards, fraction):
     q, k, v, seg, cot = inputs(64)
 
     def flops(fn):
@@ -129,8 +129,8 @@ def test_causal_skipping_computes_only_blocks_below_the_diagonal(shards, fractio
 
     skip = flops(lambda *a: causal_attention(*a, query_block=16, shards=shards))
     dense = flops(lambda *a: dense_attention(*a, query_block=16))
-    # Unsharded: block m of 16 rows reads 16(m+1) of 64 keys, (1+2+3+4)/16 of the scores.
-    # Two shards: block m (8 rows a shard) reads the 32 keys of shard 0 plus 8(m+1), m < 4.
+    # Unsharded: 8 tiles of 8 rows; the 8*9/2 tiles on or below the diagonal of 8*8.
+    # Two shards of 8 tiles of 4 rows: 4 steps x 2 shards x (3*8 + 1) products of 16*16.
     assert skip[0] / dense[0] == pytest.approx(fraction, rel=1e-9)
     assert skip[1] / dense[1] == pytest.approx(fraction, rel=1e-9)
 
@@ -156,6 +156,25 @@ def test_causal_skipping_sequence_sharded_equals_unsharded(mesh):
         got = value_and_grads(lambda *a: causal_attention(*a, query_block=32), q, k, v, seg, cot)
     # 1e-5 relative: as unsharded; the shards only change which rows a device computes.
     assert_equal_values_and_grads(got, want, 1e-5)
+
+
+def test_sequence_sharded_skipping_splits_the_work_evenly():
+    q, k, v, seg, _ = inputs(128, seed=4)
+
+    def flops(shards):
+        def loss(q, k, v):
+            return jnp.sum(causal_attention(q, k, v, seg, query_block=32, shards=shards))
+
+        grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+        return grad.lower(q, k, v).compile().cost_analysis()["flops"]
+
+    one_device = flops(2)
+    config = make_config(mesh=dict(fsdp=4, sequence=2))
+    with use_mesh(make_mesh(config), config.mesh.rules):
+        per_device = flops(None)
+    # Same program on 8 devices (4 batch x 2 sequence shards): each does an eighth of the work;
+    # 2% for the partitioner's own small ops (collectives, index arithmetic).
+    assert per_device * 8 == pytest.approx(one_device, rel=2e-2)
 
 
 SPLASH_S = 256  # two 128-row kernel blocks: the interpreter is slow

@@ -84,6 +84,79 @@ def sequence_shards() -> int:
     return int(np.prod([mesh.shape[a] for a in axes]))
 
 
+def _fold_tables(shards: int, tiles: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per step i and shard p: the key tile and owner (0 low, 1 high, 2 none) of each product.
+
+    Step i pairs each shard's local query tiles i (low) and tiles-1-i (high). The low one
+    reads global key tiles 0..p*tiles+i, the high one 0..p*tiles+tiles-1-i: 2*p*tiles+tiles+1
+    tile products, padded with fully masked ones to the last shard's (2P-1)*tiles+1.
+    """
+    steps, width = tiles // 2, (2 * shards - 1) * tiles + 1
+    key_tile = np.zeros((steps, shards, width), np.int32)
+    owner = np.full((steps, shards, width), 2, np.int32)
+    for i in range(steps):
+        for p in range(shards):
+            low, high = p * tiles + i + 1, p * tiles + tiles - i
+            key_tile[i, p, :low], owner[i, p, :low] = np.arange(low), 0
+            key_tile[i, p, low : low + high] = np.arange(high)
+            owner[i, p, low : low + high] = 1
+    return key_tile, owner
+
+
+def _fold_step(xs, k_BNUKH, v_BNUKH, seg_BNU):
+    """One step of `causal_attention`: each shard's low and high query tile over its key tiles.
+
+    Letters: P shards, E tile products, C query rows and U keys of a tile, N here the global
+    key tiles. A product's scores are masked by causality, document and owner; each query
+    row's softmax runs over the products of its owner (low or high).
+    """
+    q_lo, q_hi, seg_lo, seg_hi, pos_lo, pos_hi, key_tile_PE, owner_PE = xs
+    b, p, c, k, g, h = q_lo.shape
+    u = k_BNUKH.shape[2]
+    e = key_tile_PE.shape[1]
+    high_PE = owner_PE == 1
+    q_BPECKGH = jnp.where(
+        high_PE[None, :, :, None, None, None, None], q_hi[:, :, None], q_lo[:, :, None]
+    )
+    q_BPEKRH = q_BPECKGH.transpose(0, 1, 2, 4, 3, 5, 6).reshape(b, p, e, k, c * g, h)
+    k_BPEUKH = jnp.take(k_BNUKH, key_tile_PE, axis=1)
+    v_BPEUKH = jnp.take(v_BNUKH, key_tile_PE, axis=1)
+    scores_BPEKRU = jnp.einsum(
+        "BPEKRH,BPEUKH->BPEKRU", q_BPEKRH, k_BPEUKH, preferred_element_type=jnp.float32
+    ) * (h**-0.5)
+    seg_q_BPEC = jnp.where(high_PE[None, :, :, None], seg_hi[:, :, None], seg_lo[:, :, None])
+    pos_q_PEC = jnp.where(high_PE[:, :, None], pos_hi[:, None], pos_lo[:, None])
+    pos_k_PEU = key_tile_PE[:, :, None] * u + jnp.arange(u)
+    same_doc_BPECU = (
+        seg_q_BPEC[..., :, None] == jnp.take(seg_BNU, key_tile_PE, axis=1)[..., None, :]
+    )
+    causal_PECU = pos_q_PEC[..., :, None] >= pos_k_PEU[..., None, :]
+    # Padding products (owner 2) are masked whole; their row maxima are ignored below.
+    mask_BPECU = same_doc_BPECU & (causal_PECU & (owner_PE < 2)[..., None, None])[None]
+    mask_BPERU = jnp.broadcast_to(mask_BPECU[:, :, :, :, None], (b, p, e, c, g, u))
+    scores_BPEKRU = jnp.where(mask_BPERU.reshape(b, p, e, 1, c * g, u), scores_BPEKRU, MASKED)
+    owns = [(owner_PE == o)[None, :, :, None, None] for o in (0, 1)]
+    row_max_BPEKR = scores_BPEKRU.max(axis=-1)
+    max_lo, max_hi = (jnp.where(own, row_max_BPEKR, MASKED).max(axis=2) for own in owns)
+    max_BPEKR = jnp.where(owns[1], max_hi[:, :, None], max_lo[:, :, None])
+    # Masked scores give exp(MASKED - max) == 0 exactly; each row has its own key unmasked.
+    probs_BPEKRU = jnp.exp(scores_BPEKRU - max_BPEKR[..., None])
+    sums_BPEKR = probs_BPEKRU.sum(axis=-1)
+    pv_BPEKRH = jnp.einsum(
+        "BPEKRU,BPEUKH->BPEKRH",
+        probs_BPEKRU.astype(v_BNUKH.dtype),
+        v_BPEUKH,
+        preferred_element_type=jnp.float32,
+    )
+    outs = []
+    for own in owns:
+        denom_BPKR = jnp.where(own, sums_BPEKR, 0.0).sum(axis=2)
+        out_BPKRH = jnp.where(own[..., None], pv_BPEKRH, 0.0).sum(axis=2) / denom_BPKR[..., None]
+        out_BPKCGH = out_BPKRH.reshape(b, p, k, c, g, h).astype(v_BNUKH.dtype)
+        outs.append(out_BPKCGH.transpose(0, 1, 3, 2, 4, 5))
+    return tuple(outs)
+
+
 def causal_attention(
     q_BSNH,
     k_BTKH,
@@ -93,42 +166,46 @@ def causal_attention(
     query_block: int = QUERY_BLOCK,
     shards: int | None = None,
 ):
-    """`dense_attention`, but key blocks wholly above the causal diagonal are never computed.
+    """`dense_attention`, but key tiles wholly above the causal diagonal are never computed.
 
-    Query blocks of `query_block` rows are contiguous within each of the P sequence shards
-    (`shards`; None = the traced mesh's): block m holds rows p*S/P + m*query_block/P + t of
-    every shard p, so each block splits evenly over the shards, and it reads only the keys
-    before its last row, (P-1)*S/P + (m+1)*query_block/P of them. Unsharded this computes
-    about (1 + query_block/S)/2 of the dense scores; with P shards the blocks also carry the
-    keys of the later shards, (2P-1)/2P of dense at long sequences. The blocks are an
-    unrolled loop (each key length is static) recomputed in the backward pass. A sequence of
-    one block is computed exactly as `dense_attention` computes it.
+    Each of the P sequence shards (`shards`; None = the traced mesh's) is cut into query
+    tiles of C = query_block/(2P) rows. Step i of a `lax.map` takes, from every shard, its
+    tiles i and last-i (so a step holds query_block rows, evenly split over the shards) and
+    computes only the C x C tile products on or below the diagonal, a constant count per
+    step: unsharded, (S/C + 1)/(2 S/C) of the dense scores (0.53 at S = 8192); sharded, the
+    last shard's count bounds every shard's, (2P-1)/2P of dense at long sequences. Each step
+    is recomputed in the backward pass. Sequences of one block, sequences that are not a
+    multiple of query_block, and meshes whose 2P does not divide query_block take the dense
+    path (for one block, exactly its computation).
     """
     b, s, n, h = q_BSNH.shape
     k = k_BTKH.shape[2]
-    shards = sequence_shards() if shards is None else shards
-    local = s // shards
-    tile = query_block // shards
-    if s <= query_block or s % shards or query_block % shards or local % tile:
+    p = sequence_shards() if shards is None else shards
+    if s <= query_block or s % query_block or query_block % (2 * p):
         return dense_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, query_block=query_block)
-    q_BPLKGH = q_BSNH.reshape(b, shards, local, k, n // k, h)
-    idx_PL = jnp.arange(s).reshape(shards, local)
-    seg_BPL = segment_ids_BS.reshape(b, shards, local)
-    block = jax.checkpoint(_rows, prevent_cse=False)
-    outs = []
-    for m in range(local // tile):
-        cut = slice(m * tile, (m + 1) * tile)
-        end = (shards - 1) * local + (m + 1) * tile
-        out_BCKGH = block(
-            q_BPLKGH[:, :, cut].reshape(b, shards * tile, k, n // k, h),
-            idx_PL[:, cut].reshape(shards * tile),
-            seg_BPL[:, :, cut].reshape(b, shards * tile),
-            k_BTKH[:, :end],
-            v_BTKH[:, :end],
-            segment_ids_BS[:, :end],
-        )
-        outs.append(out_BCKGH.reshape(b, shards, tile, n, h))
-    return jnp.stack(outs, axis=2).reshape(b, s, n, h)
+    c = query_block // (2 * p)
+    tiles, steps = s // p // c, s // p // c // 2
+    q_BPLCKGH = q_BSNH.reshape(b, p, tiles, c, k, n // k, h)
+    seg_BPLC = segment_ids_BS.reshape(b, p, tiles, c)
+    pos_PLC = jnp.arange(s).reshape(p, tiles, c)
+
+    def lo_hi(x, axis):
+        """Tiles 0..steps-1 and tiles-1..steps along `axis` (the local tiles), moved first."""
+        lo = jax.lax.slice_in_dim(x, 0, steps, axis=axis)
+        hi = jnp.flip(jax.lax.slice_in_dim(x, steps, tiles, axis=axis), axis)
+        return jnp.moveaxis(lo, axis, 0), jnp.moveaxis(hi, axis, 0)
+
+    key_tile, owner = _fold_tables(p, tiles)
+    xs = (*lo_hi(q_BPLCKGH, 2), *lo_hi(seg_BPLC, 2), *lo_hi(pos_PLC, 1), key_tile, owner)
+    kv_tiles = (
+        k_BTKH.reshape(b, s // c, c, k, h),
+        v_BTKH.reshape(b, s // c, c, k, h),
+        segment_ids_BS.reshape(b, s // c, c),
+    )
+    step = jax.checkpoint(lambda xs: _fold_step(xs, *kv_tiles), prevent_cse=False)
+    out_lo, out_hi = jax.lax.map(step, xs)
+    out_LBPCKGH = jnp.concatenate([out_lo, jnp.flip(out_hi, 0)], axis=0)
+    return jnp.moveaxis(out_LBPCKGH, 0, 2).reshape(b, s, n, h)
 
 
 def cudnn_arguments(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS) -> dict:
@@ -259,7 +336,7 @@ AUTO = {"tpu": "splash", "gpu": "cudnn", "cpu": "xla"}
 
 
 def resolve(name: str, dtype) -> str:
-    """The implementation `model.attention=name` runs for activations of `dtype` on this platform."""
+    """The implementation `model.attention=name` runs for `dtype` activations on this platform."""
     if name != "auto":
         return name
     chosen = AUTO.get(_platform(), "xla")
