@@ -140,18 +140,19 @@ def _fold_step(xs, k_BNUKH, v_BNUKH, seg_BNU):
     max_lo, max_hi = (jnp.where(own, row_max_BPEKR, MASKED).max(axis=2) for own in owns)
     max_BPEKR = jnp.where(owns[1], max_hi[:, :, None], max_lo[:, :, None])
     # Masked scores give exp(MASKED - max) == 0 exactly; each row has its own key unmasked.
-    probs_BPEKRU = jnp.exp(scores_BPEKRU - max_BPEKR[..., None])
-    sums_BPEKR = probs_BPEKRU.sum(axis=-1)
-    pv_BPEKRH = jnp.einsum(
-        "BPEKRU,BPEUKH->BPEKRH",
-        probs_BPEKRU.astype(v_BNUKH.dtype),
-        v_BPEUKH,
-        preferred_element_type=jnp.float32,
+    exp_BPEKRU = jnp.exp(scores_BPEKRU - max_BPEKR[..., None])
+    sums_BPEKR = exp_BPEKRU.sum(axis=-1)
+    sum_lo, sum_hi = (jnp.where(own, sums_BPEKR, 0.0).sum(axis=2) for own in owns)
+    sum_BPEKR = jnp.where(owns[1], sum_hi[:, :, None], sum_lo[:, :, None])
+    # Normalised before the value product (as the dense path does), so that the backward
+    # pass does not need that product's output and recomputes only the scores.
+    probs_BPEKRU = (exp_BPEKRU / sum_BPEKR[..., None]).astype(v_BNUKH.dtype)
+    out_BPEKRH = jnp.einsum(
+        "BPEKRU,BPEUKH->BPEKRH", probs_BPEKRU, v_BPEUKH, preferred_element_type=jnp.float32
     )
     outs = []
     for own in owns:
-        denom_BPKR = jnp.where(own, sums_BPEKR, 0.0).sum(axis=2)
-        out_BPKRH = jnp.where(own[..., None], pv_BPEKRH, 0.0).sum(axis=2) / denom_BPKR[..., None]
+        out_BPKRH = jnp.where(own[..., None], out_BPEKRH, 0.0).sum(axis=2)
         out_BPKCGH = out_BPKRH.reshape(b, p, k, c, g, h).astype(v_BNUKH.dtype)
         outs.append(out_BPKCGH.transpose(0, 1, 3, 2, 4, 5))
     return tuple(outs)
