@@ -180,7 +180,7 @@ def causal_attention(
     tiles of C = query_block/(2P) rows. Step i of a `lax.map` takes, from every shard, its
     tiles i and last-i (so a step holds query_block rows, evenly split over the shards) and
     computes only the C x C tile products on or below the diagonal, a constant count per
-    step: unsharded, (S/C + 1)/(2 S/C) of the dense scores (0.53 at S = 8192); sharded, the
+    step: unsharded, (S/C + 1)/(2 S/C) of the dense scores (0.52 at S = 8192); sharded, the
     last shard's count bounds every shard's, (2P-1)/2P of dense at long sequences. Each step
     is recomputed in the backward pass. Sequences of one block, sequences that are not a
     multiple of query_block, and meshes whose 2P does not divide query_block take the dense
