@@ -276,6 +276,25 @@ class TrainConfig(Section):
         10,
         description="Stop the run after this many consecutive steps with a non-finite loss or gradient.",
     )
+    profile_steps: tuple[PositiveInt, PositiveInt] | None = Field(
+        None,
+        description="[start, stop]: write a jax.profiler trace of steps start..stop (both included, start <= stop <= train.steps) into the run's tensorboard/ directory (TensorBoard's profile plugin, or Perfetto); null = no trace. Start after step 1 to leave compilation out.",
+    )
+    compilation_cache_dir: str | None = Field(
+        ".jax_cache",
+        min_length=1,
+        description="Persistent compilation cache, so that a restarted or resumed run does not compile again; a relative path is under train.output_dir; null = off.",
+    )
+
+    @pydantic.field_validator("profile_steps")
+    @classmethod
+    def _ordered(cls, window: tuple[int, int] | None) -> tuple[int, int] | None:
+        if window is not None and window[0] > window[1]:
+            raise ValueError(
+                f"start {window[0]} is after stop {window[1]}; allowed: [start, stop] with "
+                "1 <= start <= stop <= train.steps, or null"
+            )
+        return window
 
     @pydantic.field_validator("run_name")
     @classmethod
