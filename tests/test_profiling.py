@@ -19,7 +19,11 @@ def traces(run_dir):
 
 @pytest.mark.parametrize(
     "steps, needle",
-    [([5, 3], "start 5 is after stop 3"), ([2, 11], "[2, 11] ends after train.steps=10")],
+    [
+        ([5, 3], "start 5 is after stop 3"),
+        ([0, 3], "start 0 is before step 1"),
+        ([2, 11], "[2, 11] ends after train.steps=10"),
+    ],
 )
 def test_a_profile_window_outside_the_run_is_refused(tmp_path, steps, needle):
     with pytest.raises(KilnError, match=r"train\.profile_steps") as e:

@@ -276,7 +276,7 @@ class TrainConfig(Section):
         10,
         description="Stop the run after this many consecutive steps with a non-finite loss or gradient.",
     )
-    profile_steps: tuple[PositiveInt, PositiveInt] | None = Field(
+    profile_steps: tuple[int, int] | None = Field(
         None,
         description="[start, stop]: write a jax.profiler trace of steps start..stop (both included, start <= stop <= train.steps) into the run's tensorboard/ directory (TensorBoard's profile plugin, or Perfetto); null = no trace. Start after step 1 to leave compilation out.",
     )
@@ -289,11 +289,11 @@ class TrainConfig(Section):
     @pydantic.field_validator("profile_steps")
     @classmethod
     def _ordered(cls, window: tuple[int, int] | None) -> tuple[int, int] | None:
+        allowed = "allowed: [start, stop] with 1 <= start <= stop <= train.steps, or null"
+        if window is not None and window[0] < 1:
+            raise ValueError(f"start {window[0]} is before step 1; {allowed}")
         if window is not None and window[0] > window[1]:
-            raise ValueError(
-                f"start {window[0]} is after stop {window[1]}; allowed: [start, stop] with "
-                "1 <= start <= stop <= train.steps, or null"
-            )
+            raise ValueError(f"start {window[0]} is after stop {window[1]}; {allowed}")
         return window
 
     @pydantic.field_validator("run_name")
