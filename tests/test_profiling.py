@@ -48,6 +48,11 @@ def test_the_window_brackets_its_steps_and_a_resumed_run_traces_the_rest(tmp_pat
     late = ProfileWindow((2, 5), tmp_path, first_step=7)  # resumed after it: no trace
     late.before(7, x)
     assert not late.active
+    stopped = ProfileWindow((2, 5), tmp_path / "stopped", first_step=1)
+    stopped.before(2, x)
+    stopped.after(2, jax.jit(lambda a: a + 1)(x))
+    stopped.close()  # the loop's `finally` when a run stops inside the window
+    assert len(list((tmp_path / "stopped").glob("plugins/profile/*/*.xplane.pb"))) == 1
 
 
 def test_the_cache_setting_is_the_runs_and_is_restored_afterwards(tmp_path):
