@@ -127,6 +127,11 @@ def _cross_field_errors(
         yield f"data.seq_len: {c.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}"
     if ok("optim", "train") and c.optim.warmup_steps > t.steps:
         yield f"optim.warmup_steps: {c.optim.warmup_steps} exceeds train.steps={t.steps}"
+    if ok("train") and t.profile_steps is not None and t.profile_steps[1] > t.steps:
+        yield (
+            f"train.profile_steps: {list(t.profile_steps)} ends after train.steps={t.steps}; "
+            "allowed: [start, stop] with 1 <= start <= stop <= train.steps, or null"
+        )
     if ok("distillation"):
         yield from _distillation_schedule_errors(c.distillation)
     if ok("distillation", "model"):

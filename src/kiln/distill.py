@@ -364,11 +364,10 @@ def make_distill_step(config: Config, teacher: Teacher, mesh, shardings: TrainSt
 
 def run(config: Config) -> TrainState:
     """`kiln distill`: validate config, teacher, data and any earlier run; then distil and save."""
-    from kiln.runner import prepare_run, run_loop
+    from kiln.runner import execute
 
     # The teacher's config is checked before any data or parameters are touched.
-    prepared = prepare_run(config, _distillation, command="kiln distill", check=read_teacher_config)
-    return run_loop(prepared)
+    return execute(config, _distillation, command="kiln distill", check=read_teacher_config)
 
 
 def _distillation(config: Config, mesh) -> tuple[DistillObjective, TrainState, list[str]]:

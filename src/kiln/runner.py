@@ -30,6 +30,7 @@ from kiln.checkpoint import (
 from kiln.config import Config, read_run_config
 from kiln.errors import KilnError, RunStopped
 from kiln.metrics import MetricsLogger, perf_metrics
+from kiln.profiling import ProfileWindow, cache_events, compilation_cache_for
 
 # Sections and fields a resumed run may not change: they define the model and the token stream.
 FROZEN_ON_RESUME = (
@@ -124,6 +125,19 @@ class PreparedRun:
     datasets: Any
     batches: Iterator
     notes: list[str]
+    started: float  # time.perf_counter() when preparation began
+
+
+def execute(
+    config: Config,
+    build: Callable[[Config, Any], tuple[train.Objective, train.TrainState, list[str]]],
+    *,
+    command: str,
+    check: Callable[[Config], Any] | None = None,
+):
+    """`prepare_run`, then `run_loop`, with the run's persistent compilation cache in use."""
+    with compilation_cache_for(config):
+        return run_loop(prepare_run(config, build, command=command, check=check))
 
 
 def prepare_run(
@@ -146,6 +160,7 @@ def prepare_run(
     from kiln.mesh import make_mesh
     from kiln.model.attention import check as check_attention
 
+    started = time.perf_counter()
     initialize(config)  # before any device is touched
     mesh = make_mesh(config)
     check_attention(config.model.attention, mesh.devices.flat[0].platform, config.model.dtype)
@@ -166,7 +181,7 @@ def prepare_run(
         state = state.replace(params=nnx.State.merge(state.params, params))
         notes.insert(0, f"parameters from {source} (step {step})")
     return PreparedRun(
-        config, command, mesh, objective, state, datasets, batches, notes + built_notes
+        config, command, mesh, objective, state, datasets, batches, notes + built_notes, started
     )
 
 
@@ -197,6 +212,7 @@ def run_loop(run: PreparedRun):
         logger=logger,
         flops_per_token=run.objective.flops_per_token(),
         evaluate=eval_fn,
+        started=run.started,
     )
     try:
         return loop.run(run.state)
@@ -283,15 +299,28 @@ class Loop:
     logger: MetricsLogger
     flops_per_token: float
     evaluate: Callable[[Any], dict[str, float]] | None = None
+    started: float | None = None  # perf_counter() at start-up, for the time to the first step
 
     def run(self, state):
         cfg = self.config
-        clock = StepClock(cfg, self.flops_per_token)
         first = int(state.step) + 1
+        profile = ProfileWindow(cfg.train.profile_steps, cfg.run_dir / "tensorboard", first)
+        try:
+            return self._run(state, first, profile)
+        finally:
+            profile.close()  # a run stopped or failed inside the window still writes its trace
+
+    def _run(self, state, first: int, profile: ProfileWindow):
+        cfg = self.config
+        clock = StepClock(cfg, self.flops_per_token)
+        self._first_step = None if self.started is None else first
+        self._first_step_seconds: dict[str, float] = {}
         skips, pending = 0, None  # pending: (step, metrics on device), read one step late
         with stop_requests() as stop:
             for step in range(first, cfg.train.steps + 1):
+                profile.before(step, state)
                 state, metrics = self.step_fn(state, self.place(next(self.batches)))
+                profile.after(step, (state, metrics))
                 if pending is not None:
                     skips = skips + 1 if self._finish(*pending, clock) else 0
                     if skips >= cfg.train.max_consecutive_skips:
@@ -333,6 +362,8 @@ class Loop:
     def _finish(self, step: int, metrics, clock: StepClock) -> bool:
         """Fetch a dispatched step's metrics and log them when due; returns whether it skipped."""
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if step == self._first_step:
+            self._first_step_seconds = {"perf/time_to_first_step_seconds": self._first_arrived()}
         perf = clock.tick(step)
         skipped = values.get("learning/step_skipped", 0.0) > 0
         self.logger.progress(step, values)
@@ -340,5 +371,15 @@ class Loop:
             self.logger.warn(f"step {step}: non-finite loss or gradient, update skipped")
         due = step % self.config.train.log_every_steps == 0 or step == self.config.train.steps
         if due or skipped:
-            self.logger.write(step, {**values, **(perf or {})})
+            self.logger.write(step, {**values, **(perf or {}), **self._first_step_seconds})
+            self._first_step_seconds = {}
         return skipped
+
+    def _first_arrived(self) -> float:
+        """Seconds from start-up to the first step's metrics (logged with the next row)."""
+        seconds = time.perf_counter() - self.started
+        hits, misses = cache_events["hits"], cache_events["misses"]
+        cache = self.config.train.compilation_cache_dir
+        where = "off" if cache is None else f"{hits} hits, {misses} misses"
+        self.logger.info(f"first step after {seconds:.1f}s (compile cache: {where})")
+        return seconds

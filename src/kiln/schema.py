@@ -72,9 +72,11 @@ class ModelConfig(Section):
         None,
         description="Input dtype of the LM head matmul (forward and both backward products; float32 accumulation either way); null = the compute dtype `dtype`, float32 = keep the head in full precision.",
     )
-    remat: Literal["none", "full", "save_dots"] = Field(
+    remat: Literal[
+        "none", "save_dots", "minimal", "save_qkv_proj", "save_out_proj", "offload", "full"
+    ] = Field(
         "none",
-        description="Activation rematerialisation per block: none, full (recompute everything), save_dots (keep matmul outputs).",
+        description="What a block keeps for its backward pass (the rest is recomputed), most memory first: none (everything), save_dots (outputs of the q/k/v, wo, gate and up projections; attention's scores and probs @ v are recomputed), minimal (q/k/v projections, attention output, wo output), save_qkv_proj (q/k/v projections), save_out_proj (wo output), full (only the block input); offload = save_dots' tensors moved to host memory (on CPU they stay in RAM as save_dots). See docs/performance.md.",
     )
     qk_norm: bool = Field(
         False, description="RMS-normalise queries and keys per head before attention."
@@ -278,6 +280,25 @@ class TrainConfig(Section):
         10,
         description="Stop the run after this many consecutive steps with a non-finite loss or gradient.",
     )
+    profile_steps: tuple[int, int] | None = Field(
+        None,
+        description="[start, stop]: write a jax.profiler trace of steps start..stop (both included, start <= stop <= train.steps) into the run's tensorboard/ directory (TensorBoard's profile plugin, or Perfetto); null = no trace. Start after step 1 to leave compilation out.",
+    )
+    compilation_cache_dir: str | None = Field(
+        ".jax_cache",
+        min_length=1,
+        description="Persistent compilation cache, so that a restarted or resumed run does not compile again; a relative path is under train.output_dir; null = off.",
+    )
+
+    @pydantic.field_validator("profile_steps")
+    @classmethod
+    def _ordered(cls, window: tuple[int, int] | None) -> tuple[int, int] | None:
+        allowed = "allowed: [start, stop] with 1 <= start <= stop <= train.steps, or null"
+        if window is not None and window[0] < 1:
+            raise ValueError(f"start {window[0]} is before step 1; {allowed}")
+        if window is not None and window[0] > window[1]:
+            raise ValueError(f"start {window[0]} is after stop {window[1]}; {allowed}")
+        return window
 
     @pydantic.field_validator("run_name")
     @classmethod

@@ -405,9 +405,9 @@ def evaluate(eval_step, state: TrainState, batches, mesh, config: Config) -> dic
 
 def run(config: Config) -> TrainState:
     """`kiln train`: validate against devices, data and any earlier run; then train and save."""
-    from kiln.runner import prepare_run, run_loop
+    from kiln.runner import execute
 
-    return run_loop(prepare_run(config, _pretraining, command="kiln train"))
+    return execute(config, _pretraining, command="kiln train")
 
 
 def _pretraining(config: Config, mesh: Mesh) -> tuple[Objective, TrainState, list[str]]:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from kiln.config import ModelConfig
 from kiln.errors import KilnError
@@ -26,9 +27,33 @@ _HEADS = ("batch", "length", "act_heads", None)
 # Keys and values whole along length: every query shard (sequence parallel) needs all of them.
 _KV_HEADS = ("batch", None, "act_kv_heads", None)
 _MLP = ("batch", "length", "act_mlp")
+# The block's named intermediates (jax.ad_checkpoint.checkpoint_name; identity ops that the
+# remat policies below select by name): projections before qk-norm and rope, attention's
+# per-head output before wo, and the sub-layers' outputs before the residual adds.
+QKV_NAMES = ("q_proj", "k_proj", "v_proj")
+MLP_NAMES = ("mlp_gate", "mlp_up")
+TAGS = (*QKV_NAMES, "attn_out", "out_proj", *MLP_NAMES, "mlp_out")
+# What each `model.remat` keeps from a block's forward pass for its backward (the block's
+# input, the scan carry, is always kept); everything else is recomputed. docs/performance.md
+# lists them in order of memory; "none" is no jax.checkpoint at all.
+_save = jax.checkpoint_policies.save_only_these_names
 REMAT_POLICIES = {
-    "full": None,  # save nothing inside a block; recompute it all in the backward pass
+    # Outputs of matmuls without batch dimensions: the q/k/v, wo, gate and up projections
+    # (w_down's output is never needed). Attention's scores and probs @ v are batched matmuls,
+    # so they are recomputed, as are norms, rope, softmax and silu.
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # The attention sub-layer's projections and output; the MLP and softmax are recomputed.
+    "minimal": _save(*QKV_NAMES, "attn_out", "out_proj"),
+    "save_qkv_proj": _save(*QKV_NAMES),
+    "save_out_proj": _save("out_proj"),
+    # save_dots' tensors, moved to host memory (pinned_host) instead of kept on the device.
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(),
+        names_which_can_be_offloaded=(*QKV_NAMES, "out_proj", *MLP_NAMES),
+        offload_src="device",
+        offload_dst="pinned_host",
+    ),
+    "full": None,  # save nothing inside a block; recompute it all in the backward pass
 }
 
 
@@ -86,6 +111,9 @@ class Attention(nnx.Module):
         q_BSNH = jnp.einsum("BSD,DNH->BSNH", x_BSD, self.wq[...].astype(dt))
         k_BTKH = jnp.einsum("BSD,DKH->BSKH", x_BSD, self.wk[...].astype(dt))
         v_BTKH = jnp.einsum("BSD,DKH->BSKH", x_BSD, self.wv[...].astype(dt))
+        q_BSNH = checkpoint_name(q_BSNH, "q_proj")
+        k_BTKH = checkpoint_name(k_BTKH, "k_proj")
+        v_BTKH = checkpoint_name(v_BTKH, "v_proj")
         if self.q_norm is not None:
             q_BSNH, k_BTKH = self.q_norm(q_BSNH), self.k_norm(k_BTKH)
         q_BSNH = constrain(rope(q_BSNH, positions_BS, self.theta), _HEADS)
@@ -95,8 +123,9 @@ class Attention(nnx.Module):
         out_BSNH = attention(
             q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, implementation=self.implementation
         )
-        out_BSNH = constrain(out_BSNH, _HEADS)
-        return jnp.einsum("BSNH,NHD->BSD", out_BSNH, self.wo[...].astype(dt))
+        out_BSNH = checkpoint_name(constrain(out_BSNH, _HEADS), "attn_out")
+        out_BSD = jnp.einsum("BSNH,NHD->BSD", out_BSNH, self.wo[...].astype(dt))
+        return checkpoint_name(out_BSD, "out_proj")
 
 
 class Mlp(nnx.Module):
@@ -113,8 +142,10 @@ class Mlp(nnx.Module):
         dt = self.dtype
         gate_BSF = jnp.einsum("BSD,DF->BSF", x_BSD, self.w_gate[...].astype(dt))
         up_BSF = jnp.einsum("BSD,DF->BSF", x_BSD, self.w_up[...].astype(dt))
+        gate_BSF, up_BSF = checkpoint_name(gate_BSF, "mlp_gate"), checkpoint_name(up_BSF, "mlp_up")
         h_BSF = constrain(jax.nn.silu(gate_BSF) * up_BSF, _MLP)
-        return jnp.einsum("BSF,FD->BSD", h_BSF, self.w_down[...].astype(dt))
+        out_BSD = jnp.einsum("BSF,FD->BSD", h_BSF, self.w_down[...].astype(dt))
+        return checkpoint_name(out_BSD, "mlp_out")
 
 
 class Block(nnx.Module):
