@@ -40,9 +40,11 @@ def test_make_mesh_rejects_sizes_that_do_not_match_the_devices():
 
 
 def test_default_rules_map_parameter_and_activation_names():
-    assert logical_spec(("vocab", "embed"), DEFAULT_AXIS_RULES) == P("tensor", "fsdp")
+    # Parameters' embed dimension: fsdp and sequence (sequence devices shard state too).
+    fs = ("fsdp", "sequence")
+    assert logical_spec(("vocab", "embed"), DEFAULT_AXIS_RULES) == P("tensor", fs)
     assert logical_spec(("layers", "embed", "heads", "head_dim"), DEFAULT_AXIS_RULES) == P(
-        None, "fsdp", "tensor", None
+        None, fs, "tensor", None
     )
     assert logical_spec(("batch", "length", "act_embed"), DEFAULT_AXIS_RULES) == P(
         ("data", "fsdp"), "sequence", None
@@ -51,7 +53,7 @@ def test_default_rules_map_parameter_and_activation_names():
 
 
 def test_a_mesh_axis_is_used_once_per_array():
-    rules = {**DEFAULT_AXIS_RULES, "mlp": ["fsdp", "tensor"]}
+    rules = {**DEFAULT_AXIS_RULES, "embed": ["fsdp"], "mlp": ["fsdp", "tensor"]}
     # embed takes fsdp first; mlp keeps only tensor.
     assert logical_spec(("embed", "mlp"), rules) == P("fsdp", "tensor")
     assert logical_spec(("mlp", "embed"), rules) == P(("fsdp", "tensor"), None)
@@ -123,7 +125,7 @@ def test_sharded_init_places_each_variable_by_the_rules_with_the_unsharded_value
     mesh = make_mesh(_config(fsdp=4, tensor=2))
     sharded = sharded_init(lambda: Tiny(rngs=nnx.Rngs(3)), mesh, DEFAULT_AXIS_RULES)
     plain = sharded_init(lambda: Tiny(rngs=nnx.Rngs(3)), None, DEFAULT_AXIS_RULES)
-    assert sharded.w.get_value().sharding.spec == P("fsdp", "tensor")
+    assert sharded.w.get_value().sharding.spec == P(("fsdp", "sequence"), "tensor")
     assert {s.data.shape for s in sharded.w.get_value().addressable_shards} == {(2, 2)}
     # Bitwise: threefry random bits do not depend on how the output is partitioned.
     np.testing.assert_array_equal(sharded.w.get_value(), plain.w.get_value())
@@ -139,6 +141,27 @@ def test_state_shardings_follow_variable_names_and_reject_uneven_splits():
     mesh = make_mesh(_config(fsdp=4, tensor=2))
     state = nnx.state(Tiny(8))
     shardings = state_shardings(state, mesh, DEFAULT_AXIS_RULES)
-    assert shardings["w"].get_value().spec == P("fsdp", "tensor")
+    assert shardings["w"].get_value().spec == P(("fsdp", "sequence"), "tensor")
     with pytest.raises(KilnError, match=r"mesh\.rules\.embed: parameter w has size 6"):
         state_shardings(nnx.state(Tiny(6)), mesh, DEFAULT_AXIS_RULES)
+
+
+def _param_bytes_per_device(**mesh) -> int:
+    """Bytes of the default model's parameters held by one device under the default rules."""
+    from kiln.model import abstract_state
+
+    config = config_from_dict({"model": {"d_model": 64, "num_heads": 4, "d_ff": 128}, "mesh": mesh})
+    state = abstract_state(config.model)
+    shardings = state_shardings(state, make_mesh(config), config.mesh.rules)
+    return sum(
+        np.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+        for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings))
+    )
+
+
+def test_sequence_devices_shard_parameters_like_fsdp_devices():
+    # Sequence-parallel devices hold different tokens of the same batch rows: they split the
+    # parameters (and so the optimizer state, sharded alike) instead of replicating them.
+    split = _param_bytes_per_device(fsdp=4, sequence=2)
+    assert split == _param_bytes_per_device(fsdp=8)
+    assert split < _param_bytes_per_device(fsdp=4, data=2)

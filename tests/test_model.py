@@ -212,20 +212,21 @@ def test_sharded_init_equals_unsharded_init(fsdp8_model, unsharded):
 
 def test_parameters_are_sharded_by_the_rules(fsdp8_model):
     model, _, _ = fsdp8_model
-    # The default rules written out: embed -> fsdp; vocab, heads, kv_heads, mlp -> tensor.
+    # The default rules written out: embed -> fsdp, sequence; vocab, heads, kv_heads, mlp -> tensor.
+    E = ("fsdp", "sequence")
     expected = {
-        "embedding": P("tensor", "fsdp"),
-        "lm_head": P("fsdp", "tensor"),
+        "embedding": P("tensor", E),
+        "lm_head": P(E, "tensor"),
         "final_norm/scale": P(None),
         "blocks/attn_norm/scale": P(None, None),
         "blocks/mlp_norm/scale": P(None, None),
-        "blocks/attn/wq": P(None, "fsdp", "tensor", None),
-        "blocks/attn/wk": P(None, "fsdp", "tensor", None),
-        "blocks/attn/wv": P(None, "fsdp", "tensor", None),
-        "blocks/attn/wo": P(None, "tensor", None, "fsdp"),
-        "blocks/mlp/w_gate": P(None, "fsdp", "tensor"),
-        "blocks/mlp/w_up": P(None, "fsdp", "tensor"),
-        "blocks/mlp/w_down": P(None, "tensor", "fsdp"),
+        "blocks/attn/wq": P(None, E, "tensor", None),
+        "blocks/attn/wk": P(None, E, "tensor", None),
+        "blocks/attn/wv": P(None, E, "tensor", None),
+        "blocks/attn/wo": P(None, "tensor", None, E),
+        "blocks/mlp/w_gate": P(None, E, "tensor"),
+        "blocks/mlp/w_up": P(None, E, "tensor"),
+        "blocks/mlp/w_down": P(None, "tensor", E),
     }
     flat = {
         "/".join(str(k) for k in path): v

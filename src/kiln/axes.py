@@ -24,9 +24,11 @@ MESH_AXES: tuple[str, ...] = tuple(_MESH_AXES)
 MeshAxis = Literal[MESH_AXES]  # type: ignore[valid-type]
 
 DEFAULT_AXIS_RULES: dict[str, list[str]] = {
-    # Parameters.
+    # Parameters. The embed dimension is split over sequence as well as fsdp: sequence-parallel
+    # devices hold different tokens, so they shard parameters and optimizer state like fsdp
+    # devices (replicating them over sequence would double the state per device).
     "vocab": ["tensor"],
-    "embed": ["fsdp"],
+    "embed": ["fsdp", "sequence"],
     "heads": ["tensor"],
     "kv_heads": ["tensor"],
     "head_dim": [],
