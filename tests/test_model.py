@@ -24,7 +24,8 @@ from kiln.model import (
     param_count,
     summary,
 )
-from kiln.model.llama import Transformer, attention
+from kiln.model.attention import dense_attention as attention
+from kiln.model.llama import Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 B, S, V = 8, 16, 128

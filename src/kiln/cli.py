@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -29,10 +30,41 @@ def _at_least_one(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"got {text!r}; allowed: a number > 0")
+    return value
+
+
 def _add_config_args(p: argparse.ArgumentParser, *, optional: bool = False) -> None:
     p.add_argument("config", nargs="?" if optional else None, help="YAML config file")
     p.add_argument(
         "overrides", nargs="*", help="dotted overrides, e.g. loss.z_loss_multiplier=1e-4"
+    )
+
+
+def _add_device_args(p: argparse.ArgumentParser) -> None:
+    """--devices, --topology and --hbm-gb of `kiln compile` and `kiln config --summary`."""
+    p.add_argument(
+        "--devices", type=_at_least_one, default=None, metavar="N", help="N simulated CPU devices"
+    )
+    p.add_argument(
+        "--topology",
+        default=None,
+        metavar="NAME",
+        help="a TPU slice, e.g. v5p-8, v5e-16, v6e-8 (libtpu's compiler; pip install 'kiln[tpu]')",
+    )
+    p.add_argument(
+        "--hbm-gb",
+        type=_positive_float,
+        default=None,
+        metavar="X",
+        help="memory per device in GB (1e9 bytes): the compiled peak is checked against it",
     )
 
 
@@ -66,13 +98,49 @@ def cmd_config(args: argparse.Namespace) -> int:
         return 0
     if args.config is None:
         raise KilnError("kiln config: give a CONFIG.yaml, or --schema to list every field")
-    config = _load(args)
+    given = [f for f, v in (("--devices", args.devices), ("--topology", args.topology)) if v]
+    given += ["--hbm-gb"] if args.hbm_gb is not None else []
+    if given and not args.summary:
+        raise KilnError(f"kiln config: {', '.join(given)} only apply with --summary")
     if args.summary:
+        from kiln import compile as aot
         from kiln.model import summary
 
-        print(summary(config))
+        config = _load(args)
+        # Devices before anything starts JAX's backend (simulated CPU devices are set first).
+        devices = aot.summary_devices(config, args.devices, args.topology)
+        report = aot.compile_report(config, devices)
+        print(summary(config, len(devices)))
+        print(aot.summary_lines(report, args.hbm_gb))
         return 0
+    config = _load(args)
     print(config.to_yaml(), end="")
+    return 0
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from kiln import compile as aot
+
+    if args.fit and args.hbm_gb is None:
+        raise KilnError("kiln compile --fit: give the memory per device to fit, --hbm-gb X")
+    # Devices first: simulated CPU devices must be set before JAX's backend starts.
+    devices = aot.target_devices(args.devices, args.topology)
+    config = _load(args)
+    if args.fit:
+        from kiln.fit import fit, format_fit
+
+        result = fit(config, devices, args.hbm_gb)
+        print(json.dumps(result.to_json()) if args.json else format_fit(result))
+        if result.best is None:
+            raise RunStopped(
+                f"no combination of model.remat, loss.num_vocab_tiling and "
+                f"train.gradient_accumulation_steps fits in --hbm-gb {args.hbm_gb:g} "
+                f"({len(result.trials)} compiled); add devices or shrink the model or sequence"
+            )
+        return 0
+    report = aot.compile_report(config, devices)
+    print(json.dumps(report.to_json()) if args.json else aot.format_report(report, args.config))
+    aot.check_fits(report, args.hbm_gb, args.config)
     return 0
 
 
@@ -143,9 +211,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--format", choices=("text", "markdown"), default="text", help="format of --schema"
     )
     p.add_argument(
-        "--summary", action="store_true", help="parameters, FLOPs per token and memory per device"
+        "--summary",
+        action="store_true",
+        help="parameters, FLOPs per token, memory per device (state, and compiled activations)",
     )
+    _add_device_args(p)
     p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser(
+        "compile",
+        help="compile the train step ahead of time: memory, FLOPs, collectives (allocates nothing)",
+    )
+    _add_config_args(p)
+    _add_device_args(p)
+    p.add_argument(
+        "--fit",
+        action="store_true",
+        help="search remat, vocab tiling and accumulation for settings that fit --hbm-gb",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("prepare", help="tokenize text, JSONL or Parquet files into token shards")
     p.add_argument(

@@ -137,16 +137,30 @@ def _same_tokenizer(a: str, b: str) -> bool:
 def load_teacher(config: Config, mesh) -> Teacher:
     """The teacher's parameters, restored from its latest checkpoint into shardings on `mesh`."""
     teacher_cfg, run_dir, step = read_teacher_config(config)
+    abstract = abstract_teacher(config, mesh, teacher_cfg, run_dir, step)
+    params, _ = restore_params(run_dir, abstract.params)
+    return dataclasses.replace(abstract, params=params)
+
+
+def abstract_teacher(
+    config: Config, mesh, teacher_cfg: Config, run_dir: Path, step: int
+) -> Teacher:
+    """The teacher with sharded ShapeDtypeStructs for parameters (the restore target)."""
     graphdef, abstract = sharded_abstract(
         lambda: build_model(teacher_cfg.model, rngs=nnx.Rngs(0)), mesh, config.mesh.rules
     )
     target, rest = nnx.split_state(abstract, nnx.Param, ...)
-    params, _ = restore_params(run_dir, target)
-    return Teacher(teacher_cfg, run_dir, step, graphdef, params, rest)
+    return Teacher(teacher_cfg, run_dir, step, graphdef, target, rest)
 
 
 def init_student(config: Config, mesh, teacher_cfg: Config) -> TrainState:
     """The student's train state: a `Student` (with a feature projection if widths differ)."""
+    model = sharded_init(student_builder(config, teacher_cfg), mesh, config.mesh.rules)
+    return train.state_from_model(config, mesh, model)
+
+
+def student_builder(config: Config, teacher_cfg: Config) -> Callable[[], LanguageModel]:
+    """`build()` of the student model (with a feature projection if widths differ)."""
     pairs = len(config.distillation.layer_map)
     d_s, d_t = config.model.d_model, teacher_cfg.model.d_model
     seed = config.train.seed
@@ -160,8 +174,7 @@ def init_student(config: Config, mesh, teacher_cfg: Config) -> TrainState:
         student = student_class(FAMILIES[config.model.family])
         return student(config.model, rngs=nnx.Rngs(seed), projection=projection)
 
-    model = sharded_init(build, mesh, config.mesh.rules)
-    return train.state_from_model(config, mesh, model)
+    return build
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,11 +379,27 @@ def _distillation(config: Config, mesh) -> tuple[DistillObjective, TrainState, l
     return DistillObjective.create(config, mesh, teacher), state, [note]
 
 
+def abstract_distillation(config: Config, mesh) -> tuple[DistillObjective, TrainState]:
+    """`kiln distill`'s objective and student state with abstract arrays (`kiln compile`).
+
+    Needs the teacher run's config.yaml, not its checkpoint: no parameter is read.
+    """
+    run_dir = Path(config.distillation.teacher_run_dir).expanduser()
+    teacher_cfg = read_run_config(run_dir, "distillation.teacher_run_dir")
+    check_teacher(config, teacher_cfg, run_dir)
+    teacher = abstract_teacher(config, mesh, teacher_cfg, run_dir, -1)
+    builder = student_builder(config, teacher_cfg)
+    state = train.abstract_train_state(config, mesh, builder)
+    return DistillObjective.create(config, mesh, teacher), state
+
+
 __all__ = [
     "METRICS",
     "DistillObjective",
     "FeatureProjection",
     "Teacher",
+    "abstract_distillation",
+    "abstract_teacher",
     "check_teacher",
     "init_student",
     "load_teacher",
@@ -379,4 +408,5 @@ __all__ = [
     "read_teacher_config",
     "run",
     "schedule_values",
+    "student_builder",
 ]

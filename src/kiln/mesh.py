@@ -34,11 +34,15 @@ Rules = Mapping[str, Sequence[str]] | Iterable[tuple[str, Sequence[str]]]
 _RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("kiln_rules", default=None)
 
 
-def make_mesh(config: Any) -> Mesh:
-    """Mesh with axes (data, fsdp, tensor, sequence) sized by `config.mesh` over all devices."""
-    sizes = check_devices(config, jax.device_count())
+def make_mesh(config: Any, devices: Sequence[Any] | None = None) -> Mesh:
+    """Mesh with axes (data, fsdp, tensor, sequence) sized by `config.mesh` over all devices.
+
+    `devices` (default: every device) may be compile-only devices of a TPU topology.
+    """
+    sizes = check_devices(config, jax.device_count() if devices is None else len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+    axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
 
 
 def logical_spec(names: tuple[str | None, ...], rules: Rules) -> PartitionSpec:
@@ -226,9 +230,10 @@ def sharded_init(build: Callable[[], Any], mesh: Mesh | None, rules: Rules):
     return nnx.merge(graphdef, state)
 
 
-def mesh_sizes_for_summary(config: Any) -> dict[str, int]:
-    """Mesh sizes for planning: -1 resolved against the local devices, explicit sizes as given."""
+def mesh_sizes_for_summary(config: Any, num_devices: int | None = None) -> dict[str, int]:
+    """Mesh sizes for planning: -1 resolved against `num_devices` (default: the local devices)."""
     given = {a: getattr(config.mesh, a) for a in MESH_AXES}
     if -1 not in given.values():
         return given
-    return config.mesh.sizes(max(jax.device_count(), math.prod(s for s in given.values() if s > 0)))
+    count = jax.device_count() if num_devices is None else num_devices
+    return config.mesh.sizes(max(count, math.prod(s for s in given.values() if s > 0)))

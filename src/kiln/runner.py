@@ -144,9 +144,11 @@ def prepare_run(
     from kiln.data import make_datasets
     from kiln.distributed import initialize
     from kiln.mesh import make_mesh
+    from kiln.model.attention import check as check_attention
 
     initialize(config)  # before any device is touched
     mesh = make_mesh(config)
+    check_attention(config.model.attention, mesh.devices.flat[0].platform, config.model.dtype)
     if check is not None:
         check(config)
     datasets = make_datasets(config)

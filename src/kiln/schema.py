@@ -79,6 +79,10 @@ class ModelConfig(Section):
     qk_norm: bool = Field(
         False, description="RMS-normalise queries and keys per head before attention."
     )
+    attention: Literal["auto", "xla", "cudnn", "splash"] = Field(
+        "auto",
+        description="Attention implementation: xla (blocked; key blocks above the causal diagonal skipped), cudnn (cuDNN fused attention via jax.nn.dot_product_attention; NVIDIA GPU, bf16/fp16), splash (Pallas splash-attention kernel; TPU), auto = splash on TPU, cudnn on GPU with a bf16/fp16 dtype, else xla. See docs/attention.md.",
+    )
     logit_softcap: float | None = Field(
         None, gt=0, allow_inf_nan=False, description="If set, logits = cap * tanh(logits / cap)."
     )

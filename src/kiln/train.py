@@ -30,10 +30,11 @@ from kiln.mesh import (
     in_mesh,
     logical_spec,
     make_mesh,
+    sharded_abstract,
     state_shardings,
     use_mesh,
 )
-from kiln.model import create_model, flops_per_token
+from kiln.model import build_model, create_model, flops_per_token
 from kiln.optim import make_optimizer, make_schedule
 
 Batch = Mapping[str, jax.Array]
@@ -63,12 +64,30 @@ def init_state(config: Config, mesh: Mesh | None = None) -> TrainState:
 def state_from_model(config: Config, mesh: Mesh, model: nnx.Module) -> TrainState:
     """A train state (fresh optimizer, step 0) around a model whose parameters are on `mesh`."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    opt_state = _optimizer_init(config, mesh, params)(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
+    return TrainState(step=step, params=params, opt_state=opt_state, rest=rest, graphdef=graphdef)
+
+
+def abstract_train_state(config: Config, mesh: Mesh, build: Callable[[], nnx.Module]) -> TrainState:
+    """The train state of the model `build()` makes, as sharded ShapeDtypeStructs: allocates nothing.
+
+    The same shardings as `state_from_model` gives the real state (`kiln compile` lowers the
+    step with it).
+    """
+    graphdef, abstract = sharded_abstract(build, mesh, config.mesh.rules)
+    params, rest = nnx.split_state(abstract, nnx.Param, ...)
+    opt_state = jax.eval_shape(_optimizer_init(config, mesh, params), params)
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+    return TrainState(step=step, params=params, opt_state=opt_state, rest=rest, graphdef=graphdef)
+
+
+def _optimizer_init(config: Config, mesh: Mesh, params: nnx.State) -> Callable:
+    """The optimizer's jitted `init(params)`, its state in the parameters' shardings."""
     tx = make_optimizer(config.optim)
     # Moments carry their parameter's logical names, so they shard like it; counts replicate.
     opt_shardings = state_shardings(jax.eval_shape(tx.init, params), mesh, config.mesh.rules)
-    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
-    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
-    return TrainState(step=step, params=params, opt_state=opt_state, rest=rest, graphdef=graphdef)
+    return jax.jit(tx.init, out_shardings=opt_shardings)
 
 
 def shardings_of(tree):
@@ -394,3 +413,17 @@ def run(config: Config) -> TrainState:
 def _pretraining(config: Config, mesh: Mesh) -> tuple[Objective, TrainState, list[str]]:
     """The pre-training objective and a fresh train state (see `kiln.runner.prepare_run`)."""
     return LMObjective(config=config, mesh=mesh), init_state(config, mesh), []
+
+
+def abstract_pretraining(config: Config, mesh: Mesh) -> tuple[Objective, TrainState]:
+    """`kiln train`'s objective and its train state as sharded ShapeDtypeStructs (`kiln compile`)."""
+    state = abstract_train_state(config, mesh, lambda: build_model(config.model, rngs=nnx.Rngs(0)))
+    return LMObjective(config=config, mesh=mesh), state
+
+
+def abstract_batch(config: Config, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
+    """A global batch as ShapeDtypeStructs in the sharding `place_batch` gives the real one."""
+    shape = (config.train.global_batch_size, config.data.seq_len)
+    sharding = batch_sharding(mesh, config.mesh.rules)
+    dtype = {k: jnp.float32 if k == "weights" else jnp.int32 for k in BATCH_KEYS}
+    return {k: jax.ShapeDtypeStruct(shape, dtype[k], sharding=sharding) for k in BATCH_KEYS}

@@ -57,12 +57,15 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
     return abstract_model(model_cfg).flops_per_token(seq_len)
 
 
-def summary(config: Any) -> str:
-    """Parameters, FLOPs per token and per-device training memory for the configured mesh."""
+def summary(config: Any, num_devices: int | None = None) -> str:
+    """Parameters, FLOPs per token and per-device state memory for the configured mesh.
+
+    A mesh size of -1 takes the rest of `num_devices` (default: the local devices).
+    """
     m = config.model
     model = abstract_model(m)
     state = nnx.state(model, nnx.Param)
-    sizes = mesh_sizes_for_summary(config)
+    sizes = mesh_sizes_for_summary(config, num_devices)
     specs = state_specs(state, config.mesh.rules, sizes)
     leaves = jax.tree.leaves(state)
     spec_leaves = jax.tree.leaves(
@@ -88,7 +91,7 @@ def summary(config: Any) -> str:
             f"mesh:              {mesh_text} ({math.prod(sizes.values())} devices)",
             f"memory per device: {per_device:,} parameters x {itemsize} bytes ({m.param_dtype})",
             f"  params {gib:.2f} GiB + grads {gib:.2f} GiB + AdamW moments {2 * gib:.2f} GiB "
-            f"= {4 * gib:.2f} GiB (activations not included)",
+            f"= {4 * gib:.2f} GiB (state, before activations)",
         ]
     )
 

@@ -17,6 +17,7 @@ from kiln.config import ModelConfig
 from kiln.errors import KilnError
 from kiln.losses import logits as head_logits
 from kiln.mesh import constrain
+from kiln.model.attention import attention
 from kiln.model.interface import DTYPES, ModelOutput, logits_dtype
 
 # Residual stream and every [batch, seq, d_model] activation between sub-layers.
@@ -25,11 +26,6 @@ _HEADS = ("batch", "length", "act_heads", None)
 # Keys and values whole along length: every query shard (sequence parallel) needs all of them.
 _KV_HEADS = ("batch", None, "act_kv_heads", None)
 _MLP = ("batch", "length", "act_mlp")
-# Masked scores: exp(MASKED - max) is exactly 0 in float32, so no gradient leaks through.
-MASKED = float(jnp.finfo(jnp.float32).min)
-# Query rows per attention block for long sequences: bounds the float32 scores held at once
-# to [batch, heads, QUERY_BLOCK, seq].
-QUERY_BLOCK = 512
 REMAT_POLICIES = {
     "full": None,  # save nothing inside a block; recompute it all in the backward pass
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -70,51 +66,6 @@ def rope(x_BSNH: jax.Array, positions_BS: jax.Array, theta: float) -> jax.Array:
     return out.astype(x_BSNH.dtype)
 
 
-def attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, *, query_block: int = QUERY_BLOCK):
-    """softmax(q k^T / sqrt(H) + mask) v per head; mask = causal and same segment.
-
-    Grouped-query: query head n reads key/value head n // G. Scores are float32. Sequences
-    longer than `query_block` (and a multiple of it) are processed `query_block` query rows
-    at a time and recomputed in the backward pass, so the score matrix is never whole; the
-    blocks are strided (block j holds rows j, j + S/query_block, ...) so that each block is
-    split evenly when the sequence is sharded.
-    """
-    b, s, n, h = q_BSNH.shape
-    k = k_BTKH.shape[2]
-    q_BSKGH = q_BSNH.reshape(b, s, k, n // k, h)
-    key_idx_T = jnp.arange(s)
-
-    def rows(q_BCKGH, idx_C, seg_BC):
-        # The G query heads of a key/value head are folded into the rows, R = C*G (c-major, so
-        # a sequence-sharded C stays evenly split): one batch and one free dimension a side,
-        # which XLA runs markedly faster than two free dimensions on the query side.
-        _, c, _, g, _ = q_BCKGH.shape
-        q_BKRH = q_BCKGH.transpose(0, 2, 1, 3, 4).reshape(b, k, c * g, h)
-        scores_BKRT = jnp.einsum(
-            "BKRH,BTKH->BKRT", q_BKRH, k_BTKH, preferred_element_type=jnp.float32
-        ) * (h**-0.5)
-        # Padding (segment 0) attends only to padding, so no row is ever fully masked.
-        same_doc_BCT = seg_BC[:, :, None] == segment_ids_BS[:, None, :]
-        mask_BCT = same_doc_BCT & (idx_C[:, None] >= key_idx_T[None, :])[None]
-        mask_BRT = jnp.broadcast_to(mask_BCT[:, :, None], (b, c, g, s)).reshape(b, c * g, s)
-        scores_BKRT = jnp.where(mask_BRT[:, None], scores_BKRT, MASKED)
-        probs_BKRT = jax.nn.softmax(scores_BKRT, axis=-1).astype(v_BTKH.dtype)
-        out_BKRH = jnp.einsum("BKRT,BTKH->BKRH", probs_BKRT, v_BTKH)
-        return out_BKRH.reshape(b, k, c, g, h).transpose(0, 2, 1, 3, 4)
-
-    blocks = s // query_block if s > query_block and s % query_block == 0 else 1
-    if blocks == 1:
-        return rows(q_BSKGH, key_idx_T, segment_ids_BS).reshape(b, s, n, h)
-    # Row c * blocks + j goes to block j.
-    q_JBCKGH = jnp.moveaxis(q_BSKGH.reshape(b, s // blocks, blocks, k, n // k, h), 2, 0)
-    idx_JC = key_idx_T.reshape(s // blocks, blocks).T
-    seg_JBC = jnp.moveaxis(segment_ids_BS.reshape(b, s // blocks, blocks), 2, 0)
-    out_JBCKGH = jax.lax.map(
-        jax.checkpoint(lambda a: rows(*a), prevent_cse=False), (q_JBCKGH, idx_JC, seg_JBC)
-    )
-    return jnp.moveaxis(out_JBCKGH, 0, 2).reshape(b, s, n, h)
-
-
 class Attention(nnx.Module):
     """Grouped-query causal self-attention that stays inside each packed document."""
 
@@ -128,6 +79,7 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(h, "head_dim", cfg) if cfg.qk_norm else None
         self.theta = cfg.rope_theta
         self.dtype = DTYPES[cfg.dtype]
+        self.implementation = cfg.attention
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS):
         dt = self.dtype
@@ -140,7 +92,10 @@ class Attention(nnx.Module):
         k_BTKH = constrain(rope(k_BTKH, positions_BS, self.theta), _KV_HEADS)
         v_BTKH = constrain(v_BTKH, _KV_HEADS)
 
-        out_BSNH = constrain(attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS), _HEADS)
+        out_BSNH = attention(
+            q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, implementation=self.implementation
+        )
+        out_BSNH = constrain(out_BSNH, _HEADS)
         return jnp.einsum("BSNH,NHD->BSD", out_BSNH, self.wo[...].astype(dt))
 
 

@@ -1,0 +1,293 @@
+"""`kiln compile`: the real train step compiled ahead of time, without allocating a parameter.
+
+The step is `kiln.train.make_step` of the objective `kiln train` (or `kiln distill`) builds,
+lowered with the train state and a global batch as sharded ShapeDtypeStructs and compiled for
+N simulated CPU devices or for a TPU topology (libtpu's compiler runs without a TPU). Every
+figure comes from the compiled executable: memory from `memory_analysis()`, collectives from
+its HLO; FLOPs from kiln's formula beside XLA's `cost_analysis` (which counts the body of a
+`scan`, such as the layer loop, once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+import time
+from typing import Any
+
+from kiln.config import MESH_AXES, Config
+from kiln.errors import KilnError, RunStopped
+
+GB = 1e9  # --hbm-gb is in decimal gigabytes, as accelerator memory is sold
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "bf16": 16, "f16": 16, "s16": 16}
+_BITS |= {"u16": 16, "f32": 32, "s32": 32, "u32": 32, "f64": 64, "s64": 64, "u64": 64}
+_BITS |= {"c64": 64, "c128": 128}
+# `%name = TYPE op(`; an async collective is counted at its `-done`, whose type is the result.
+_OP = re.compile(r"=\s+(.+?)\s+(" + "|".join(COLLECTIVES) + r")(?:-done)?\(")
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+
+
+def use_cpu_devices(count: int) -> list[Any]:
+    """`count` simulated CPU devices; set before JAX's backend starts (else it must have enough)."""
+    import jax
+
+    # Refused once the backend has started: then its devices are used, if there are enough.
+    # CPU only, so that an installed libtpu or CUDA plugin is not started for nothing.
+    with contextlib.suppress(RuntimeError):
+        jax.config.update("jax_num_cpu_devices", count)
+        jax.config.update("jax_platforms", "cpu")
+    devices = jax.devices("cpu")
+    if len(devices) < count:
+        raise KilnError(
+            f"--devices: {count} requested, but JAX's CPU backend already started with "
+            f"{len(devices)}; run `kiln compile` in a fresh process (or set XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={count} before JAX starts)"
+        )
+    return devices[:count]
+
+
+def tpu_topology(name: str) -> dict[str, Any]:
+    """libtpu's arguments for a slice name: v4-N and v5p-N (N TensorCores), v5e-N and v6e-N (N chips)."""
+    match = re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", name)
+    size = int(match.group(2)) if match else 0
+    megacore = bool(match) and match.group(1) in ("v4", "v5p")
+    low, high = (8, 4096) if megacore else (4, 256)
+    if not match or size < low or size > high or size & (size - 1):
+        raise KilnError(
+            f"--topology: unknown TPU slice {name!r}; allowed: v4-N or v5p-N (N TensorCores, "
+            "a power of 2 from 8 to 4096), v5e-N or v6e-N (N chips, a power of 2 from 4 to 256)"
+        )
+    # Slices grow by doubling their shortest side (the last of equals): 2x2x1, 2x2x2, 2x2x4, ...
+    dims = [2, 2, 1] if megacore else [2, 2]
+    while math.prod(dims) < (size // 2 if megacore else size):
+        shortest = min(dims)
+        last = max(i for i, d in enumerate(dims) if d == shortest)
+        dims[last] *= 2
+    if megacore:  # a full 4x4x4 cube and larger are tori
+        wrap = tuple(all(d >= 4 for d in dims) for _ in dims)
+    else:
+        wrap = (*(d >= 16 for d in dims), False)
+    generation = {"v4": "v4", "v5p": "v5", "v5e": "v5e", "v6e": "v6e"}[match.group(1)]
+    return {
+        "topology_name": f"{generation}:{'x'.join(map(str, dims))}",
+        "chip_config_name": "megacore" if megacore else "default",
+        "chips_per_host_bounds": (2, 2, 1),
+        "num_slices": 1,
+        "wrap": wrap,
+    }
+
+
+def topology_devices(name: str) -> list[Any]:
+    """The compile-only devices of a TPU slice (libtpu, the `kiln[tpu]` extra)."""
+    args = tpu_topology(name)
+    if importlib.util.find_spec("libtpu") is None:
+        raise KilnError(
+            f"--topology {name}: compiling for TPU needs libtpu; install the extra: "
+            "pip install 'kiln[tpu]'"
+        )
+    from jax.experimental.topologies import get_topology_desc
+
+    # Compile-only devices hold no chip: libtpu's one-process-per-TPU lock does not apply.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+    return list(get_topology_desc(platform="tpu", **args).devices)
+
+
+def abstract_run(config: Config, mesh) -> tuple[Any, Any, str]:
+    """(objective, abstract train state, command) of the step `kiln train`/`kiln distill` runs."""
+    if config.distillation.teacher_run_dir:
+        from kiln.distill import abstract_distillation
+
+        return (*abstract_distillation(config, mesh), "kiln distill")
+    from kiln.train import abstract_pretraining
+
+    return (*abstract_pretraining(config, mesh), "kiln train")
+
+
+@dataclasses.dataclass
+class StepReport:
+    """What the compiler says about one config's step, per device."""
+
+    command: str
+    platform: str
+    devices: int
+    mesh: dict[str, int]
+    compile_seconds: float
+    memory: dict[str, int]  # bytes per device: arguments, outputs, temporaries, aliased, peak
+    peak_source: str
+    flops: dict[str, float]
+    collectives: dict[str, dict[str, int]]  # kind -> {"ops": n, "bytes": total}
+
+    def fits(self, hbm_gb: float | None) -> bool:
+        return hbm_gb is None or self.memory["peak"] <= hbm_gb * GB
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def lower_step(config: Config, devices: list[Any]):
+    """(lowered step, command, objective, mesh): the step of `kiln.train.make_step`, abstract inputs."""
+    from kiln.mesh import make_mesh
+    from kiln.train import abstract_batch, make_step, shardings_of
+
+    mesh = make_mesh(config, devices)
+    objective, state, command = abstract_run(config, mesh)
+    step = make_step(objective, shardings_of(state))
+    return step.lower(state, abstract_batch(config, mesh)), command, objective, mesh
+
+
+def compile_report(config: Config, devices: list[Any]) -> StepReport:
+    """Compile `config`'s train step for `devices` and report its memory, FLOPs and collectives."""
+    start = time.perf_counter()
+    lowered, command, objective, mesh = lower_step(config, devices)
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - start
+    memory, peak_source = memory_figures(compiled.memory_analysis(), devices[0].platform)
+    tokens = config.train.global_batch_size * config.data.seq_len
+    kiln_flops = objective.flops_per_token() * tokens
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    return StepReport(
+        command=command,
+        platform=devices[0].platform,
+        devices=len(devices),
+        mesh=dict(mesh.shape),
+        compile_seconds=round(seconds, 2),
+        memory=memory,
+        peak_source=peak_source,
+        flops={
+            "kiln_per_step": kiln_flops,
+            "kiln_per_device": kiln_flops / len(devices),
+            "xla_cost_analysis_per_device": float((cost or {}).get("flops", float("nan"))),
+        },
+        collectives=collectives(compiled.as_text()),
+    )
+
+
+def memory_figures(stats, platform: str) -> tuple[dict[str, int], str]:
+    """Per-device bytes of `memory_analysis()` and how the peak was found.
+
+    TPU and GPU compilers report the peak of their buffer assignment; XLA:CPU's
+    `peak_memory_in_bytes` leaves the temporaries out, so on CPU the peak is the sum.
+    """
+    memory = {
+        "arguments": int(stats.argument_size_in_bytes),
+        "outputs": int(stats.output_size_in_bytes),
+        "temporaries": int(stats.temp_size_in_bytes),
+        "aliased": int(stats.alias_size_in_bytes),
+    }
+    peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
+    if peak > 0 and platform != "cpu":
+        memory["peak"] = peak
+        return memory, "the compiler's peak_memory_in_bytes"
+    # Donated inputs reused as outputs are counted once.
+    memory["peak"] = memory["arguments"] + memory["outputs"] + memory["temporaries"]
+    memory["peak"] -= memory["aliased"]
+    return memory, "arguments + outputs + temporaries - aliased"
+
+
+def collectives(hlo: str) -> dict[str, dict[str, int]]:
+    """Collective ops of a compiled HLO module by kind: op count and bytes of their results.
+
+    Static counts: an op in a loop body (the layer scan, accumulation) is counted once.
+    """
+    out = {kind: {"ops": 0, "bytes": 0} for kind in COLLECTIVES}
+    for line in hlo.splitlines():
+        match = _OP.search(line)
+        if match is None:
+            continue
+        kind = out[match.group(2)]
+        kind["ops"] += 1
+        kind["bytes"] += shape_bytes(match.group(1))
+    return out
+
+
+def shape_bytes(hlo_type: str) -> int:
+    """Bytes of an HLO result type: an array `bf16[8,128]{1,0}` or a tuple of them."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(hlo_type):
+        bits = _BITS.get(dtype, 8)  # float8 variants (f8e4m3fn, ...) are one byte
+        total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+    return total
+
+
+def format_report(report: StepReport, config_path: str) -> str:
+    """The human-readable report of `kiln compile`."""
+    mesh = " x ".join(f"{a}={s}" for a, s in report.mesh.items())
+    m, f = report.memory, report.flops
+    lines = [
+        f"compiled the `{report.command}` step of {config_path} for {report.devices} "
+        f"{report.platform} devices ({mesh}) in {report.compile_seconds:.1f} s",
+        "memory per device (memory_analysis):",
+        f"  arguments    {_gb(m['arguments'])}  (state, batch)",
+        f"  outputs      {_gb(m['outputs'])}",
+        f"  temporaries  {_gb(m['temporaries'])}  (activations, gradients, loss chunks)",
+        f"  aliased      {_gb(m['aliased'])}  (donated state reused for the new state)",
+        f"  peak         {_gb(m['peak'])}  ({report.peak_source})",
+        f"FLOPs per step: {f['kiln_per_step']:.4g} by kiln's formula "
+        f"({f['kiln_per_device']:.4g} per device); XLA cost_analysis "
+        f"{f['xla_cost_analysis_per_device']:.4g} per device (counts a scan body once)",
+        "collectives in the compiled HLO (static: an op inside a loop counted once):",
+    ]
+    for kind, c in report.collectives.items():
+        lines.append(f"  {kind:<19} {c['ops']:>4} ops  {_gb(c['bytes'])}")
+    return "\n".join(lines)
+
+
+def _gb(n: int | float) -> str:
+    return f"{n / GB:9.3f} GB"
+
+
+def target_devices(devices: int | None, topology: str | None) -> list[Any]:
+    """The devices to compile for: N simulated CPU devices, a TPU slice, or the local devices."""
+    if devices is not None and topology is not None:
+        raise KilnError("kiln compile: give --devices N or --topology NAME, not both")
+    if topology is not None:
+        return topology_devices(topology)
+    if devices is not None:
+        return use_cpu_devices(devices)
+    import jax
+
+    return jax.devices()
+
+
+def check_fits(report: StepReport, hbm_gb: float | None, config_path: str) -> None:
+    """RunStopped (exit 1, one line) when the compiled peak exceeds `hbm_gb`."""
+    if not report.fits(hbm_gb):
+        raise RunStopped(
+            f"peak memory {report.memory['peak'] / GB:.2f} GB per device exceeds "
+            f"--hbm-gb {hbm_gb:g}; search settings that fit with "
+            f"`kiln compile {config_path} --fit --hbm-gb {hbm_gb:g}`"
+        )
+
+
+def summary_devices(config: Config, devices: int | None, topology: str | None) -> list[Any]:
+    """Devices for `kiln config --summary`: as `kiln compile`, or as many as an explicit mesh has."""
+    sizes = [getattr(config.mesh, a) for a in MESH_AXES]
+    if devices is None and topology is None and -1 not in sizes:
+        devices = math.prod(sizes)
+    return target_devices(devices, topology)
+
+
+def summary_lines(report: StepReport, hbm_gb: float | None) -> str:
+    """The compiled memory of `kiln config --summary`: activations and whether the peak fits."""
+    m = report.memory
+    lines = [
+        f"compiled step:     {report.devices} {report.platform} devices, per device: arguments "
+        f"{m['arguments'] / GB:.2f} GB + activations and temporaries {m['temporaries'] / GB:.2f} GB"
+        f" -> peak {m['peak'] / GB:.2f} GB ({report.peak_source}; `kiln compile` for more)"
+    ]
+    if hbm_gb is None:
+        lines.append("fits:              give --hbm-gb X to check the peak against X GB")
+    else:
+        verdict = "yes" if report.fits(hbm_gb) else "NO"
+        lines.append(
+            f"fits:              {verdict}, peak {m['peak'] / GB:.2f} GB per device vs {hbm_gb:g} GB"
+            + ("" if report.fits(hbm_gb) else "; try `kiln compile --fit`")
+        )
+    return "\n".join(lines)

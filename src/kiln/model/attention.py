@@ -1,0 +1,360 @@
+"""Attention implementations behind one signature, picked by `model.attention` per platform.
+
+Every implementation is `fn(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS) -> out_BSNH`: causal
+self-attention that stays inside each packed document (equal segment ids; padding is segment
+0 and attends only to padding), grouped-query (query head n reads key/value head n // G),
+softmax(q k^T / sqrt(H)) v with float32 scores. Einsum letters as in `kiln.model.llama`,
+plus R = C*G query rows of one key/value head and P sequence shards.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kiln.errors import KilnError
+from kiln.mesh import current_rules, logical_spec, mesh_axes
+
+# Masked scores: exp(MASKED - max) is exactly 0 in float32, so no gradient leaks through.
+MASKED = float(jnp.finfo(jnp.float32).min)
+# Query rows per attention block for long sequences: bounds the float32 scores held at once
+# to [batch, heads, QUERY_BLOCK, keys].
+QUERY_BLOCK = 512
+# Query and key rows per splash-attention kernel block (capped at the sequence length).
+SPLASH_BLOCK = 512
+
+
+def _rows(q_BCKGH, idx_C, seg_BC, k_BTKH, v_BTKH, seg_BT):
+    """Attention of C query rows (at positions idx_C) over the T keys at positions 0..T-1."""
+    # The G query heads of a key/value head are folded into the rows, R = C*G (c-major, so
+    # a sequence-sharded C stays evenly split): one batch and one free dimension a side,
+    # which XLA runs markedly faster than two free dimensions on the query side.
+    b, c, k, g, h = q_BCKGH.shape
+    t = k_BTKH.shape[1]
+    q_BKRH = q_BCKGH.transpose(0, 2, 1, 3, 4).reshape(b, k, c * g, h)
+    scores_BKRT = jnp.einsum(
+        "BKRH,BTKH->BKRT", q_BKRH, k_BTKH, preferred_element_type=jnp.float32
+    ) * (h**-0.5)
+    # Padding (segment 0) attends only to padding, so no row is ever fully masked.
+    same_doc_BCT = seg_BC[:, :, None] == seg_BT[:, None, :]
+    mask_BCT = same_doc_BCT & (idx_C[:, None] >= jnp.arange(t)[None, :])[None]
+    mask_BRT = jnp.broadcast_to(mask_BCT[:, :, None], (b, c, g, t)).reshape(b, c * g, t)
+    scores_BKRT = jnp.where(mask_BRT[:, None], scores_BKRT, MASKED)
+    probs_BKRT = jax.nn.softmax(scores_BKRT, axis=-1).astype(v_BTKH.dtype)
+    out_BKRH = jnp.einsum("BKRT,BTKH->BKRH", probs_BKRT, v_BTKH)
+    return out_BKRH.reshape(b, k, c, g, h).transpose(0, 2, 1, 3, 4)
+
+
+def dense_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, *, query_block: int = QUERY_BLOCK):
+    """Every query row against every key, masked afterwards (kiln's attention before skipping).
+
+    Sequences longer than `query_block` (and a multiple of it) are processed `query_block`
+    query rows at a time and recomputed in the backward pass, so the score matrix is never
+    whole; the blocks are strided (block j holds rows j, j + S/query_block, ...) so that each
+    block is split evenly when the sequence is sharded.
+    """
+    b, s, n, h = q_BSNH.shape
+    k = k_BTKH.shape[2]
+    q_BSKGH = q_BSNH.reshape(b, s, k, n // k, h)
+    key_idx_T = jnp.arange(s)
+    rows = functools.partial(_rows, k_BTKH=k_BTKH, v_BTKH=v_BTKH, seg_BT=segment_ids_BS)
+
+    blocks = s // query_block if s > query_block and s % query_block == 0 else 1
+    if blocks == 1:
+        return rows(q_BSKGH, key_idx_T, segment_ids_BS).reshape(b, s, n, h)
+    # Row c * blocks + j goes to block j.
+    q_JBCKGH = jnp.moveaxis(q_BSKGH.reshape(b, s // blocks, blocks, k, n // k, h), 2, 0)
+    idx_JC = key_idx_T.reshape(s // blocks, blocks).T
+    seg_JBC = jnp.moveaxis(segment_ids_BS.reshape(b, s // blocks, blocks), 2, 0)
+    out_JBCKGH = jax.lax.map(
+        jax.checkpoint(lambda a: rows(*a), prevent_cse=False), (q_JBCKGH, idx_JC, seg_JBC)
+    )
+    return jnp.moveaxis(out_JBCKGH, 0, 2).reshape(b, s, n, h)
+
+
+def sequence_shards() -> int:
+    """How many pieces the mesh of the code being traced cuts the `length` axis into (1: none)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    axes = mesh_axes(("length",), current_rules(), dict(mesh.shape))[0]
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def _fold_tables(shards: int, tiles: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per step i and shard p: the key tile and owner (0 low, 1 high, 2 none) of each product.
+
+    Step i pairs each shard's local query tiles i (low) and tiles-1-i (high). The low one
+    reads global key tiles 0..p*tiles+i, the high one 0..p*tiles+tiles-1-i: 2*p*tiles+tiles+1
+    tile products, padded with fully masked ones to the last shard's (2P-1)*tiles+1.
+    """
+    steps, width = tiles // 2, (2 * shards - 1) * tiles + 1
+    key_tile = np.zeros((steps, shards, width), np.int32)
+    owner = np.full((steps, shards, width), 2, np.int32)
+    for i in range(steps):
+        for p in range(shards):
+            low, high = p * tiles + i + 1, p * tiles + tiles - i
+            key_tile[i, p, :low], owner[i, p, :low] = np.arange(low), 0
+            key_tile[i, p, low : low + high] = np.arange(high)
+            owner[i, p, low : low + high] = 1
+    return key_tile, owner
+
+
+def _fold_step(xs, k_BNUKH, v_BNUKH, seg_BNU):
+    """One step of `causal_attention`: each shard's low and high query tile over its key tiles.
+
+    Letters: P shards, E tile products, C query rows and U keys of a tile, N here the global
+    key tiles. A product's scores are masked by causality, document and owner; each query
+    row's softmax runs over the products of its owner (low or high).
+    """
+    q_lo, q_hi, seg_lo, seg_hi, pos_lo, pos_hi, key_tile_PE, owner_PE = xs
+    b, p, c, k, g, h = q_lo.shape
+    u = k_BNUKH.shape[2]
+    e = key_tile_PE.shape[1]
+    high_PE = owner_PE == 1
+    q_BPECKGH = jnp.where(
+        high_PE[None, :, :, None, None, None, None], q_hi[:, :, None], q_lo[:, :, None]
+    )
+    # Batch dimensions (B, P, K, E) leading and in the same order on both sides: XLA's CPU
+    # dot then runs the many small tile products markedly faster than with K after the tiles.
+    q_BPKERH = q_BPECKGH.transpose(0, 1, 4, 2, 3, 5, 6).reshape(b, p, k, e, c * g, h)
+    k_BPKEUH = jnp.take(k_BNUKH, key_tile_PE, axis=1).transpose(0, 1, 4, 2, 3, 5)
+    v_BPKEUH = jnp.take(v_BNUKH, key_tile_PE, axis=1).transpose(0, 1, 4, 2, 3, 5)
+    scores_BPKERU = jnp.einsum(
+        "BPKERH,BPKEUH->BPKERU", q_BPKERH, k_BPKEUH, preferred_element_type=jnp.float32
+    )
+    scores_BPEKRU = (scores_BPKERU * h**-0.5).transpose(0, 1, 3, 2, 4, 5)
+    seg_q_BPEC = jnp.where(high_PE[None, :, :, None], seg_hi[:, :, None], seg_lo[:, :, None])
+    pos_q_PEC = jnp.where(high_PE[:, :, None], pos_hi[:, None], pos_lo[:, None])
+    pos_k_PEU = key_tile_PE[:, :, None] * u + jnp.arange(u)
+    same_doc_BPECU = (
+        seg_q_BPEC[..., :, None] == jnp.take(seg_BNU, key_tile_PE, axis=1)[..., None, :]
+    )
+    causal_PECU = pos_q_PEC[..., :, None] >= pos_k_PEU[..., None, :]
+    # Padding products (owner 2) are masked whole; their row maxima are ignored below.
+    mask_BPECU = same_doc_BPECU & (causal_PECU & (owner_PE < 2)[..., None, None])[None]
+    mask_BPERU = jnp.broadcast_to(mask_BPECU[:, :, :, :, None], (b, p, e, c, g, u))
+    scores_BPEKRU = jnp.where(mask_BPERU.reshape(b, p, e, 1, c * g, u), scores_BPEKRU, MASKED)
+    owns = [(owner_PE == o)[None, :, :, None, None] for o in (0, 1)]
+    row_max_BPEKR = scores_BPEKRU.max(axis=-1)
+    max_lo, max_hi = (jnp.where(own, row_max_BPEKR, MASKED).max(axis=2) for own in owns)
+    max_BPEKR = jnp.where(owns[1], max_hi[:, :, None], max_lo[:, :, None])
+    # Masked scores give exp(MASKED - max) == 0 exactly; each row has its own key unmasked.
+    exp_BPEKRU = jnp.exp(scores_BPEKRU - max_BPEKR[..., None])
+    sums_BPEKR = exp_BPEKRU.sum(axis=-1)
+    sum_lo, sum_hi = (jnp.where(own, sums_BPEKR, 0.0).sum(axis=2) for own in owns)
+    sum_BPEKR = jnp.where(owns[1], sum_hi[:, :, None], sum_lo[:, :, None])
+    # Normalised before the value product (as the dense path does), so that the backward
+    # pass does not need that product's output and recomputes only the scores.
+    probs_BPEKRU = (exp_BPEKRU / sum_BPEKR[..., None]).astype(v_BNUKH.dtype)
+    out_BPKERH = jnp.einsum(
+        "BPKERU,BPKEUH->BPKERH",
+        probs_BPEKRU.transpose(0, 1, 3, 2, 4, 5),
+        v_BPKEUH,
+        preferred_element_type=jnp.float32,
+    )
+    out_BPEKRH = out_BPKERH.transpose(0, 1, 3, 2, 4, 5)
+    outs = []
+    for own in owns:
+        out_BPKRH = jnp.where(own[..., None], out_BPEKRH, 0.0).sum(axis=2)
+        out_BPKCGH = out_BPKRH.reshape(b, p, k, c, g, h).astype(v_BNUKH.dtype)
+        outs.append(out_BPKCGH.transpose(0, 1, 3, 2, 4, 5))
+    return tuple(outs)
+
+
+def causal_attention(
+    q_BSNH,
+    k_BTKH,
+    v_BTKH,
+    segment_ids_BS,
+    *,
+    query_block: int = QUERY_BLOCK,
+    shards: int | None = None,
+):
+    """`dense_attention`, but key tiles wholly above the causal diagonal are never computed.
+
+    Each of the P sequence shards (`shards`; None = the traced mesh's) is cut into query
+    tiles of C = query_block/(2P) rows. Step i of a `lax.map` takes, from every shard, its
+    tiles i and last-i (so a step holds query_block rows, evenly split over the shards) and
+    computes only the C x C tile products on or below the diagonal, a constant count per
+    step: unsharded, (S/C + 1)/(2 S/C) of the dense scores (0.52 at S = 8192); sharded, the
+    last shard's count bounds every shard's, (2P-1)/2P of dense at long sequences. Each step
+    is recomputed in the backward pass. Sequences of one block, sequences that are not a
+    multiple of query_block, and meshes whose 2P does not divide query_block take the dense
+    path (for one block, exactly its computation).
+    """
+    b, s, n, h = q_BSNH.shape
+    k = k_BTKH.shape[2]
+    p = sequence_shards() if shards is None else shards
+    if s <= query_block or s % query_block or query_block % (2 * p):
+        return dense_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, query_block=query_block)
+    c = query_block // (2 * p)
+    tiles, steps = s // p // c, s // p // c // 2
+    q_BPLCKGH = q_BSNH.reshape(b, p, tiles, c, k, n // k, h)
+    seg_BPLC = segment_ids_BS.reshape(b, p, tiles, c)
+    pos_PLC = jnp.arange(s).reshape(p, tiles, c)
+
+    def lo_hi(x, axis):
+        """Tiles 0..steps-1 and tiles-1..steps along `axis` (the local tiles), moved first."""
+        lo = jax.lax.slice_in_dim(x, 0, steps, axis=axis)
+        hi = jnp.flip(jax.lax.slice_in_dim(x, steps, tiles, axis=axis), axis)
+        return jnp.moveaxis(lo, axis, 0), jnp.moveaxis(hi, axis, 0)
+
+    key_tile, owner = _fold_tables(p, tiles)
+    xs = (*lo_hi(q_BPLCKGH, 2), *lo_hi(seg_BPLC, 2), *lo_hi(pos_PLC, 1), key_tile, owner)
+    kv_tiles = (
+        k_BTKH.reshape(b, s // c, c, k, h),
+        v_BTKH.reshape(b, s // c, c, k, h),
+        segment_ids_BS.reshape(b, s // c, c),
+    )
+    step = jax.checkpoint(lambda xs: _fold_step(xs, *kv_tiles), prevent_cse=False)
+    out_lo, out_hi = jax.lax.map(step, xs)
+    out_LBPCKGH = jnp.concatenate([out_lo, jnp.flip(out_hi, 0)], axis=0)
+    return jnp.moveaxis(out_LBPCKGH, 0, 2).reshape(b, s, n, h)
+
+
+def cudnn_arguments(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS) -> dict:
+    """Arguments of `jax.nn.dot_product_attention` for kiln's mask: causal and same document.
+
+    JAX 0.10.2's `jax.nn.dot_product_attention` has no segment ids; packed documents are a
+    boolean mask [B, 1, S, T] (same segment), which JAX turns into an additive bias that
+    cuDNN reads from memory (B*S*T elements in the compute dtype), combined with cuDNN's own
+    causal mask, which skips the blocks above the diagonal.
+    """
+    same_doc_B1ST = (segment_ids_BS[:, :, None] == segment_ids_BS[:, None, :])[:, None]
+    return dict(
+        query=q_BSNH,
+        key=k_BTKH,
+        value=v_BTKH,
+        mask=same_doc_B1ST,
+        is_causal=True,
+        scale=q_BSNH.shape[-1] ** -0.5,
+    )
+
+
+def _platform() -> str:
+    """Platform of the traced mesh's devices ('cpu', 'gpu', 'tpu'), else JAX's default backend."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return device.platform if device is not None else jax.default_backend()
+
+
+HALF = (jnp.bfloat16, jnp.float16)
+
+
+def check(name: str, platform: str, dtype) -> None:
+    """Refuse, in one line, an implementation that cannot run on `platform` for this `dtype`."""
+    needs = {"cudnn": "gpu", "splash": "tpu"}.get(name)
+    if needs is not None and platform != needs:
+        raise KilnError(
+            f"model.attention: got {name!r}, which runs on {needs.upper()} only, but the "
+            f"devices are {platform!r}; use 'auto' or 'xla'"
+        )
+    if name == "cudnn" and jnp.dtype(dtype) not in HALF:
+        raise KilnError(
+            f"model.attention: 'cudnn' needs model.dtype bfloat16 or float16, got "
+            f"{jnp.dtype(dtype).name}; use 'xla' for float32"
+        )
+
+
+def cudnn_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS):
+    """cuDNN's fused attention (`jax.nn.dot_product_attention`), bf16/fp16 on NVIDIA GPUs."""
+    check("cudnn", _platform(), q_BSNH.dtype)
+    args = cudnn_arguments(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS)
+    try:
+        return jax.nn.dot_product_attention(**args, implementation="cudnn")
+    except (NotImplementedError, ValueError, RuntimeError) as e:
+        raise KilnError(f"model.attention: 'cudnn' refused this model: {e}; use 'xla'") from e
+
+
+def splash_attention(
+    q_BSNH,
+    k_BTKH,
+    v_BTKH,
+    segment_ids_BS,
+    *,
+    block: int = SPLASH_BLOCK,
+    interpret: bool = False,
+):
+    """Pallas splash attention (TPU), under `shard_map` over batch and heads.
+
+    Inside each shard the whole sequence is one kernel call per batch row (vmapped), with a
+    causal mask and the segment ids; the kernel skips the blocks the mask empties. A
+    sequence-sharded mesh gathers the queries of all shards first (the kernel sees the whole
+    sequence), so sequence sharding costs no accuracy but does not split this work.
+    `interpret=True` runs the kernel in Pallas' interpreter (CPU; tests only).
+    """
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    if not interpret:
+        check("splash", _platform(), q_BSNH.dtype)
+    s, h = q_BSNH.shape[1], q_BSNH.shape[3]
+    blk = min(block, s)
+    if s % blk or blk % 128:
+        raise KilnError(
+            f"model.attention: 'splash' needs data.seq_len a multiple of 128 (and of {block} "
+            f"when longer), got {s}"
+        )
+
+    def per_shard(q_BSNH, k_BTKH, v_BTKH, seg_BS):
+        heads = q_BSNH.shape[2]
+        mask = splash.MultiHeadMask([splash.CausalMask((s, s))] * heads)
+        sizes = dict(block_q=blk, block_kv=blk, block_q_dkv=blk, block_kv_dkv=blk)
+        sizes.update(block_q_dq=blk, block_kv_dq=blk)
+        kernel = splash.make_splash_mha(
+            mask,
+            block_sizes=splash.BlockSizes(**sizes),
+            head_shards=1,
+            q_seq_shards=1,
+            interpret=interpret,
+        )
+        # The kernel does not scale the scores: scale the queries (exact for H a power of 4).
+        q_BNSH = (q_BSNH * h**-0.5).astype(q_BSNH.dtype).transpose(0, 2, 1, 3)
+        k_BKTH, v_BKTH = k_BTKH.transpose(0, 2, 1, 3), v_BTKH.transpose(0, 2, 1, 3)
+        segments = splash.SegmentIds(q=seg_BS, kv=seg_BS)
+        out_BNSH = jax.vmap(kernel)(q_BNSH, k_BKTH, v_BKTH, segments)
+        return out_BNSH.transpose(0, 2, 1, 3)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return per_shard(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS)
+    rules = current_rules()
+    q_spec = logical_spec(("batch", None, "act_heads", None), rules)
+    kv_spec = logical_spec(("batch", None, "act_kv_heads", None), rules)
+    seg_spec = logical_spec(("batch", None), rules)
+    return jax.shard_map(
+        per_shard,
+        mesh=mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
+        out_specs=q_spec,
+        check_vma=False,
+    )(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS)
+
+
+IMPLEMENTATIONS = {
+    "xla": causal_attention,
+    "cudnn": cudnn_attention,
+    "splash": splash_attention,
+}
+# What `auto` picks per platform; a GPU falls back to `xla` unless the compute dtype is
+# bf16/fp16 (cuDNN's fused attention has no float32 kernel).
+AUTO = {"tpu": "splash", "gpu": "cudnn", "cpu": "xla"}
+
+
+def resolve(name: str, dtype) -> str:
+    """The implementation `model.attention=name` runs for `dtype` activations on this platform."""
+    if name != "auto":
+        return name
+    chosen = AUTO.get(_platform(), "xla")
+    if chosen == "cudnn" and jnp.dtype(dtype) not in HALF:
+        return "xla"
+    return chosen
+
+
+def attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, *, implementation: str = "auto"):
+    """Causal, same-document, grouped-query attention by `implementation` (a `model.attention`)."""
+    return IMPLEMENTATIONS[resolve(implementation, q_BSNH.dtype)](
+        q_BSNH, k_BTKH, v_BTKH, segment_ids_BS
+    )

@@ -1,0 +1,311 @@
+"""Attention implementations against a float64 numpy reference and against kiln's dense path."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import REPO, assert_user_error, kiln, make_config
+from kiln.errors import KilnError
+from kiln.mesh import batch_sharding, logical_sharding, make_mesh, use_mesh
+from kiln.model import create_model
+from kiln.model.attention import (
+    IMPLEMENTATIONS,
+    causal_attention,
+    check,
+    cudnn_arguments,
+    cudnn_attention,
+    dense_attention,
+    resolve,
+    sequence_shards,
+    splash_attention,
+)
+
+B, N, K, H = 4, 4, 2, 16  # grouped-query: 2 query heads per key/value head
+
+
+def rel_err(a, b):
+    """max |a - b| / max |b|: a relative error that near-zero entries cannot blow up."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.abs(a - b).max() / np.abs(b).max()
+
+
+def packed_segments(s, seed=0):
+    """[B, s] segment ids: 1-3 documents per row, then padding (0) in some rows."""
+    rng = np.random.default_rng(seed)
+    seg = np.zeros((B, s), np.int32)
+    for b in range(B):
+        cuts = np.sort(rng.choice(np.arange(1, s - 8), size=b % 3, replace=False))
+        end = s - 8 * (b % 2)
+        bounds = [0, *cuts, end]
+        for i, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+            seg[b, lo:hi] = i + 1
+    return jnp.asarray(seg)
+
+
+def inputs(s, seed=0):
+    """q [B,s,N,H], k and v [B,s,K,H], packed segment ids, and an output cotangent."""
+    kq, kk, kv, kc = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(kq, (B, s, N, H))
+    k, v = jax.random.normal(kk, (B, s, K, H)), jax.random.normal(kv, (B, s, K, H))
+    return q, k, v, packed_segments(s, seed), jax.random.normal(kc, (B, s, N, H))
+
+
+def numpy_attention(q, k, v, seg):
+    """float64 reference: per head, softmax over earlier keys of the same segment."""
+    q, k, v, seg = (np.asarray(x, np.float64) for x in (q, k, v, seg))
+    s, g = q.shape[1], N // K
+    out = np.zeros_like(q)
+    for b in range(B):
+        for n in range(N):
+            scores = q[b, :, n] @ k[b, :, n // g].T / np.sqrt(H)
+            allowed = (seg[b][:, None] == seg[b][None, :]) & np.tri(s, dtype=bool)
+            scores = np.where(allowed, scores, -np.inf)
+            p = np.exp(scores - scores.max(-1, keepdims=True))
+            out[b, :, n] = (p / p.sum(-1, keepdims=True)) @ v[b, :, n // g]
+    return out
+
+
+def value_and_grads(fn, q, k, v, seg, cot):
+    """sum(fn(q, k, v, seg) * cot) and its gradients with respect to q, k and v, jitted."""
+    loss = lambda q, k, v: jnp.sum(fn(q, k, v, seg) * cot)  # noqa: E731
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+
+def assert_equal_values_and_grads(got, want, tol):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert rel_err(g, w) < tol
+
+
+CAUSAL_CASES = {
+    "one_shard": dict(query_block=16, shards=1),
+    "two_shards": dict(query_block=16, shards=2),
+    "four_shards": dict(query_block=32, shards=4),
+}
+
+
+@pytest.mark.parametrize("case", list(CAUSAL_CASES))
+def test_causal_skipping_equals_numpy_and_the_dense_path(case):
+    s = 64
+    q, k, v, seg, cot = inputs(s)
+    fn = lambda *a: causal_attention(*a, **CAUSAL_CASES[case])  # noqa: E731
+    # 1e-5 relative: float32 softmax and matmuls against float64.
+    assert rel_err(jax.jit(fn)(q, k, v, seg), numpy_attention(q, k, v, seg)) < 1e-5
+    got = value_and_grads(fn, q, k, v, seg, cot)
+    want = value_and_grads(lambda *a: dense_attention(*a, query_block=16), q, k, v, seg, cot)
+    # 1e-5 relative: the same float32 rows; the softmax sums run over tiles (and fewer exactly
+    # zero masked terms) in another order.
+    assert_equal_values_and_grads(got, want, 1e-5)
+
+
+def _dot_flops(jaxpr):
+    """2 * multiply-adds of every dot_general in a jaxpr; a scan body counts once per step."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2 * np.prod(eqn.outvars[0].aval.shape) * np.prod([lhs[d] for d in contract])
+        steps = eqn.params.get("length", 1)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    total += steps * _dot_flops(inner)
+    return total
+
+
+@pytest.mark.parametrize("shards,fraction", [(1, 9 / 16), (2, 25 / 32)])
+def test_causal_skipping_computes_only_tiles_on_or_below_the_diagonal(shards, fraction):
+    q, k, v, seg, cot = inputs(64)
+
+    def flops(fn):
+        grad = jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v, seg) * cot), (0, 1, 2))
+        return _dot_flops(jax.make_jaxpr(fn)(q, k, v, seg).jaxpr), _dot_flops(
+            jax.make_jaxpr(grad)(q, k, v).jaxpr
+        )
+
+    skip = flops(lambda *a: causal_attention(*a, query_block=16, shards=shards))
+    dense = flops(lambda *a: dense_attention(*a, query_block=16))
+    # Unsharded: 8 tiles of 8 rows; the 8*9/2 tiles on or below the diagonal of 8*8.
+    # Two shards of 8 tiles of 4 rows: 4 steps x 2 shards x (3*8 + 1) products of 16*16.
+    assert skip[0] / dense[0] == pytest.approx(fraction, rel=1e-9)
+    assert skip[1] / dense[1] == pytest.approx(fraction, rel=1e-9)
+
+
+def test_one_block_sequences_take_the_dense_computation_bit_for_bit():
+    q, k, v, seg, _ = inputs(32)
+    got = jax.jit(lambda *a: causal_attention(*a, query_block=32))(q, k, v, seg)
+    want = jax.jit(lambda *a: dense_attention(*a, query_block=32))(q, k, v, seg)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [dict(fsdp=4, sequence=2), dict(fsdp=2, tensor=2, sequence=2), dict(data=2, sequence=4)],
+)
+def test_causal_skipping_sequence_sharded_equals_unsharded(mesh):
+    s = 128
+    q, k, v, seg, cot = inputs(s, seed=1)
+    want = value_and_grads(lambda *a: dense_attention(*a, query_block=32), q, k, v, seg, cot)
+    config = make_config(mesh=mesh)
+    with use_mesh(make_mesh(config), config.mesh.rules):
+        assert sequence_shards() == mesh["sequence"]
+        got = value_and_grads(lambda *a: causal_attention(*a, query_block=32), q, k, v, seg, cot)
+    # 1e-5 relative: as unsharded; the shards only change which rows a device computes.
+    assert_equal_values_and_grads(got, want, 1e-5)
+
+
+def test_sequence_sharded_skipping_splits_the_work_evenly():
+    q, k, v, seg, _ = inputs(128, seed=4)
+
+    def flops(shards):
+        def loss(q, k, v):
+            return jnp.sum(causal_attention(q, k, v, seg, query_block=32, shards=shards))
+
+        grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+        return grad.lower(q, k, v).compile().cost_analysis()["flops"]
+
+    one_device = flops(2)
+    config = make_config(mesh=dict(fsdp=4, sequence=2))
+    mesh, rules = make_mesh(config), config.mesh.rules
+    # Placed as the model places them: queries split along the sequence, keys whole.
+    q = jax.device_put(q, logical_sharding(mesh, rules, ("batch", "length", "act_heads", None)))
+    kv = logical_sharding(mesh, rules, ("batch", None, "act_kv_heads", None))
+    k, v = jax.device_put(k, kv), jax.device_put(v, kv)
+    seg = jax.device_put(seg, batch_sharding(mesh, rules))
+    with use_mesh(mesh, rules):
+        per_device = flops(None)
+    # Same program on 8 devices (4 batch x 2 sequence shards): each does an eighth of the work.
+    # 5%: the partitioner's own ops (sums of partial key/value gradients, index arithmetic)
+    # weigh ~2% at this tiny size; work not split over the sequence would be 2x.
+    assert per_device * 8 == pytest.approx(one_device, rel=5e-2)
+
+
+SPLASH_S = 256  # two 128-row kernel blocks: the interpreter is slow
+
+
+@pytest.fixture(scope="module")
+def splash_case():
+    q, k, v, seg, cot = inputs(SPLASH_S, seed=2)
+    dense = value_and_grads(dense_attention, q, k, v, seg, cot)
+    return (q, k, v, seg, cot), dense
+
+
+def test_splash_interpreted_equals_numpy_and_the_dense_path(splash_case):
+    (q, k, v, seg, cot), dense = splash_case
+    fn = lambda *a: splash_attention(*a, block=128, interpret=True)  # noqa: E731
+    got = value_and_grads(fn, q, k, v, seg, cot)
+    # 1e-5 relative: float32 online softmax (flash blocks) vs float64 / vs one-pass softmax.
+    assert rel_err(jax.jit(fn)(q, k, v, seg), numpy_attention(q, k, v, seg)) < 1e-5
+    assert_equal_values_and_grads(got, dense, 1e-5)
+
+
+def test_splash_under_shard_map_over_batch_and_heads_with_sequence_sharding(splash_case):
+    (q, k, v, seg, cot), dense = splash_case
+    config = make_config(mesh=dict(fsdp=2, tensor=2, sequence=2))
+    with use_mesh(make_mesh(config), config.mesh.rules):
+        got = value_and_grads(
+            lambda *a: splash_attention(*a, block=128, interpret=True), q, k, v, seg, cot
+        )
+    # 1e-5 relative: each device runs the same kernel on its batch rows and heads.
+    assert_equal_values_and_grads(got, dense, 1e-5)
+
+
+def test_splash_bf16_stays_close_to_the_float32_dense_path(splash_case):
+    (q, k, v, seg, _), _ = splash_case
+    want = dense_attention(q, k, v, seg)
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    got = jax.jit(lambda *a: splash_attention(*a, seg, block=128, interpret=True))(*bf)
+    assert got.dtype == jnp.bfloat16
+    # bf16 inputs carry a relative rounding of 2^-9 ~ 2e-3 each (q, k, v and the probabilities
+    # before the value matmul); a few of them add up along a row: bound at 2e-2.
+    assert rel_err(got, want) < 2e-2
+
+
+def test_cudnn_mask_arguments_give_kiln_attention_through_jax_xla():
+    q, k, v, seg, cot = inputs(64, seed=3)
+    args = cudnn_arguments(q, k, v, seg)
+    assert args["is_causal"] is True and args["mask"].shape == (B, 1, 64, 64)
+    assert args["mask"].dtype == jnp.bool_ and args["scale"] == H**-0.5
+
+    def via_jax(q, k, v, seg):
+        return jax.nn.dot_product_attention(**cudnn_arguments(q, k, v, seg), implementation="xla")
+
+    got = value_and_grads(via_jax, q, k, v, seg, cot)
+    want = value_and_grads(lambda *a: dense_attention(*a, query_block=16), q, k, v, seg, cot)
+    # 1e-5 relative: the same masked float32 softmax, computed by JAX's reference kernel.
+    assert_equal_values_and_grads(got, want, 1e-5)
+
+
+def test_gpu_and_tpu_kernels_refuse_other_platforms_in_one_line():
+    q, k, v, seg, _ = inputs(128)
+    with pytest.raises(KilnError, match=r"model\.attention: got 'cudnn', .* GPU only") as e:
+        cudnn_attention(q, k, v, seg)
+    assert "\n" not in str(e.value) and "'cpu'" in str(e.value)
+    with pytest.raises(KilnError, match=r"model\.attention: got 'splash', .* TPU only"):
+        splash_attention(q, k, v, seg)
+    with pytest.raises(KilnError, match=r"'cudnn' needs model\.dtype bfloat16 or float16, got fl"):
+        check("cudnn", "gpu", jnp.float32)
+    check("cudnn", "gpu", jnp.bfloat16)
+    check("splash", "tpu", jnp.float32)
+    check("xla", "cpu", jnp.float32)
+
+
+def test_kiln_train_refuses_a_kernel_of_another_platform_before_writing(tmp_path):
+    proc = kiln(
+        "train",
+        REPO / "configs" / "tiny.yaml",
+        "model.attention=cudnn",
+        f"train.output_dir={tmp_path}",
+    )
+    assert_user_error(proc, "model.attention: got 'cudnn'", "GPU only", "'cpu'")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_auto_picks_xla_on_cpu_and_the_model_dispatches_through_the_registry():
+    assert resolve("auto", jnp.float32) == "xla" and set(IMPLEMENTATIONS) == {
+        "xla",
+        "cudnn",
+        "splash",
+    }
+    tiny = dict(vocab_size=128, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, d_ff=64)
+    tokens = jnp.zeros((2, 128), jnp.int32)
+    segments = jnp.ones((2, 128), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(128), (2, 128))
+    for name, platform in (("cudnn", "GPU"), ("splash", "TPU")):
+        config = make_config(model={**tiny, "attention": name}, data={"seq_len": 128})
+        model = create_model(config, None, 0)
+        with pytest.raises(KilnError, match=f"got '{name}', which runs on {platform} only"):
+            jax.eval_shape(model.hidden_states, tokens, positions, segments)
+
+
+def test_unknown_attention_is_refused_naming_the_choices():
+    with pytest.raises(KilnError, match=r"model\.attention: got 'flash'.*'auto'.*'splash'"):
+        make_config(model={"attention": "flash"})
+
+
+def test_transformer_with_skipping_matches_numpy_unsharded_and_sequence_sharded():
+    from test_model import forward, reference
+
+    s, batch = 1024, 8  # two 512-row query blocks: the skipping path, not the dense one
+    model_cfg = dict(vocab_size=128, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=64)
+    sections = dict(model={**model_cfg, "max_seq_len": s}, data={"seq_len": s})
+    rng = np.random.default_rng(5)
+    tokens = jnp.asarray(rng.integers(0, 128, (batch, s)))
+    cut = 300 + 50 * np.arange(batch)[:, None]  # two documents per row, no padding
+    idx = np.arange(s)[None, :]
+    positions = jnp.asarray(np.where(idx < cut, idx, idx - cut), jnp.int32)
+    segments = jnp.asarray(np.where(idx < cut, 1, 2), jnp.int32)
+    config = make_config(**sections, mesh=dict(fsdp=4, sequence=2))
+    model = create_model(config, None, 0)
+    unsharded = forward(model, tokens, positions, segments)
+    mesh = make_mesh(config)
+    sharded = forward(model, tokens, positions, segments, mesh, config.mesh.rules)
+    want, _ = reference(model, tokens[3], positions[3], segments[3])
+    # 1e-5 relative: float32 model vs float64 reference (as in test_model).
+    assert rel_err(unsharded[3], want) < 1e-5
+    # 1e-5 relative: the same float32 rows, computed on 8 devices.
+    assert rel_err(sharded, unsharded) < 1e-5
