@@ -150,9 +150,7 @@ def _param_bytes_per_device(**mesh) -> int:
     """Bytes of the default model's parameters held by one device under the default rules."""
     from kiln.model import abstract_state
 
-    config = config_from_dict(
-        {"model": {"d_model": 64, "num_heads": 4, "d_ff": 128}, "mesh": mesh}
-    )
+    config = config_from_dict({"model": {"d_model": 64, "num_heads": 4, "d_ff": 128}, "mesh": mesh})
     state = abstract_state(config.model)
     shardings = state_shardings(state, make_mesh(config), config.mesh.rules)
     return sum(
