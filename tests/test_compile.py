@@ -153,6 +153,66 @@ def test_collectives_are_counted_by_kind_with_result_bytes():
     assert got["all-to-all"] == {"ops": 0, "bytes": 0}
 
 
+def test_tpu_all_reduce_scatter_fusions_count_as_reduce_scatters():
+    hlo = """
+%all-reduce-scatter.1 (input.5: f32[2,64,128]) -> f32[2,32,128] {
+  %all-reduce.9 = f32[2,64,128]{2,1,0:T(8,128)} all-reduce(%input.5), to_apply=%add
+  ROOT %dynamic-slice.2 = f32[2,32,128]{2,1,0} dynamic-slice(%all-reduce.9, %c, %o, %c)
+}
+
+ENTRY %main.1 (p: f32[2,64,128]) -> f32[2,64,128] {
+  %all-reduce.3 = f32[2,64,128]{2,1,0} all-reduce(%p), to_apply=%add
+  %fusion.1 = f32[2,32,128]{2,1,0} fusion(%p), kind=kCustom, calls=%all-reduce-scatter.1
+}
+"""
+    got = aot.collectives(hlo)
+    assert got["reduce-scatter"] == {"ops": 1, "bytes": 2 * 32 * 128 * 4}
+    assert got["all-reduce"] == {"ops": 1, "bytes": 2 * 64 * 128 * 4}
+
+
+# A model whose [micro-batch rows per fsdp shard, seq, d_model] activation is [2, 64, 128].
+TENSOR_PARALLEL = [
+    *("model.num_layers=2", "model.d_model=128", "model.d_ff=256", "model.vocab_size=512"),
+    *("model.num_heads=4", "model.num_kv_heads=2", "model.attention=xla", "data.seq_len=64"),
+    *("train.global_batch_size=8", "mesh.fsdp=4", "mesh.tensor=2"),
+]
+
+
+def full_activation_all_reduces(hlo: str, dims: str) -> int:
+    """All-reduced arrays of shape `dims` that are not the inside of a reduce-scatter fusion."""
+    count, scope = 0, ""
+    for line in hlo.splitlines():
+        header = aot._COMPUTATION.match(line)
+        if header is not None:
+            scope = header.group(1)
+        elif (op := aot._OP.search(line)) and op.group(2) == "all-reduce":
+            if not scope.startswith("all-reduce-scatter"):
+                count += sum(d == dims for _, d in aot._ARRAY.findall(op.group(1)))
+    return count
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu (the kiln[tpu] extra) is not installed")
+def test_tensor_parallel_residual_stream_is_reduce_scattered_not_all_reduced():
+    """Sequence parallelism: the sub-layers' partial sums over tensor are reduce-scattered.
+
+    XLA:CPU has no pass that turns the partitioner's all-reduce + dynamic-slice into a
+    reduce-scatter (TPU and GPU do), so this compiles for a TPU slice of 8 chips.
+    """
+    devices = aot.topology_devices("v5e-8")
+    config = load_config(ROOT / "configs/tiny.yaml", TENSOR_PARALLEL)
+    hlo = aot.lower_step(config, devices)[0].compile().as_text()
+    assert full_activation_all_reduces(hlo, "2,64,128") == 0
+    assert aot.collectives(hlo)["reduce-scatter"]["ops"] > 0
+    # The rule before sequence parallelism: the residual replicated over tensor, so every
+    # projection back to d_model all-reduces the full activation.
+    old = load_config(
+        ROOT / "configs/tiny.yaml", [*TENSOR_PARALLEL, "mesh.rules.act_length=[sequence]"]
+    )
+    hlo = aot.lower_step(old, devices)[0].compile().as_text()
+    assert full_activation_all_reduces(hlo, "2,64,128") >= 4
+
+
 def test_config_summary_reports_the_compiled_activations(small_1b_report, capsys):
     _, report = small_1b_report
     budget = report.memory["peak"] / 1e9 * 1.5

@@ -20,8 +20,9 @@ from kiln.mesh import constrain
 from kiln.model.attention import attention
 from kiln.model.interface import DTYPES, ModelOutput, logits_dtype
 
-# Residual stream and every [batch, seq, d_model] activation between sub-layers.
-ACT_BSD = ("batch", "length", "act_embed")
+# Residual stream and every [batch, seq, d_model] activation between sub-layers: its length is
+# `act_length` (sequence parallelism over tensor), inside a sub-layer it is `length`.
+ACT_BSD = ("batch", "act_length", "act_embed")
 _HEADS = ("batch", "length", "act_heads", None)
 # Keys and values whole along length: every query shard (sequence parallel) needs all of them.
 _KV_HEADS = ("batch", None, "act_kv_heads", None)
@@ -127,9 +128,12 @@ class Block(nnx.Module):
         self.mlp = Mlp(cfg, rngs=rngs)
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS):
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS)
-        x_BSD = constrain(x_BSD, ACT_BSD)
-        x_BSD = x_BSD + self.mlp(self.mlp_norm(x_BSD))
+        # Norms and residual adds run on the residual's sharding (ACT_BSD); each sub-layer's
+        # output is pinned to it too, so its partial sums over tensor are reduce-scattered.
+        h_BSD = constrain(self.attn_norm(x_BSD), ACT_BSD)
+        x_BSD = x_BSD + constrain(self.attn(h_BSD, positions_BS, segment_ids_BS), ACT_BSD)
+        h_BSD = constrain(self.mlp_norm(x_BSD), ACT_BSD)
+        x_BSD = x_BSD + constrain(self.mlp(h_BSD), ACT_BSD)
         return constrain(x_BSD, ACT_BSD)
 
 
