@@ -185,9 +185,10 @@ def full_activation_all_reduces(hlo: str, dims: str) -> int:
         header = aot._COMPUTATION.match(line)
         if header is not None:
             scope = header.group(1)
-        elif (op := aot._OP.search(line)) and op.group(2) == "all-reduce":
-            if not scope.startswith("all-reduce-scatter"):
-                count += sum(d == dims for _, d in aot._ARRAY.findall(op.group(1)))
+            continue
+        op = aot._OP.search(line)
+        if op and op.group(2) == "all-reduce" and not scope.startswith("all-reduce-scatter"):
+            count += sum(d == dims for _, d in aot._ARRAY.findall(op.group(1)))
     return count
 
 
