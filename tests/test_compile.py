@@ -325,3 +325,35 @@ def test_shipped_model_configs_fit_the_hardware_they_name(path):
     assert per_layer > 0
     extrapolated = peak[2] + per_layer * (layers - 2)
     assert extrapolated <= budget * 1e9, (path.name, extrapolated / 1e9, budget)
+
+
+def reductions(hlo: str) -> list[tuple[str, str]]:
+    """(dtype, dims) of every array summed across devices (all-reduce, reduce-scatter)."""
+    out = []
+    for line in hlo.splitlines():
+        op = aot._OP.search(line)
+        if op and op.group(2) in ("all-reduce", "reduce-scatter"):
+            out += aot._ARRAY.findall(op.group(1))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu (the kiln[tpu] extra) is not installed")
+def test_grad_reduce_dtype_is_the_dtype_of_the_weight_gradient_reductions():
+    """bf16 compute, fsdp=8: the blocks' weight gradients are summed in the chosen dtype.
+
+    On TPU (XLA:CPU computes bf16 matmuls in float32, so its HLO shows f32 either way).
+    """
+    devices = aot.topology_devices("v5e-8")
+    model = [o for o in TENSOR_PARALLEL if not o.startswith("mesh.")]
+    model += ["mesh.fsdp=8", "model.dtype=bfloat16"]
+    # wq, wk/wv, wo, w_gate/w_up, w_down of one layer (the scan body).
+    weights = {"128,4,32", "128,2,32", "4,32,128", "128,256", "256,128"}
+    for setting, dtype in (("compute", "bf16"), ("float32", "f32")):
+        config = load_config(
+            ROOT / "configs/tiny.yaml", [*model, f"train.grad_reduce_dtype={setting}"]
+        )
+        hlo = aot.lower_step(config, devices)[0].compile().as_text()
+        summed = [(t, dims) for t, dims in reductions(hlo) if dims in weights]
+        assert {dims for _, dims in summed} == weights
+        assert {t for t, _ in summed} == {dtype}

@@ -19,6 +19,7 @@ from kiln.losses import logits as head_logits
 from kiln.mesh import constrain
 from kiln.model.attention import attention
 from kiln.model.interface import DTYPES, ModelOutput, logits_dtype
+from kiln.model.project import project
 
 # Residual stream and every [batch, seq, d_model] activation between sub-layers: its length is
 # `act_length` (sequence parallelism over tensor), inside a sub-layer it is `length`.
@@ -84,9 +85,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS):
         dt = self.dtype
-        q_BSNH = jnp.einsum("BSD,DNH->BSNH", x_BSD, self.wq[...].astype(dt))
-        k_BTKH = jnp.einsum("BSD,DKH->BSKH", x_BSD, self.wk[...].astype(dt))
-        v_BTKH = jnp.einsum("BSD,DKH->BSKH", x_BSD, self.wv[...].astype(dt))
+        q_BSNH = project("BSD,DNH->BSNH", x_BSD, self.wq[...].astype(dt))
+        k_BTKH = project("BSD,DKH->BSKH", x_BSD, self.wk[...].astype(dt))
+        v_BTKH = project("BSD,DKH->BSKH", x_BSD, self.wv[...].astype(dt))
         if self.q_norm is not None:
             q_BSNH, k_BTKH = self.q_norm(q_BSNH), self.k_norm(k_BTKH)
         q_BSNH = constrain(rope(q_BSNH, positions_BS, self.theta), _HEADS)
@@ -97,7 +98,7 @@ class Attention(nnx.Module):
             q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, implementation=self.implementation
         )
         out_BSNH = constrain(out_BSNH, _HEADS)
-        return jnp.einsum("BSNH,NHD->BSD", out_BSNH, self.wo[...].astype(dt))
+        return project("BSNH,NHD->BSD", out_BSNH, self.wo[...].astype(dt))
 
 
 class Mlp(nnx.Module):
@@ -112,10 +113,10 @@ class Mlp(nnx.Module):
 
     def __call__(self, x_BSD):
         dt = self.dtype
-        gate_BSF = jnp.einsum("BSD,DF->BSF", x_BSD, self.w_gate[...].astype(dt))
-        up_BSF = jnp.einsum("BSD,DF->BSF", x_BSD, self.w_up[...].astype(dt))
+        gate_BSF = project("BSD,DF->BSF", x_BSD, self.w_gate[...].astype(dt))
+        up_BSF = project("BSD,DF->BSF", x_BSD, self.w_up[...].astype(dt))
         h_BSF = constrain(jax.nn.silu(gate_BSF) * up_BSF, _MLP)
-        return jnp.einsum("BSF,FD->BSD", h_BSF, self.w_down[...].astype(dt))
+        return project("BSF,FD->BSD", h_BSF, self.w_down[...].astype(dt))
 
 
 class Block(nnx.Module):
