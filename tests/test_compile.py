@@ -153,6 +153,67 @@ def test_collectives_are_counted_by_kind_with_result_bytes():
     assert got["all-to-all"] == {"ops": 0, "bytes": 0}
 
 
+def test_tpu_all_reduce_scatter_fusions_count_as_reduce_scatters():
+    hlo = """
+%all-reduce-scatter.1 (input.5: f32[2,64,128]) -> f32[2,32,128] {
+  %all-reduce.9 = f32[2,64,128]{2,1,0:T(8,128)} all-reduce(%input.5), to_apply=%add
+  ROOT %dynamic-slice.2 = f32[2,32,128]{2,1,0} dynamic-slice(%all-reduce.9, %c, %o, %c)
+}
+
+ENTRY %main.1 (p: f32[2,64,128]) -> f32[2,64,128] {
+  %all-reduce.3 = f32[2,64,128]{2,1,0} all-reduce(%p), to_apply=%add
+  %fusion.1 = f32[2,32,128]{2,1,0} fusion(%p), kind=kCustom, calls=%all-reduce-scatter.1
+}
+"""
+    got = aot.collectives(hlo)
+    assert got["reduce-scatter"] == {"ops": 1, "bytes": 2 * 32 * 128 * 4}
+    assert got["all-reduce"] == {"ops": 1, "bytes": 2 * 64 * 128 * 4}
+
+
+# A model whose [micro-batch rows per fsdp shard, seq, d_model] activation is [2, 64, 128].
+TENSOR_PARALLEL = [
+    *("model.num_layers=2", "model.d_model=128", "model.d_ff=256", "model.vocab_size=512"),
+    *("model.num_heads=4", "model.num_kv_heads=2", "model.attention=xla", "data.seq_len=64"),
+    *("train.global_batch_size=8", "mesh.fsdp=4", "mesh.tensor=2"),
+]
+
+
+def full_activation_all_reduces(hlo: str, dims: str) -> int:
+    """All-reduced arrays of shape `dims` that are not the inside of a reduce-scatter fusion."""
+    count, scope = 0, ""
+    for line in hlo.splitlines():
+        header = aot._COMPUTATION.match(line)
+        if header is not None:
+            scope = header.group(1)
+            continue
+        op = aot._OP.search(line)
+        if op and op.group(2) == "all-reduce" and not scope.startswith("all-reduce-scatter"):
+            count += sum(d == dims for _, d in aot._ARRAY.findall(op.group(1)))
+    return count
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu (the kiln[tpu] extra) is not installed")
+def test_tensor_parallel_residual_stream_is_reduce_scattered_not_all_reduced():
+    """Sequence parallelism: the sub-layers' partial sums over tensor are reduce-scattered.
+
+    XLA:CPU has no pass that turns the partitioner's all-reduce + dynamic-slice into a
+    reduce-scatter (TPU and GPU do), so this compiles for a TPU slice of 8 chips.
+    """
+    devices = aot.topology_devices("v5e-8")
+    config = load_config(ROOT / "configs/tiny.yaml", TENSOR_PARALLEL)
+    hlo = aot.lower_step(config, devices)[0].compile().as_text()
+    assert full_activation_all_reduces(hlo, "2,64,128") == 0
+    assert aot.collectives(hlo)["reduce-scatter"]["ops"] > 0
+    # The rule before sequence parallelism: the residual replicated over tensor, so every
+    # projection back to d_model all-reduces the full activation.
+    old = load_config(
+        ROOT / "configs/tiny.yaml", [*TENSOR_PARALLEL, "mesh.rules.act_length=[sequence]"]
+    )
+    hlo = aot.lower_step(old, devices)[0].compile().as_text()
+    assert full_activation_all_reduces(hlo, "2,64,128") >= 4
+
+
 def test_config_summary_reports_the_compiled_activations(small_1b_report, capsys):
     _, report = small_1b_report
     budget = report.memory["peak"] / 1e9 * 1.5
@@ -264,3 +325,35 @@ def test_shipped_model_configs_fit_the_hardware_they_name(path):
     assert per_layer > 0
     extrapolated = peak[2] + per_layer * (layers - 2)
     assert extrapolated <= budget * 1e9, (path.name, extrapolated / 1e9, budget)
+
+
+def reductions(hlo: str) -> list[tuple[str, str]]:
+    """(dtype, dims) of every array summed across devices (all-reduce, reduce-scatter)."""
+    out = []
+    for line in hlo.splitlines():
+        op = aot._OP.search(line)
+        if op and op.group(2) in ("all-reduce", "reduce-scatter"):
+            out += aot._ARRAY.findall(op.group(1))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu (the kiln[tpu] extra) is not installed")
+def test_grad_reduce_dtype_is_the_dtype_of_the_weight_gradient_reductions():
+    """bf16 compute, fsdp=8: the blocks' weight gradients are summed in the chosen dtype.
+
+    On TPU (XLA:CPU computes bf16 matmuls in float32, so its HLO shows f32 either way).
+    """
+    devices = aot.topology_devices("v5e-8")
+    model = [o for o in TENSOR_PARALLEL if not o.startswith("mesh.")]
+    model += ["mesh.fsdp=8", "model.dtype=bfloat16"]
+    # wq, wk/wv, wo, w_gate/w_up, w_down of one layer (the scan body).
+    weights = {"128,4,32", "128,2,32", "4,32,128", "128,256", "256,128"}
+    for setting, dtype in (("compute", "bf16"), ("float32", "f32")):
+        config = load_config(
+            ROOT / "configs/tiny.yaml", [*model, f"train.grad_reduce_dtype={setting}"]
+        )
+        hlo = aot.lower_step(config, devices)[0].compile().as_text()
+        summed = [(t, dims) for t, dims in reductions(hlo) if dims in weights]
+        assert {dims for _, dims in summed} == weights
+        assert {t for t, _ in summed} == {dtype}

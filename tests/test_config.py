@@ -168,13 +168,15 @@ def test_every_problem_is_reported_at_once():
 def test_mesh_rules_count_the_shards_each_dimension_really_gets():
     # batch [data, fsdp] claims fsdp first, so `length: [fsdp]` leaves the length whole and an
     # odd sequence length is fine; with batch on data only, length gets fsdp's 2 shards.
+    # (The residual stream's length stays whole: `act_length: [sequence]`, no sequence parallelism.)
     sizes = {"data": 1, "fsdp": 2, "tensor": 2, "sequence": 1}
     base = {"data": {"seq_len": 15}, "train": {"global_batch_size": 8}}
-    make_config(base, mesh={**sizes, "rules": {"length": ["fsdp"]}})
+    whole = {"act_length": ["sequence"]}
+    make_config(base, mesh={**sizes, "rules": {**whole, "length": ["fsdp"]}})
     with pytest.raises(KilnError, match=r"data\.seq_len: 15 is not divisible by the 2 sequence"):
-        make_config(base, mesh={**sizes, "rules": {"length": ["fsdp"], "batch": ["data"]}})
+        make_config(base, mesh={**sizes, "rules": {**whole, "length": ["fsdp"], "batch": ["data"]}})
     # The logits' vocabulary gets tensor only when fsdp went to the batch: 384 / 2 per shard.
-    vocab = {"vocab": ["tensor", "fsdp"]}
+    vocab = {**whole, "vocab": ["tensor", "fsdp"]}
     config = make_config(base, mesh={**sizes, "rules": vocab}, loss={"vocab_chunk_size": 192})
     assert check_devices(config, 4) == sizes
     with pytest.raises(KilnError, match=r"384 / 4 vocabulary shards"):
@@ -183,6 +185,17 @@ def test_mesh_rules_count_the_shards_each_dimension_really_gets():
             mesh={**sizes, "rules": {**vocab, "batch": ["data"]}},
             loss={"vocab_chunk_size": 192},
         )
+
+
+def test_sequence_parallel_residual_needs_seq_len_divisible_by_sequence_times_tensor():
+    sizes = {"data": 1, "fsdp": 2, "tensor": 2, "sequence": 2}
+    base = {"data": {"seq_len": 18}, "train": {"global_batch_size": 8}}
+    with pytest.raises(
+        KilnError, match=r"data\.seq_len: 18 is not divisible by the 4 shards of the residual"
+    ):
+        make_config(base, mesh=sizes)
+    make_config(base, mesh={**sizes, "rules": {"act_length": ["sequence"]}})
+    make_config({**base, "data": {"seq_len": 20}}, mesh=sizes)
 
 
 def test_tiling_must_divide_tokens_per_shard_batch_and_sequence():

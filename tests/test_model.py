@@ -26,6 +26,7 @@ from kiln.model import (
 )
 from kiln.model.attention import dense_attention as attention
 from kiln.model.llama import REMAT_POLICIES, Transformer
+from kiln.model.project import grad_reduce_dtype, project
 
 ROOT = Path(__file__).resolve().parents[1]
 B, S, V = 8, 16, 128
@@ -588,3 +589,34 @@ def test_cli_config_summary_for_llama3_8b():
     assert proc.returncode == 0, proc.stderr
     assert "8,030,261,248" in proc.stdout
     assert "memory per device" in proc.stdout
+
+
+@pytest.mark.parametrize("spec", ["BSD,DNH->BSNH", "BSNH,NHD->BSD"])
+def test_projection_weight_gradient_in_float32_matches_float64(spec):
+    """bf16 inputs, weight gradient computed (and so reduced) in float32, then rounded to bf16."""
+    shapes = {"B": 2, "S": 8, "D": 16, "N": 2, "H": 4}
+    inputs, rest = spec.split(",")
+    weight, output = rest.split("->")
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, [shapes[c] for c in inputs]).astype(jnp.bfloat16)
+    w = jax.random.normal(kw, [shapes[c] for c in weight]).astype(jnp.bfloat16)
+    g = jax.random.normal(kg, [shapes[c] for c in output]).astype(jnp.bfloat16)
+    with grad_reduce_dtype(jnp.float32):
+        out, vjp = jax.vjp(lambda x, w: project(spec, x, w), x, w)
+    dx, dw = vjp(g)
+    x64, w64, g64 = (np.asarray(a, np.float64) for a in (x, w, g))
+    assert out.dtype == dw.dtype == dx.dtype == jnp.bfloat16
+    # bf16 results: one rounding to 8 mantissa bits, relative error <= 2^-8 (+ f32 summation).
+    tol = dict(rtol=2**-8 + 1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out, np.float64), np.einsum(spec, x64, w64), **tol)
+    want_dw = np.einsum(f"{inputs},{output}->{weight}", x64, g64)
+    np.testing.assert_allclose(np.asarray(dw, np.float64), want_dw, **tol)
+    # dx is the compute-dtype matmul jnp.einsum's own gradient computes: bf16 output, and an
+    # absolute term for sums that cancel.
+    want_dx = np.einsum(f"{output},{weight}->{inputs}", g64, w64)
+    np.testing.assert_allclose(np.asarray(dx, np.float64), want_dx, rtol=2**-7, atol=2**-7)
+    # Without a reduce dtype different from the compute dtype, it is jnp.einsum itself.
+    with grad_reduce_dtype(None):
+        assert jax.make_jaxpr(lambda x, w: project(spec, x, w))(x, w).eqns[0].primitive.name == (
+            "dot_general"
+        )

@@ -38,6 +38,10 @@ DEFAULT_AXIS_RULES: dict[str, list[str]] = {
     # Activations.
     "batch": ["data", "fsdp"],
     "length": ["sequence"],
+    # The residual stream's length (block boundaries, norm inputs): split over tensor as well,
+    # so tensor-parallel devices hold different tokens between sub-layers (sequence
+    # parallelism) and each projection's partial sums are reduce-scattered, not all-reduced.
+    "act_length": ["sequence", "tensor"],
     "act_embed": [],
     "act_heads": ["tensor"],
     "act_kv_heads": ["tensor"],

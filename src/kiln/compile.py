@@ -29,6 +29,8 @@ _BITS |= {"u16": 16, "f32": 32, "s32": 32, "u32": 32, "f64": 64, "s64": 64, "u64
 _BITS |= {"c64": 64, "c128": 128}
 # `%name = TYPE op(`; an async collective is counted at its `-done`, whose type is the result.
 _OP = re.compile(r"=\s+(.+?)\s+(" + "|".join(COLLECTIVES) + r")(?:-done)?\(")
+# A computation's header, `%name (params) -> RESULT {` (ENTRY too): its name and result type.
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.-]+)\s+\(.*\)\s+->\s+(.+?)\s*\{\s*$")
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
 
 
@@ -194,16 +196,26 @@ def memory_figures(stats, platform: str) -> tuple[dict[str, int], str]:
 def collectives(hlo: str) -> dict[str, dict[str, int]]:
     """Collective ops of a compiled HLO module by kind: op count and bytes of their results.
 
-    Static counts: an op in a loop body (the layer scan, accumulation) is counted once.
+    Static counts: an op in a loop body (the layer scan, accumulation) is counted once. The TPU
+    compiler emits a reduce-scatter as an `all-reduce-scatter` fusion (an all-reduce whose
+    result is sliced inside it): it is counted as a reduce-scatter with the fusion's result.
     """
     out = {kind: {"ops": 0, "bytes": 0} for kind in COLLECTIVES}
+    scatter_result = None  # result type of the all-reduce-scatter computation being read
     for line in hlo.splitlines():
+        header = _COMPUTATION.match(line)
+        if header is not None:
+            is_scatter = header.group(1).startswith("all-reduce-scatter")
+            scatter_result = header.group(2) if is_scatter else None
+            continue
         match = _OP.search(line)
         if match is None:
             continue
-        kind = out[match.group(2)]
-        kind["ops"] += 1
-        kind["bytes"] += shape_bytes(match.group(1))
+        kind, result = match.group(2), match.group(1)
+        if kind == "all-reduce" and scatter_result is not None:
+            kind, result = "reduce-scatter", scatter_result
+        out[kind]["ops"] += 1
+        out[kind]["bytes"] += shape_bytes(result)
     return out
 
 

@@ -179,6 +179,13 @@ def _mesh_errors(c: Config, num_devices: int | None) -> Iterator[str]:
         )
     elif seq_len % seq_shards:
         yield f"data.seq_len: {seq_len} is not divisible by the {seq_shards} sequence shards of the mesh"
+    elif seq_len % (residual_shards := _residual_length_shards(c, mesh)):
+        yield (
+            f"data.seq_len: {seq_len} is not divisible by the {residual_shards} shards of the "
+            f"residual stream's length (mesh.rules.act_length={c.mesh.rules['act_length']} on "
+            f"mesh {mesh}); allowed: a multiple of {residual_shards}, or set "
+            "mesh.rules.act_length to [sequence]"
+        )
     elif (rows * cols) % loss.num_vocab_tiling:
         yield (
             f"loss.num_vocab_tiling: {loss.num_vocab_tiling} does not divide the "
@@ -192,6 +199,14 @@ def _mesh_errors(c: Config, num_devices: int | None) -> Iterator[str]:
             f"(model.vocab_size {vocab} / {vocab_shards} vocabulary shards); "
             "allowed: a divisor of that number, or null"
         )
+
+
+def _residual_length_shards(c: Config, mesh: dict[str, int]) -> int:
+    """Shards of the residual stream's length dimension (kiln.model.llama.ACT_BSD)."""
+    from kiln.mesh import logical_spec, shards_per_dim
+
+    spec = logical_spec(("batch", "act_length", "act_embed"), c.mesh.rules)
+    return shards_per_dim(spec, mesh)[1]
 
 
 def _distillation_schedule_errors(dist: DistillationConfig) -> Iterator[str]:

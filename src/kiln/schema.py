@@ -276,6 +276,16 @@ class TrainConfig(Section):
         description="Steps between evaluations on held-out data; 0 = never.",
     )
     eval_batches: PositiveInt = Field(4, description="Global batches per evaluation.")
+    grad_reduce_dtype: Literal["float32", "compute"] = Field(
+        "float32",
+        description=(
+            "Dtype in which each Transformer block's weight gradients are computed and summed "
+            "across data/fsdp devices: float32, or compute (model.dtype, e.g. bfloat16: half "
+            "the gradient reduce-scatter/all-reduce bytes, but each device's partial gradient "
+            "is rounded to 8 mantissa bits before the sum). Same computation when "
+            "model.dtype is float32."
+        ),
+    )
     max_consecutive_skips: PositiveInt = Field(
         10,
         description="Stop the run after this many consecutive steps with a non-finite loss or gradient.",

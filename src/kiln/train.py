@@ -35,6 +35,7 @@ from kiln.mesh import (
     use_mesh,
 )
 from kiln.model import build_model, create_model, flops_per_token
+from kiln.model.project import grad_reduce_dtype
 from kiln.optim import make_optimizer, make_schedule
 
 Batch = Mapping[str, jax.Array]
@@ -207,9 +208,12 @@ def objective_loss_and_grads(objective: Objective, state: TrainState, batch: Bat
     def loss_sums(params, mb, coefficients):
         return objective.loss_sums(state.model(params), mb, coefficients)
 
+    reduce_dtype = None if config.train.grad_reduce_dtype == "compute" else jnp.float32
+
     def sums_and_grads(mb, coefficients):
         grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
-        (_, sums), grads = grad_fn(state.params, mb, coefficients)
+        with grad_reduce_dtype(reduce_dtype):
+            (_, sums), grads = grad_fn(state.params, mb, coefficients)
         return sums, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
     if accum == 1:

@@ -20,9 +20,11 @@ from kiln.losses import logits as head_logits
 from kiln.mesh import constrain
 from kiln.model.attention import attention
 from kiln.model.interface import DTYPES, ModelOutput, logits_dtype
+from kiln.model.project import project
 
-# Residual stream and every [batch, seq, d_model] activation between sub-layers.
-ACT_BSD = ("batch", "length", "act_embed")
+# Residual stream and every [batch, seq, d_model] activation between sub-layers: its length is
+# `act_length` (sequence parallelism over tensor), inside a sub-layer it is `length`.
+ACT_BSD = ("batch", "act_length", "act_embed")
 _HEADS = ("batch", "length", "act_heads", None)
 # Keys and values whole along length: every query shard (sequence parallel) needs all of them.
 _KV_HEADS = ("batch", None, "act_kv_heads", None)
@@ -108,9 +110,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS):
         dt = self.dtype
-        q_BSNH = jnp.einsum("BSD,DNH->BSNH", x_BSD, self.wq[...].astype(dt))
-        k_BTKH = jnp.einsum("BSD,DKH->BSKH", x_BSD, self.wk[...].astype(dt))
-        v_BTKH = jnp.einsum("BSD,DKH->BSKH", x_BSD, self.wv[...].astype(dt))
+        q_BSNH = project("BSD,DNH->BSNH", x_BSD, self.wq[...].astype(dt))
+        k_BTKH = project("BSD,DKH->BSKH", x_BSD, self.wk[...].astype(dt))
+        v_BTKH = project("BSD,DKH->BSKH", x_BSD, self.wv[...].astype(dt))
         q_BSNH = checkpoint_name(q_BSNH, "q_proj")
         k_BTKH = checkpoint_name(k_BTKH, "k_proj")
         v_BTKH = checkpoint_name(v_BTKH, "v_proj")
@@ -124,7 +126,7 @@ class Attention(nnx.Module):
             q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, implementation=self.implementation
         )
         out_BSNH = checkpoint_name(constrain(out_BSNH, _HEADS), "attn_out")
-        out_BSD = jnp.einsum("BSNH,NHD->BSD", out_BSNH, self.wo[...].astype(dt))
+        out_BSD = project("BSNH,NHD->BSD", out_BSNH, self.wo[...].astype(dt))
         return checkpoint_name(out_BSD, "out_proj")
 
 
@@ -140,11 +142,11 @@ class Mlp(nnx.Module):
 
     def __call__(self, x_BSD):
         dt = self.dtype
-        gate_BSF = jnp.einsum("BSD,DF->BSF", x_BSD, self.w_gate[...].astype(dt))
-        up_BSF = jnp.einsum("BSD,DF->BSF", x_BSD, self.w_up[...].astype(dt))
+        gate_BSF = project("BSD,DF->BSF", x_BSD, self.w_gate[...].astype(dt))
+        up_BSF = project("BSD,DF->BSF", x_BSD, self.w_up[...].astype(dt))
         gate_BSF, up_BSF = checkpoint_name(gate_BSF, "mlp_gate"), checkpoint_name(up_BSF, "mlp_up")
         h_BSF = constrain(jax.nn.silu(gate_BSF) * up_BSF, _MLP)
-        out_BSD = jnp.einsum("BSF,FD->BSD", h_BSF, self.w_down[...].astype(dt))
+        out_BSD = project("BSF,FD->BSD", h_BSF, self.w_down[...].astype(dt))
         return checkpoint_name(out_BSD, "mlp_out")
 
 
@@ -158,9 +160,12 @@ class Block(nnx.Module):
         self.mlp = Mlp(cfg, rngs=rngs)
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS):
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS)
-        x_BSD = constrain(x_BSD, ACT_BSD)
-        x_BSD = x_BSD + self.mlp(self.mlp_norm(x_BSD))
+        # Norms and residual adds run on the residual's sharding (ACT_BSD); each sub-layer's
+        # output is pinned to it too, so its partial sums over tensor are reduce-scattered.
+        h_BSD = constrain(self.attn_norm(x_BSD), ACT_BSD)
+        x_BSD = x_BSD + constrain(self.attn(h_BSD, positions_BS, segment_ids_BS), ACT_BSD)
+        h_BSD = constrain(self.mlp_norm(x_BSD), ACT_BSD)
+        x_BSD = x_BSD + constrain(self.mlp(h_BSD), ACT_BSD)
         return constrain(x_BSD, ACT_BSD)
 
 
