@@ -208,7 +208,10 @@ class Transformer(nnx.Module):
                     f"layer {i} requested for features, but the model has "
                     f"model.num_layers={cfg.num_layers} (allowed: 0..{cfg.num_layers - 1})"
                 )
-        table_VD = self.embedding[...]
+        # The table's embed dimension is gathered first (as every weight is, just in time): a
+        # lookup from a table split along embed over fsdp and sequence would have to move its
+        # [B, S, D] result to the batch/length split, which the partitioner does by replicating it.
+        table_VD = constrain(self.embedding[...], ("vocab", None))
         x_BSD = jnp.take(table_VD, inputs_BS, axis=0).astype(DTYPES[cfg.dtype])
         x_BSD = constrain(x_BSD, ACT_BSD)
 
