@@ -34,9 +34,7 @@ TILINGS = (1, 2, 4, 8, 16, 32)
 
 def remat_policies() -> list[str]:
     """`model.remat` values from the schema, least recompute first (none ... full)."""
-    names = getattr(schema, "REMAT_POLICIES", None)
-    if names is None:
-        names = typing.get_args(schema.ModelConfig.model_fields["remat"].annotation)
+    names = typing.get_args(schema.ModelConfig.model_fields["remat"].annotation)
     middle = [n for n in names if n not in ("none", "full")]
     return [n for n in ("none",) if n in names] + middle + [n for n in ("full",) if n in names]
 
