@@ -109,13 +109,18 @@ def _fold_tables(shards: int, tiles: int) -> tuple[np.ndarray, np.ndarray]:
     return key_tile, owner
 
 
-def _take_tiles(x_BPN, tile_BPE):
-    """[B, P, E, ...]: of each shard p's copy x_BPN[:, p] (N tiles), the tiles tile_BPE[:, p]."""
-    index = tile_BPE.reshape(*tile_BPE.shape, *(1,) * (x_BPN.ndim - 3))
+def _take_tiles(x_BPN, tile_PE, copies: bool):
+    """[B, P, E, ...]: of each shard p's copy x_BPN[:, p] (N tiles), the tiles tile_PE[p].
+
+    Without `copies`, x_BN has no P axis: one array that every shard reads.
+    """
+    if not copies:
+        return jnp.take(x_BPN, tile_PE, axis=1)
+    index = tile_PE.reshape(1, *tile_PE.shape, *(1,) * (x_BPN.ndim - 3))
     return jnp.take_along_axis(x_BPN, index, axis=2)
 
 
-def _fold_step(xs, k_BPNUKH, v_BPNUKH, seg_BPNU):
+def _fold_step(xs, k_BPNUKH, v_BPNUKH, seg_BPNU, *, copies: bool):
     """One step of `causal_attention`: each shard's low and high query tile over its key tiles.
 
     Letters: P shards, E tile products, C query rows and U keys of a tile, N here the global
@@ -125,9 +130,8 @@ def _fold_step(xs, k_BPNUKH, v_BPNUKH, seg_BPNU):
     """
     q_lo, q_hi, seg_lo, seg_hi, pos_lo, pos_hi, key_tile_PE, owner_PE = xs
     b, p, c, k, g, h = q_lo.shape
-    u = k_BPNUKH.shape[3]
+    u = k_BPNUKH.shape[-3]
     e = key_tile_PE.shape[1]
-    tile_BPE = key_tile_PE[None]
     high_PE = owner_PE == 1
     q_BPECKGH = jnp.where(
         high_PE[None, :, :, None, None, None, None], q_hi[:, :, None], q_lo[:, :, None]
@@ -135,8 +139,8 @@ def _fold_step(xs, k_BPNUKH, v_BPNUKH, seg_BPNU):
     # Batch dimensions (B, P, K, E) leading and in the same order on both sides: XLA's CPU
     # dot then runs the many small tile products markedly faster than with K after the tiles.
     q_BPKERH = q_BPECKGH.transpose(0, 1, 4, 2, 3, 5, 6).reshape(b, p, k, e, c * g, h)
-    k_BPKEUH = _take_tiles(k_BPNUKH, tile_BPE).transpose(0, 1, 4, 2, 3, 5)
-    v_BPKEUH = _take_tiles(v_BPNUKH, tile_BPE).transpose(0, 1, 4, 2, 3, 5)
+    k_BPKEUH = _take_tiles(k_BPNUKH, key_tile_PE, copies).transpose(0, 1, 4, 2, 3, 5)
+    v_BPKEUH = _take_tiles(v_BPNUKH, key_tile_PE, copies).transpose(0, 1, 4, 2, 3, 5)
     scores_BPKERU = jnp.einsum(
         "BPKERH,BPKEUH->BPKERU", q_BPKERH, k_BPKEUH, preferred_element_type=jnp.float32
     )
@@ -144,7 +148,9 @@ def _fold_step(xs, k_BPNUKH, v_BPNUKH, seg_BPNU):
     seg_q_BPEC = jnp.where(high_PE[None, :, :, None], seg_hi[:, :, None], seg_lo[:, :, None])
     pos_q_PEC = jnp.where(high_PE[:, :, None], pos_hi[:, None], pos_lo[:, None])
     pos_k_PEU = key_tile_PE[:, :, None] * u + jnp.arange(u)
-    same_doc_BPECU = seg_q_BPEC[..., :, None] == _take_tiles(seg_BPNU, tile_BPE)[..., None, :]
+    same_doc_BPECU = (
+        seg_q_BPEC[..., :, None] == _take_tiles(seg_BPNU, key_tile_PE, copies)[..., None, :]
+    )
     causal_PECU = pos_q_PEC[..., :, None] >= pos_k_PEU[..., None, :]
     # Padding products (owner 2) are masked whole; their row maxima are ignored below.
     mask_BPECU = same_doc_BPECU & (causal_PECU & (owner_PE < 2)[..., None, None])[None]
@@ -223,6 +229,8 @@ def causal_attention(
     def per_shard(x_BT, names):
         """[B, P, S/C, C, ...]: one copy of x's tiles per sequence shard, placed on that shard."""
         x_BNU = x_BT.reshape(b, s // c, c, *x_BT.shape[2:])
+        if p == 1:  # unsharded: the one array, as before
+            return x_BNU
         return constrain(jnp.broadcast_to(x_BNU[:, None], (b, p, *x_BNU.shape[1:])), names)
 
     # Every shard reads all keys and values, from its own copy: the copies are gathered once,
@@ -234,7 +242,7 @@ def causal_attention(
         per_shard(v_BTKH, _KV_TILES),
         per_shard(segment_ids_BS, _KV_TILES[:4]),
     )
-    step = jax.checkpoint(lambda xs: _fold_step(xs, *kv_tiles), prevent_cse=False)
+    step = jax.checkpoint(lambda xs: _fold_step(xs, *kv_tiles, copies=p > 1), prevent_cse=False)
     out_lo, out_hi = jax.lax.map(step, xs)
     out_LBPCKGH = jnp.concatenate([out_lo, jnp.flip(out_hi, 0)], axis=0)
     return jnp.moveaxis(out_LBPCKGH, 0, 2).reshape(b, s, n, h)
