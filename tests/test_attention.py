@@ -24,6 +24,9 @@ from kiln.model.attention import (
 )
 
 B, N, K, H = 4, 4, 2, 16  # grouped-query: 2 query heads per key/value head
+# Logical names of the model's queries and keys/values entering attention (kiln.model.llama).
+HEADS = ("batch", "length", "act_heads", None)
+KV_HEADS = ("batch", "length", "act_kv_heads", None)
 
 
 def rel_err(a, b):
@@ -151,7 +154,12 @@ def test_causal_skipping_sequence_sharded_equals_unsharded(mesh):
     q, k, v, seg, cot = inputs(s, seed=1)
     want = value_and_grads(lambda *a: dense_attention(*a, query_block=32), q, k, v, seg, cot)
     config = make_config(mesh=mesh)
-    with use_mesh(make_mesh(config), config.mesh.rules):
+    mesh_, rules = make_mesh(config), config.mesh.rules
+    # Placed as the model places them: queries, keys and values split along the sequence.
+    q, cot = (jax.device_put(x, logical_sharding(mesh_, rules, HEADS)) for x in (q, cot))
+    k, v = (jax.device_put(x, logical_sharding(mesh_, rules, KV_HEADS)) for x in (k, v))
+    seg = jax.device_put(seg, batch_sharding(mesh_, rules))
+    with use_mesh(mesh_, rules):
         assert sequence_shards() == mesh["sequence"]
         got = value_and_grads(lambda *a: causal_attention(*a, query_block=32), q, k, v, seg, cot)
     # 1e-5 relative: as unsharded; the shards only change which rows a device computes.
@@ -171,9 +179,9 @@ def test_sequence_sharded_skipping_splits_the_work_evenly():
     one_device = flops(2)
     config = make_config(mesh=dict(fsdp=4, sequence=2))
     mesh, rules = make_mesh(config), config.mesh.rules
-    # Placed as the model places them: queries split along the sequence, keys whole.
-    q = jax.device_put(q, logical_sharding(mesh, rules, ("batch", "length", "act_heads", None)))
-    kv = logical_sharding(mesh, rules, ("batch", None, "act_kv_heads", None))
+    # Placed as the model places them: queries, keys and values split along the sequence.
+    q = jax.device_put(q, logical_sharding(mesh, rules, HEADS))
+    kv = logical_sharding(mesh, rules, KV_HEADS)
     k, v = jax.device_put(k, kv), jax.device_put(v, kv)
     seg = jax.device_put(seg, batch_sharding(mesh, rules))
     with use_mesh(mesh, rules):

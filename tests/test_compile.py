@@ -147,11 +147,50 @@ def test_collectives_are_counted_by_kind_with_result_bytes():
   %fusion = f32[2]{0} fusion(%all-reduce.3), calls=%fused, metadata={op_name="jit(f)/all-gather"}
 """
     got = aot.collectives(hlo)
-    assert got["all-gather"] == {"ops": 2, "bytes": 512 * 512 * 2 + 64 * 2}
-    assert got["all-reduce"] == {"ops": 1, "bytes": 4 * 8 * 4 + 16 * 2}
-    assert got["reduce-scatter"] == {"ops": 1, "bytes": 128 * 4}
-    assert got["collective-permute"] == {"ops": 1, "bytes": 2 * 2 * 4}
-    assert got["all-to-all"] == {"ops": 0, "bytes": 0}
+
+    def static(ops, nbytes):
+        """No loop in this module: each op runs once per step."""
+        return dict(ops=ops, bytes=nbytes, ops_per_step=ops, bytes_per_step=nbytes)
+
+    assert got["all-gather"] == static(2, 512 * 512 * 2 + 64 * 2)
+    assert got["all-reduce"] == static(1, 4 * 8 * 4 + 16 * 2)
+    assert got["reduce-scatter"] == static(1, 128 * 4)
+    assert got["collective-permute"] == static(1, 2 * 2 * 4)
+    assert got["all-to-all"] == static(0, 0)
+
+
+LOOPS = """
+%inner_body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %all-reduce.1 = f32[8]{0} all-reduce(%x), to_apply=%add
+}
+
+%outer_body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %all-gather.2 = f32[16]{0} all-gather(%x), dimensions={0}
+  %while.1 = (s32[], f32[8]) while(%t), condition=%inner_cond, body=%inner_body, backend_config={"known_trip_count":{"n":"4"}}
+}
+
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %while.2 = (s32[], f32[8]) while(%t), condition=%outer_cond, body=%outer_body, backend_config={"known_trip_count":{"n":"3"}}
+  %all-reduce.3 = f32[2]{0} all-reduce(%y), to_apply=%add
+}
+"""
+# A loop whose trip count the HLO does not give (the TPU compiler's), around inner_body too.
+UNKNOWN_LOOP = "  %while.3 = (s32[], f32[8]) while(%t), condition=%c, body=%inner_body\n}"
+
+
+def test_collectives_per_step_multiply_the_trip_counts_of_the_loops_around_them():
+    # inner_body runs 4 times per run of outer_body, which runs 3 times.
+    assert aot.collective_ops(LOOPS) == [
+        ("all-reduce", "f32[8]{0}", 12),
+        ("all-gather", "f32[16]{0}", 3),
+        ("all-reduce", "f32[2]{0}", 1),
+    ]
+    got = aot.collectives(LOOPS)
+    assert got["all-reduce"] == dict(ops=2, bytes=40, ops_per_step=13, bytes_per_step=12 * 32 + 8)
+    assert got["all-gather"] == dict(ops=1, bytes=64, ops_per_step=3, bytes_per_step=3 * 64)
+    # inner_body also called by a loop of unknown length: its runs per step are unknown.
+    got = aot.collectives(LOOPS.rstrip().removesuffix("}") + UNKNOWN_LOOP)
+    assert (got["all-reduce"]["ops_per_step"], got["all-gather"]["ops_per_step"]) == (None, 3)
 
 
 def test_tpu_all_reduce_scatter_fusions_count_as_reduce_scatters():
@@ -167,8 +206,12 @@ ENTRY %main.1 (p: f32[2,64,128]) -> f32[2,64,128] {
 }
 """
     got = aot.collectives(hlo)
-    assert got["reduce-scatter"] == {"ops": 1, "bytes": 2 * 32 * 128 * 4}
-    assert got["all-reduce"] == {"ops": 1, "bytes": 2 * 64 * 128 * 4}
+    assert got["reduce-scatter"] == dict(
+        ops=1, bytes=2 * 32 * 128 * 4, ops_per_step=1, bytes_per_step=2 * 32 * 128 * 4
+    )
+    assert got["all-reduce"] == dict(
+        ops=1, bytes=2 * 64 * 128 * 4, ops_per_step=1, bytes_per_step=2 * 64 * 128 * 4
+    )
 
 
 # A model whose [micro-batch rows per fsdp shard, seq, d_model] activation is [2, 64, 128].
@@ -213,6 +256,39 @@ def test_tensor_parallel_residual_stream_is_reduce_scattered_not_all_reduced():
     )
     hlo = aot.lower_step(old, devices)[0].compile().as_text()
     assert full_activation_all_reduces(hlo, "2,64,128") >= 4
+
+
+# 2 layers, K=2 key/value heads of 16, one sequence per (fsdp, sequence) device pair.
+SEQUENCE_PARALLEL = [
+    *("model.num_layers=2", "model.d_model=64", "model.d_ff=128", "model.vocab_size=256"),
+    *("model.num_heads=4", "model.num_kv_heads=2", "model.attention=xla"),
+    *("train.global_batch_size=4", "mesh.fsdp=4", "mesh.sequence=2"),
+]
+
+
+def test_sequence_parallel_attention_sums_key_value_gradients_once_per_layer():
+    """mesh.sequence=2: dK/dV summed over the shards once per layer, not per query block.
+
+    Seq 1024 and 2048 run 2 and 4 query blocks of 512 rows (8 and 16 key tiles of 128 per
+    device); every collective runs as often per step at both lengths.
+    """
+    devices = aot.use_cpu_devices(8)
+    per_step = {}
+    for s in (1024, 2048):
+        overrides = [*SEQUENCE_PARALLEL, f"data.seq_len={s}", f"model.max_seq_len={s}"]
+        config = load_config(ROOT / "configs/tiny.yaml", overrides)
+        hlo = aot.lower_step(config, devices)[0].compile().as_text()
+        ops = aot.collective_ops(hlo)
+        # The whole dK or dV of one device: [1 row, S/128 tiles, 128, K=2, H=16].
+        key_tiles = f"1,{s // 128},128,2,16"
+        summed = [
+            runs * sum(dims == key_tiles for _, dims in aot._ARRAY.findall(result))
+            for kind, result, runs in ops
+            if kind in ("all-reduce", "reduce-scatter")
+        ]
+        assert sum(summed) == 2 * 2  # dK and dV, once in each of the 2 layers
+        per_step[s] = {k: c["ops_per_step"] for k, c in aot.collectives(hlo).items()}
+    assert per_step[1024] == per_step[2048]
 
 
 def test_config_summary_reports_the_compiled_activations(small_1b_report, capsys):

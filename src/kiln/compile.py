@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import math
 import os
@@ -31,6 +32,11 @@ _BITS |= {"c64": 64, "c128": 128}
 _OP = re.compile(r"=\s+(.+?)\s+(" + "|".join(COLLECTIVES) + r")(?:-done)?\(")
 # A computation's header, `%name (params) -> RESULT {` (ENTRY too): its name and result type.
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.-]+)\s+\(.*\)\s+->\s+(.+?)\s*\{\s*$")
+# Call sites in an instruction: a while's body and condition, a reduction's to_apply, a
+# fusion's or call's computation, a conditional's branches; and a while's known trip count.
+_CALLEE = re.compile(r"\b(body|condition|to_apply|calls)=%([\w.-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
 
 
@@ -123,7 +129,8 @@ class StepReport:
     memory: dict[str, int]  # bytes per device: arguments, outputs, temporaries, aliased, peak
     peak_source: str
     flops: dict[str, float]
-    collectives: dict[str, dict[str, int]]  # kind -> {"ops": n, "bytes": total}
+    # kind -> {"ops", "bytes"} static, {"ops_per_step", "bytes_per_step"} as run (see collectives)
+    collectives: dict[str, dict[str, int | None]]
 
     def fits(self, hbm_gb: float | None) -> bool:
         return hbm_gb is None or self.memory["peak"] <= hbm_gb * GB
@@ -193,30 +200,90 @@ def memory_figures(stats, platform: str) -> tuple[dict[str, int], str]:
     return memory, "arguments + outputs + temporaries - aliased"
 
 
-def collectives(hlo: str) -> dict[str, dict[str, int]]:
+def collectives(hlo: str) -> dict[str, dict[str, int | None]]:
     """Collective ops of a compiled HLO module by kind: op count and bytes of their results.
 
-    Static counts: an op in a loop body (the layer scan, accumulation) is counted once. The TPU
-    compiler emits a reduce-scatter as an `all-reduce-scatter` fusion (an all-reduce whose
-    result is sliced inside it): it is counted as a reduce-scatter with the fusion's result.
+    `ops` and `bytes` are static: an op in a loop body (the layer scan, accumulation, attention's
+    query blocks) is counted once. `ops_per_step` and `bytes_per_step` count it as often as one
+    step runs it (see `collective_ops`; None when a loop's trip count is unknown).
     """
-    out = {kind: {"ops": 0, "bytes": 0} for kind in COLLECTIVES}
-    scatter_result = None  # result type of the all-reduce-scatter computation being read
+    out: dict[str, dict[str, int | None]] = {
+        kind: {"ops": 0, "bytes": 0, "ops_per_step": 0, "bytes_per_step": 0} for kind in COLLECTIVES
+    }
+    for kind, result, runs in collective_ops(hlo):
+        count, nbytes = out[kind], shape_bytes(result)
+        count["ops"] += 1
+        count["bytes"] += nbytes
+        if runs is None or count["ops_per_step"] is None:
+            count["ops_per_step"] = count["bytes_per_step"] = None
+        else:
+            count["ops_per_step"] += runs
+            count["bytes_per_step"] += runs * nbytes
+    return out
+
+
+def collective_ops(hlo: str) -> list[tuple[str, str, int | None]]:
+    """Every collective op of a compiled HLO module: (kind, result type, runs per step).
+
+    Runs per step: the product of the trip counts of the loops around the op (None when one is
+    not in the HLO, as in the TPU compiler's); a conditional's branches count as taken. The
+    TPU compiler emits a reduce-scatter as an `all-reduce-scatter` fusion (an all-reduce whose
+    result is sliced inside it): it is a reduce-scatter with the fusion's result.
+    """
+    found, call_sites = _read_module(hlo)
+    runs = _runs_per_step(call_sites)
+    return [(kind, result, runs(computation)) for computation, kind, result in found]
+
+
+def _read_module(hlo: str):
+    """([(computation, kind, result type)] of the collectives, {callee: [(caller, runs)]}).
+
+    `runs` is how often one run of the caller runs the callee: a while loop's trip count for
+    its body (one more for its condition), None when unknown, 1 for any other call.
+    """
+    found, call_sites = [], {}
+    computation, scatter_result = None, None  # scatter_result: of the all-reduce-scatter read
     for line in hlo.splitlines():
         header = _COMPUTATION.match(line)
         if header is not None:
-            is_scatter = header.group(1).startswith("all-reduce-scatter")
+            computation = header.group(1)
+            is_scatter = computation.startswith("all-reduce-scatter")
             scatter_result = header.group(2) if is_scatter else None
             continue
+        trips = _TRIPS.search(line)
+        trips = int(trips.group(1)) if trips else None
+        for role, callee in _CALLEE.findall(line):
+            loop = {"body": trips, "condition": None if trips is None else trips + 1}
+            call_sites.setdefault(callee, []).append((computation, loop.get(role, 1)))
+        for branches in _BRANCHES.findall(line):
+            for callee in re.findall(r"%([\w.-]+)", branches):
+                call_sites.setdefault(callee, []).append((computation, 1))
         match = _OP.search(line)
         if match is None:
             continue
         kind, result = match.group(2), match.group(1)
         if kind == "all-reduce" and scatter_result is not None:
             kind, result = "reduce-scatter", scatter_result
-        out[kind]["ops"] += 1
-        out[kind]["bytes"] += shape_bytes(result)
-    return out
+        found.append((computation, kind, result))
+    return found, call_sites
+
+
+def _runs_per_step(call_sites):
+    """computation -> how often one run of the module runs it (None: a loop count unknown)."""
+
+    @functools.cache
+    def runs(computation):
+        if computation not in call_sites:  # the entry computation (or ops outside any header)
+            return 1
+        total = 0
+        for caller, times in call_sites[computation]:
+            outer = runs(caller)
+            if times is None or outer is None:
+                return None
+            total += outer * times
+        return total
+
+    return runs
 
 
 def shape_bytes(hlo_type: str) -> int:
@@ -244,10 +311,16 @@ def format_report(report: StepReport, config_path: str) -> str:
         f"FLOPs per step: {f['kiln_per_step']:.4g} by kiln's formula "
         f"({f['kiln_per_device']:.4g} per device); XLA cost_analysis "
         f"{f['xla_cost_analysis_per_device']:.4g} per device (counts a scan body once)",
-        "collectives in the compiled HLO (static: an op inside a loop counted once):",
+        "collectives in the compiled HLO (static: an op inside a loop counted once; per step: "
+        "as often as the loops around it run):",
     ]
     for kind, c in report.collectives.items():
-        lines.append(f"  {kind:<19} {c['ops']:>4} ops  {_gb(c['bytes'])}")
+        per_step = (
+            "per step: loop counts unknown"
+            if c["ops_per_step"] is None
+            else f"per step {c['ops_per_step']:>5} ops  {_gb(c['bytes_per_step'])}"
+        )
+        lines.append(f"  {kind:<19} {c['ops']:>4} ops  {_gb(c['bytes'])}    {per_step}")
     return "\n".join(lines)
 
 

@@ -16,13 +16,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from kiln.errors import KilnError
-from kiln.mesh import current_rules, logical_spec, mesh_axes
+from kiln.mesh import constrain, current_rules, logical_spec, mesh_axes
 
 # Masked scores: exp(MASKED - max) is exactly 0 in float32, so no gradient leaks through.
 MASKED = float(jnp.finfo(jnp.float32).min)
 # Query rows per attention block for long sequences: bounds the float32 scores held at once
 # to [batch, heads, QUERY_BLOCK, keys].
 QUERY_BLOCK = 512
+# Keys and values whole along length (what every sequence shard's queries read).
+_KV_WHOLE = ("batch", None, "act_kv_heads", None)
+# Per-shard copies of the key/value tiles [B, P, S/C, C, K, H]: P split like the queries' length.
+_KV_TILES = ("batch", "length", None, None, "act_kv_heads", None)
 # Query and key rows per splash-attention kernel block (capped at the sequence length).
 SPLASH_BLOCK = 512
 
@@ -58,6 +62,8 @@ def dense_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, *, query_block: int 
     """
     b, s, n, h = q_BSNH.shape
     k = k_BTKH.shape[2]
+    # Every query shard reads all keys and values: gathered along length once, here.
+    k_BTKH, v_BTKH = constrain(k_BTKH, _KV_WHOLE), constrain(v_BTKH, _KV_WHOLE)
     q_BSKGH = q_BSNH.reshape(b, s, k, n // k, h)
     key_idx_T = jnp.arange(s)
     rows = functools.partial(_rows, k_BTKH=k_BTKH, v_BTKH=v_BTKH, seg_BT=segment_ids_BS)
@@ -103,16 +109,28 @@ def _fold_tables(shards: int, tiles: int) -> tuple[np.ndarray, np.ndarray]:
     return key_tile, owner
 
 
-def _fold_step(xs, k_BNUKH, v_BNUKH, seg_BNU):
+def _take_tiles(x_BPN, tile_PE, copies: bool):
+    """[B, P, E, ...]: of each shard p's copy x_BPN[:, p] (N tiles), the tiles tile_PE[p].
+
+    Without `copies`, x_BN has no P axis: one array that every shard reads.
+    """
+    if not copies:
+        return jnp.take(x_BPN, tile_PE, axis=1)
+    index = tile_PE.reshape(1, *tile_PE.shape, *(1,) * (x_BPN.ndim - 3))
+    return jnp.take_along_axis(x_BPN, index, axis=2)
+
+
+def _fold_step(xs, k_BPNUKH, v_BPNUKH, seg_BPNU, *, copies: bool):
     """One step of `causal_attention`: each shard's low and high query tile over its key tiles.
 
     Letters: P shards, E tile products, C query rows and U keys of a tile, N here the global
-    key tiles. A product's scores are masked by causality, document and owner; each query
-    row's softmax runs over the products of its owner (low or high).
+    key tiles (each shard reads its own copy of them). A product's scores are masked by
+    causality, document and owner; each query row's softmax runs over the products of its
+    owner (low or high).
     """
     q_lo, q_hi, seg_lo, seg_hi, pos_lo, pos_hi, key_tile_PE, owner_PE = xs
     b, p, c, k, g, h = q_lo.shape
-    u = k_BNUKH.shape[2]
+    u = k_BPNUKH.shape[-3]
     e = key_tile_PE.shape[1]
     high_PE = owner_PE == 1
     q_BPECKGH = jnp.where(
@@ -121,8 +139,8 @@ def _fold_step(xs, k_BNUKH, v_BNUKH, seg_BNU):
     # Batch dimensions (B, P, K, E) leading and in the same order on both sides: XLA's CPU
     # dot then runs the many small tile products markedly faster than with K after the tiles.
     q_BPKERH = q_BPECKGH.transpose(0, 1, 4, 2, 3, 5, 6).reshape(b, p, k, e, c * g, h)
-    k_BPKEUH = jnp.take(k_BNUKH, key_tile_PE, axis=1).transpose(0, 1, 4, 2, 3, 5)
-    v_BPKEUH = jnp.take(v_BNUKH, key_tile_PE, axis=1).transpose(0, 1, 4, 2, 3, 5)
+    k_BPKEUH = _take_tiles(k_BPNUKH, key_tile_PE, copies).transpose(0, 1, 4, 2, 3, 5)
+    v_BPKEUH = _take_tiles(v_BPNUKH, key_tile_PE, copies).transpose(0, 1, 4, 2, 3, 5)
     scores_BPKERU = jnp.einsum(
         "BPKERH,BPKEUH->BPKERU", q_BPKERH, k_BPKEUH, preferred_element_type=jnp.float32
     )
@@ -131,7 +149,7 @@ def _fold_step(xs, k_BNUKH, v_BNUKH, seg_BNU):
     pos_q_PEC = jnp.where(high_PE[:, :, None], pos_hi[:, None], pos_lo[:, None])
     pos_k_PEU = key_tile_PE[:, :, None] * u + jnp.arange(u)
     same_doc_BPECU = (
-        seg_q_BPEC[..., :, None] == jnp.take(seg_BNU, key_tile_PE, axis=1)[..., None, :]
+        seg_q_BPEC[..., :, None] == _take_tiles(seg_BPNU, key_tile_PE, copies)[..., None, :]
     )
     causal_PECU = pos_q_PEC[..., :, None] >= pos_k_PEU[..., None, :]
     # Padding products (owner 2) are masked whole; their row maxima are ignored below.
@@ -149,7 +167,7 @@ def _fold_step(xs, k_BNUKH, v_BNUKH, seg_BNU):
     sum_BPEKR = jnp.where(owns[1], sum_hi[:, :, None], sum_lo[:, :, None])
     # Normalised before the value product (as the dense path does), so that the backward
     # pass does not need that product's output and recomputes only the scores.
-    probs_BPEKRU = (exp_BPEKRU / sum_BPEKR[..., None]).astype(v_BNUKH.dtype)
+    probs_BPEKRU = (exp_BPEKRU / sum_BPEKR[..., None]).astype(v_BPNUKH.dtype)
     out_BPKERH = jnp.einsum(
         "BPKERU,BPKEUH->BPKERH",
         probs_BPEKRU.transpose(0, 1, 3, 2, 4, 5),
@@ -160,7 +178,7 @@ def _fold_step(xs, k_BNUKH, v_BNUKH, seg_BNU):
     outs = []
     for own in owns:
         out_BPKRH = jnp.where(own[..., None], out_BPEKRH, 0.0).sum(axis=2)
-        out_BPKCGH = out_BPKRH.reshape(b, p, k, c, g, h).astype(v_BNUKH.dtype)
+        out_BPKCGH = out_BPKRH.reshape(b, p, k, c, g, h).astype(v_BPNUKH.dtype)
         outs.append(out_BPKCGH.transpose(0, 1, 3, 2, 4, 5))
     return tuple(outs)
 
@@ -182,9 +200,11 @@ def causal_attention(
     computes only the C x C tile products on or below the diagonal, a constant count per
     step: unsharded, (S/C + 1)/(2 S/C) of the dense scores (0.52 at S = 8192); sharded, the
     last shard's count bounds every shard's, (2P-1)/2P of dense at long sequences. Each step
-    is recomputed in the backward pass. Sequences of one block, sequences that are not a
-    multiple of query_block, and meshes whose 2P does not divide query_block take the dense
-    path (for one block, exactly its computation).
+    is recomputed in the backward pass. Keys and values are gathered along length once per
+    call, so a sequence-sharded layer sums their gradients over the shards once, not once per
+    step. Sequences of one block, sequences that are not a multiple of query_block, and meshes
+    whose 2P does not divide query_block take the dense path (for one block, exactly its
+    computation; with several, its key/value gradients are summed over the shards per block).
     """
     b, s, n, h = q_BSNH.shape
     k = k_BTKH.shape[2]
@@ -205,12 +225,24 @@ def causal_attention(
 
     key_tile, owner = _fold_tables(p, tiles)
     xs = (*lo_hi(q_BPLCKGH, 2), *lo_hi(seg_BPLC, 2), *lo_hi(pos_PLC, 1), key_tile, owner)
+
+    def per_shard(x_BT, names):
+        """[B, P, S/C, C, ...]: one copy of x's tiles per sequence shard, placed on that shard."""
+        x_BNU = x_BT.reshape(b, s // c, c, *x_BT.shape[2:])
+        if p == 1:  # unsharded: the one array, as before
+            return x_BNU
+        return constrain(jnp.broadcast_to(x_BNU[:, None], (b, p, *x_BNU.shape[1:])), names)
+
+    # Every shard reads all keys and values, from its own copy: the copies are gathered once,
+    # before the loop, and in the backward pass each shard accumulates its key/value gradients
+    # in its copy over the steps; they are summed over the shards once, after the loop. Read
+    # from one replicated array, the partial gradients were all-reduced at every step.
     kv_tiles = (
-        k_BTKH.reshape(b, s // c, c, k, h),
-        v_BTKH.reshape(b, s // c, c, k, h),
-        segment_ids_BS.reshape(b, s // c, c),
+        per_shard(k_BTKH, _KV_TILES),
+        per_shard(v_BTKH, _KV_TILES),
+        per_shard(segment_ids_BS, _KV_TILES[:4]),
     )
-    step = jax.checkpoint(lambda xs: _fold_step(xs, *kv_tiles), prevent_cse=False)
+    step = jax.checkpoint(lambda xs: _fold_step(xs, *kv_tiles, copies=p > 1), prevent_cse=False)
     out_lo, out_hi = jax.lax.map(step, xs)
     out_LBPCKGH = jnp.concatenate([out_lo, jnp.flip(out_hi, 0)], axis=0)
     return jnp.moveaxis(out_LBPCKGH, 0, 2).reshape(b, s, n, h)
@@ -262,6 +294,7 @@ def check(name: str, platform: str, dtype) -> None:
 def cudnn_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS):
     """cuDNN's fused attention (`jax.nn.dot_product_attention`), bf16/fp16 on NVIDIA GPUs."""
     check("cudnn", _platform(), q_BSNH.dtype)
+    k_BTKH, v_BTKH = constrain(k_BTKH, _KV_WHOLE), constrain(v_BTKH, _KV_WHOLE)
     args = cudnn_arguments(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS)
     try:
         return jax.nn.dot_product_attention(**args, implementation="cudnn")

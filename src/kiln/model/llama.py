@@ -26,8 +26,9 @@ from kiln.model.project import project
 # `act_length` (sequence parallelism over tensor), inside a sub-layer it is `length`.
 ACT_BSD = ("batch", "act_length", "act_embed")
 _HEADS = ("batch", "length", "act_heads", None)
-# Keys and values whole along length: every query shard (sequence parallel) needs all of them.
-_KV_HEADS = ("batch", None, "act_kv_heads", None)
+# Keys and values split along length like the queries (projected once per token); each
+# attention implementation gathers them along length as it needs (kiln.model.attention).
+_KV_HEADS = ("batch", "length", "act_kv_heads", None)
 _MLP = ("batch", "length", "act_mlp")
 # The block's named intermediates (jax.ad_checkpoint.checkpoint_name; identity ops that the
 # remat policies below select by name): projections before qk-norm and rope, attention's
