@@ -133,16 +133,29 @@ def trained_model(run_dir: Path, raw: dict):
     return model
 
 
-def hand_loglik(model, context: str, choice: str) -> float:
-    """Sum of log p(choice bytes | EOS, context bytes): one unpadded forward, numpy float64."""
-    ctx, cont = list(context.encode()), list(choice.encode())
-    tokens = np.asarray([257, *ctx, *cont])  # 257 = the byte tokenizer's EOS
-    n = len(tokens) - 1
-    hidden = model.hidden_states(tokens[None, :-1], np.arange(n)[None], np.ones((1, n), np.int32))
-    logits = np.asarray(model.logits(hidden.hidden), np.float64)[0]
+def hand_logliks(model, questions) -> list[list[float]]:
+    """Sum of log p(choice bytes | EOS, context bytes) per choice, numpy float64 from logits.
+
+    Each sequence is padded at its end to model.max_seq_len (32) with segment 1 throughout:
+    attention is causal, so the logits of its own positions are those of the unpadded sequence.
+    """
+    seqs = [(c, ch) for c, choices in questions for ch in choices]
+    tokens = np.zeros((len(seqs), 32), np.int32)
+    for i, (c, ch) in enumerate(seqs):
+        row = [257, *c.encode(), *ch.encode()]  # 257 = the byte tokenizer's EOS
+        tokens[i, : len(row)] = row
+    positions = np.broadcast_to(np.arange(32), tokens.shape)
+    forward = jax.jit(lambda t: model.logits(model.hidden_states(t, positions, t * 0 + 1).hidden))
+    logits = np.asarray(forward(tokens), np.float64)
     top = logits.max(-1, keepdims=True)
     logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
-    return float(logp[np.arange(n), tokens[1:]][len(ctx) :].sum())
+    out = []
+    for i, (c, ch) in enumerate(seqs):
+        start, end = 1 + len(c.encode()), 1 + len(c.encode()) + len(ch.encode())
+        # logp at position j predicts token j + 1: the choice's tokens are start .. end - 1.
+        out.append(float(sum(logp[i, j - 1, tokens[i, j]] for j in range(start, end))))
+    it = iter(out)
+    return [[next(it) for _ in choices] for _, choices in questions]
 
 
 def test_choice_accuracy_equals_a_hand_computation(tiny, tmp_path, capsys):
@@ -153,8 +166,7 @@ def test_choice_accuracy_equals_a_hand_computation(tiny, tmp_path, capsys):
         ("glaze", [" pot", "d pots", " at high heat", "!"]),
         ("", ["kiln", "clay"]),  # empty context: the choice follows EOS alone
     ]
-    model = trained_model(run_dir, raw)
-    ll = [[hand_loglik(model, c, ch) for ch in choices] for c, choices in questions]
+    ll = hand_logliks(trained_model(run_dir, raw), questions)
     # Gold: the likeliest choice for two questions, the least likely for the other two.
     golds = [
         int(np.argmax(ll[0])),
@@ -274,3 +286,17 @@ def test_the_bundled_task_parses(tmp_path):
     assert len(task.gold) == 100 and set(task.num_choices) == {4}
     assert max(len(r) for r in task.rows) <= 257
     assert jax.device_count() == 8
+
+
+def test_train_refuses_bad_eval_tasks_before_writing(tiny, tmp_path, capsys):
+    _, _, raw = tiny
+    bad_kind = {**raw, "train": {**raw["train"], "eval_tasks": ["mcq:x.jsonl"]}}
+    with pytest.raises(KilnError, match=r"train.eval_tasks: .*unknown task kind 'mcq'"):
+        make_config(bad_kind)
+    missing = tmp_path / "none.jsonl"
+    train = {**raw["train"], "eval_tasks": [f"choice:{missing}"], "output_dir": str(tmp_path)}
+    (tmp_path / "c.yaml").write_text(json.dumps({**raw, "train": train}))
+    code = main(["train", str(tmp_path / "c.yaml")])
+    proc = subprocess.CompletedProcess([], code, "", capsys.readouterr().err)
+    assert_user_error(proc, str(missing))
+    assert not (tmp_path / "r").exists()

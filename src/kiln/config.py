@@ -132,11 +132,6 @@ def _cross_field_errors(
             f"train.profile_steps: {list(t.profile_steps)} ends after train.steps={t.steps}; "
             "allowed: [start, stop] with 1 <= start <= stop <= train.steps, or null"
         )
-    if ok("train") and t.eval_tasks and not t.eval_every_steps:
-        yield (
-            f"train.eval_tasks: {list(t.eval_tasks)} need train.eval_every_steps > 0 "
-            "(they run beside the held-out loss); set it, or train.eval_tasks: []"
-        )
     if ok("distillation"):
         yield from _distillation_schedule_errors(c.distillation)
     if ok("distillation", "model"):

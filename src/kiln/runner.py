@@ -170,7 +170,10 @@ def prepare_run(
     if check is not None:
         check(config)
     datasets = make_datasets(config)
-    eval_tasks = load_tasks(parse_tasks(config.train.eval_tasks), config, datasets.tokenizer)
+    eval_tasks = []
+    if config.train.eval_every_steps:  # tasks run beside the held-out loss, or not at all
+        specs = parse_tasks(config.train.eval_tasks)
+        eval_tasks = load_tasks(specs, config, datasets.tokenizer)
     notes = resume_notes(config)
     objective, state, built_notes = build(config, mesh)
     batches = datasets.train_iterator()
