@@ -73,7 +73,7 @@ class Evaluator:
         self._loglik = in_mesh(jitted, mesh, config.mesh.rules)
         batch = config.train.global_batch_size
         self._choice = {
-            id(t): list(choice_batches(t, batch, config.model.max_seq_len))
+            t.spec.name: list(choice_batches(t, batch, config.model.max_seq_len))
             for t in self.tasks
             if isinstance(t, ChoiceTask)
         }
@@ -117,7 +117,7 @@ class Evaluator:
     def choice_loglik(self, task: ChoiceTask, state) -> np.ndarray:
         """[rows] float64: each (question, choice)'s summed continuation log-likelihood."""
         out = np.zeros(len(task.rows))
-        for idx, batch in self._choice[id(task)]:
+        for idx, batch in self._choice[task.spec.name]:
             out[idx] = np.asarray(jax.device_get(self._loglik(state, self._place(batch))))[
                 : len(idx)
             ]
