@@ -175,3 +175,31 @@ def latest_complete_step(directory: Path) -> int | None:
         return mgr.latest_step()
     finally:
         mgr.close()
+
+
+def restore_run_params(
+    run_dir: str | Path, step: int | None, abstract_params, context: str
+) -> tuple[Any, int]:
+    """The parameters only (no optimizer state) of checkpoint `step` (None = latest) of a run.
+
+    For commands that use a trained run (`kiln eval`); errors name `context`, the run directory
+    and the complete checkpoints there are.
+    """
+    run_dir = Path(run_dir).expanduser()
+    directory = run_dir.absolute() / "checkpoints"
+    if not directory.is_dir():
+        raise KilnError(f"{context}: {run_dir} has no checkpoints/ directory; nothing to restore")
+    mgr = _manager(directory, None, read_only=True)
+    try:
+        steps = sorted(mgr.all_steps())
+    finally:
+        mgr.close()
+    if not steps:
+        raise KilnError(f"{context}: no complete checkpoint in {directory}")
+    if step is not None and step not in steps:
+        raise KilnError(
+            f"{context}: --step {step}: no checkpoint {step} in {directory}; available: {steps}"
+        )
+    step = steps[-1] if step is None else step
+    params, _ = restore_params(directory / str(step), abstract_params)
+    return params, step

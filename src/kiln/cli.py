@@ -177,6 +177,16 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from kiln.evaluation.command import print_table, run_eval
+
+    report = run_eval(
+        args.run_dir, args.tasks, step=args.step, out=args.out, tensorboard=args.tensorboard
+    )
+    print_table(report)
+    return 0
+
+
 def format_schema(rows: Sequence[tuple[str, str, str, str]], fmt: str) -> str:
     """Every config field with type, default and description, as text or a markdown table."""
     if fmt == "markdown":
@@ -283,6 +293,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--out", required=True, metavar="DIR", help="new directory to write")
     p.set_defaults(func=cmd_export_hf)
+
+    p = sub.add_parser(
+        "eval", help="score a run's checkpoint on tasks: perplexity and multiple choice"
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="run directory ({output_dir}/{run_name})")
+    p.add_argument(
+        "tasks",
+        nargs="+",
+        metavar="TASK",
+        help="[NAME=]perplexity:PATH (text/JSONL/Parquet files, stdlib:GLOB) or "
+        "[NAME=]choice:FILE.jsonl; kiln:FILE is a task shipped with kiln",
+    )
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument(
+        "--out", default=None, metavar="FILE", help="report to write (default: RUN_DIR/eval.json)"
+    )
+    p.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also log eval/<task>/<metric> at the checkpoint's step into RUN_DIR/tensorboard",
+    )
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser(
         "import-hf", help="turn a local Hugging Face Llama model directory into a kiln run"

@@ -11,7 +11,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,8 @@ from kiln.checkpoint import (
 )
 from kiln.config import Config, read_run_config
 from kiln.errors import KilnError, RunStopped
+from kiln.evaluation.scoring import Evaluator, load_tasks
+from kiln.evaluation.tasks import parse_tasks
 from kiln.metrics import MetricsLogger, perf_metrics
 from kiln.profiling import ProfileWindow, cache_events, compilation_cache_for
 
@@ -126,6 +128,7 @@ class PreparedRun:
     batches: Iterator
     notes: list[str]
     started: float  # time.perf_counter() when preparation began
+    eval_tasks: list = field(default_factory=list)  # train.eval_tasks, read and tokenized
 
 
 def execute(
@@ -167,6 +170,10 @@ def prepare_run(
     if check is not None:
         check(config)
     datasets = make_datasets(config)
+    eval_tasks = []
+    if config.train.eval_every_steps:  # tasks run beside the held-out loss, or not at all
+        specs = parse_tasks(config.train.eval_tasks)
+        eval_tasks = load_tasks(specs, config, datasets.tokenizer)
     notes = resume_notes(config)
     objective, state, built_notes = build(config, mesh)
     batches = datasets.train_iterator()
@@ -180,8 +187,9 @@ def prepare_run(
         params, step = restore_params(source, target)
         state = state.replace(params=nnx.State.merge(state.params, params))
         notes.insert(0, f"parameters from {source} (step {step})")
+    notes += built_notes
     return PreparedRun(
-        config, command, mesh, objective, state, datasets, batches, notes + built_notes, started
+        config, command, mesh, objective, state, datasets, batches, notes, started, eval_tasks
     )
 
 
@@ -198,9 +206,11 @@ def run_loop(run: PreparedRun):
     if config.train.eval_every_steps:
         eval_step = train.make_eval_step(config, mesh)
         eval_batches = run.datasets.eval_batches(config.train.eval_batches)
+        tasks = Evaluator(config, mesh, run.eval_tasks) if run.eval_tasks else None
 
         def eval_fn(state):
-            return train.evaluate(eval_step, state, eval_batches, mesh, config)
+            held_out = train.evaluate(eval_step, state, eval_batches, mesh, config)
+            return held_out if tasks is None else {**held_out, **tasks.metrics(state)}
 
     loop = Loop(
         config=config,

@@ -126,6 +126,10 @@ class TrainConfig(Section):
         description="Steps between evaluations on held-out data; 0 = never.",
     )
     eval_batches: PositiveInt = Field(4, description="Global batches per evaluation.")
+    eval_tasks: tuple[str, ...] = Field(
+        (),
+        description="Tasks scored every eval_every_steps beside the held-out loss (never when it is 0), logged as eval/<task>/<metric>: [NAME=]perplexity:PATH (text/JSONL/Parquet files, stdlib:GLOB) or [NAME=]choice:FILE.jsonl; kiln:FILE is a task shipped with kiln (see docs/evaluate.md).",
+    )
     grad_reduce_dtype: Literal["float32", "compute"] = Field(
         "float32",
         description=(
@@ -159,6 +163,18 @@ class TrainConfig(Section):
         if window is not None and window[0] > window[1]:
             raise ValueError(f"start {window[0]} is after stop {window[1]}; {allowed}")
         return window
+
+    @pydantic.field_validator("eval_tasks")
+    @classmethod
+    def _tasks_parse(cls, tasks: tuple[str, ...]) -> tuple[str, ...]:
+        from kiln.errors import KilnError
+        from kiln.evaluation.tasks import parse_tasks
+
+        try:
+            parse_tasks(tasks, "task")
+        except KilnError as e:
+            raise ValueError(str(e).removeprefix("task: ")) from None
+        return tasks
 
     @pydantic.field_validator("run_name")
     @classmethod
