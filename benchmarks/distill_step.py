@@ -1,17 +1,25 @@
-"""kiln's whole distillation step against the same step with separate hard and soft loss passes; JSON.
+"""kiln's whole distillation step against the step as it was before the redesign of issue 14; JSON.
 
-The reference is the distillation objective as it was before the losses shared one pass over
-the student's logits: `lm_loss` and `soft_loss_sums`, two tiled calls that each make the
-student's chunk logits and their gradients, combined by the balancing coefficients. kiln's
-`DistillObjective` makes the hard and soft losses in one pass (`distill_loss_sums`) with one
-combined logit gradient per chunk. Both run the same jitted, donated step (teacher forward,
-student forward and backward, AdamW) from the same state on the same batches; the losses of
-every step are compared.
+The reference ("pre_redesign") is the distillation step of kiln at commit e6dbc3a, before the
+losses shared one pass over the student's logits: two tiled loss passes, each of which makes
+the student's chunk logits (the hard pass: cross-entropy with z-loss; the soft pass: the
+teacher's chunk logits too, the soft loss in that commit's form `sum p (a - b) - log-ratio`
+and the teacher's cross-entropy) and its gradients w.r.t. hidden states and head, combined by
+the balancing coefficients that one `jax.value_and_grad` differentiates through
+stop-gradients. Those passes are restated below from `git show e6dbc3a:src/kiln/losses.py`
+(`_tiled`, `_local`, `_soft_tiled`, `_soft_local`, `_kl`) for one device without soft-caps,
+the benchmark's shape; everything else in the reference step (models, feature loss, the
+balancing formula, AdamW) is today's code, so the two steps differ only in how the hard and
+soft losses are computed. kiln's `DistillObjective` makes both losses in one pass
+(`distill_loss_sums`). Both run the same jitted, donated step (teacher forward, student
+forward and backward, AdamW) from the same state on the same batches; the losses of every
+step are compared.
 
 Shapes: `configs/distill_tiny.yaml` (teacher = `configs/tiny.yaml`'s model, student half as
 wide and deep, dynamic balancing, feature loss on two layer pairs), with the vocabulary
 scaled to 32768 so the head matters, `loss.num_vocab_tiling=4`, float32, one device (CPU).
-Steps are timed in interleaved rounds; medians.
+Steps are timed in interleaved rounds; medians of wall-clock seconds and of the process's
+CPU seconds per step (the second is less sensitive to other work on a shared machine).
 
     nice python benchmarks/distill_step.py [--steps 4] [--rounds 3] [key=value overrides]
 """
@@ -19,6 +27,7 @@ Steps are timed in interleaved rounds; medians.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -37,42 +46,186 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHAPE = ["model.vocab_size=32768", "loss.num_vocab_tiling=4", "mesh.fsdp=1"]
 
 
-class SeparatePasses(distill.DistillObjective):
-    """The reference: hard and soft losses as two tiled calls, `c . sums` differentiated."""
+# ------------------------------------------------------------------ the pre-redesign loss passes
+# The loss computations of kiln at e6dbc3a (`git show e6dbc3a:src/kiln/losses.py`: `_tiled`,
+# `_local`, `_soft_tiled`, `_soft_local`, `_kl`), restated for one device without logit
+# soft-caps (the benchmark's shape): each pass makes its chunk's student logits, its per-token
+# values and its gradients w.r.t. hidden states and head in the forward pass; the backward
+# pass scales them by the cotangent. (The hard pass's recomputation for a differentiated
+# z-loss sits behind a `lax.cond` that the step never takes: z_loss_sum is only logged.)
+
+F32 = jnp.float32
+
+
+def _old_partials(x_NV, hit_NV):
+    m_N = jnp.max(x_NV, axis=-1)
+    m_N = jnp.where(jnp.isfinite(m_N), m_N, 0.0)
+    s_N = jnp.sum(jnp.exp(x_NV - m_N[..., None]), axis=-1)
+    x_y = jnp.sum(jnp.where(hit_NV, x_NV, 0.0), axis=-1)
+    return m_N, s_N, x_y, jnp.sum(x_NV, axis=-1)
+
+
+def _old_token_terms(partials, *, z, eps, vocab):
+    m_N, s_N, x_y, sum_x = partials
+    lse_N = jnp.log(s_N) + m_N
+    ce_N = lse_N - x_y
+    if eps:
+        ce_N = (1.0 - eps) * ce_N + eps * (lse_N - sum_x / vocab)
+    if not z:
+        return m_N, s_N, lse_N, ce_N, jnp.zeros_like(ce_N)
+    z_N = z * jnp.square(lse_N)
+    return m_N, s_N, lse_N, ce_N + z_N, z_N
+
+
+def _old_logit_grads(x_NV, hit_NV, m_N, s_N, lse_N, ct_loss_N, *, z, eps, vocab):
+    coef_N = ct_loss_N * (1.0 + 2.0 * z * lse_N) if z else ct_loss_N
+    g_NV = (coef_N / s_N)[..., None] * jnp.exp(x_NV - m_N[..., None])
+    g_NV = g_NV - jnp.where(hit_NV, (1.0 - eps) * ct_loss_N[..., None], 0.0)
+    if eps:
+        g_NV = g_NV - (eps / vocab) * ct_loss_N[..., None]
+    return g_NV
+
+
+def _old_kl(a_NV, b_NV):
+    m_a = jnp.max(a_NV, axis=-1)
+    m_b = jnp.max(b_NV, axis=-1)
+    e_a, e_b = jnp.exp(a_NV - m_a[..., None]), jnp.exp(b_NV - m_b[..., None])
+    s_a, s_b = jnp.sum(e_a, axis=-1), jnp.sum(e_b, axis=-1)
+    cross = jnp.sum(e_a * (a_NV - b_NV), axis=-1) / s_a
+    kl = cross - (m_a - m_b) - jnp.log(s_a / s_b)
+    return kl, e_a / s_a[..., None], e_b / s_b[..., None]
+
+
+def _old_chunks(x, n):
+    return x.reshape(n, x.shape[0] * x.shape[1] // n, *x.shape[2:])
+
+
+def _old_hard_local(spec, hs, ws, y, w):
+    """Per-token hard loss and z-term; d loss_sum / d (hidden, head)."""
+    n, z, eps = spec
+    batch, seq, d = hs.shape
+    vocab = ws.shape[1]
+    columns = jnp.arange(vocab)
+
+    def step(dw, xs):
+        h_nD, y_n, w_n = xs
+        x_nV = jnp.dot(h_nD, ws, preferred_element_type=F32)
+        hit_nV = columns == y_n[:, None]
+        terms = _old_token_terms(_old_partials(x_nV, hit_nV), z=z, eps=eps, vocab=vocab)
+        m_n, s_n, lse_n = terms[:3]
+        g_nV = _old_logit_grads(x_nV, hit_nV, m_n, s_n, lse_n, w_n, z=z, eps=eps, vocab=vocab)
+        dh_nD = jnp.dot(g_nV, ws.T, preferred_element_type=F32)
+        dw = dw + jnp.dot(h_nD.T, g_nV, preferred_element_type=F32)
+        return dw, (terms[3], terms[4], dh_nD)
+
+    xs = (_old_chunks(hs, n), _old_chunks(y, n), _old_chunks(w.astype(F32), n))
+    dw, (loss_tok, z_tok, dh) = jax.lax.scan(step, jnp.zeros(ws.shape, F32), xs)
+    wf = w.astype(F32)
+    sums = (jnp.sum(loss_tok.reshape(batch, seq) * wf), jnp.sum(z_tok.reshape(batch, seq) * wf))
+    return sums, dh.reshape(batch, seq, d), dw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def old_hard_sums(spec, hs, ws, y, w):
+    return _old_hard_local(spec, hs, ws, y, w)[0]
+
+
+def _old_hard_fwd(spec, hs, ws, y, w):
+    sums, dh, dw = _old_hard_local(spec, hs, ws, y, w)
+    return sums, (dh, dw, y, w)
+
+
+def _old_hard_bwd(spec, res, cts):
+    dh, dw, y, w = res
+    ct_loss = cts[0].astype(F32)
+    no_int = np.zeros(y.shape, jax.dtypes.float0)
+    return ct_loss * dh, ct_loss * dw, no_int, jnp.zeros_like(w)
+
+
+old_hard_sums.defvjp(_old_hard_fwd, _old_hard_bwd)
+
+
+def _old_soft_local(n, hs, ws, ht, wt, y, w, t):
+    """Per-token soft loss and teacher CE; d soft_sum / d (hidden, head)."""
+    batch, seq, d = hs.shape
+    vocab = ws.shape[1]
+    columns = jnp.arange(vocab)
+
+    def step(dw, xs):
+        h_nD, g_nE, y_n, w_n = xs
+        xs_nV = jnp.dot(h_nD, ws, preferred_element_type=F32)
+        xt_nV = jnp.dot(g_nE, wt, preferred_element_type=F32)
+        partials = _old_partials(xt_nV, columns == y_n[:, None])
+        teacher_n = _old_token_terms(partials, z=0.0, eps=0.0, vocab=vocab)[3]
+        kl_n, p_t, p_s = _old_kl(xt_nV / t, xs_nV / t)
+        g_nV = (w_n * t)[:, None] * (p_s - p_t)
+        dh_nD = jnp.dot(g_nV, ws.T, preferred_element_type=F32)
+        dw = dw + jnp.dot(h_nD.T, g_nV, preferred_element_type=F32)
+        return dw, (t * t * kl_n, teacher_n, dh_nD)
+
+    xs = (_old_chunks(hs, n), _old_chunks(ht, n), _old_chunks(y, n), _old_chunks(w.astype(F32), n))
+    dw, (soft_tok, teacher_tok, dh) = jax.lax.scan(step, jnp.zeros(ws.shape, F32), xs)
+    wf = w.astype(F32)
+    sums = (
+        jnp.sum(soft_tok.reshape(batch, seq) * wf),
+        jnp.sum(teacher_tok.reshape(batch, seq) * wf),
+    )
+    return sums, dh.reshape(batch, seq, d), dw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def old_soft_sums(n, hs, ws, ht, wt, y, w, t):
+    return _old_soft_local(n, hs, ws, ht, wt, y, w, t)[0]
+
+
+def _old_soft_fwd(n, hs, ws, ht, wt, y, w, t):
+    sums, dh, dw = _old_soft_local(n, hs, ws, ht, wt, y, w, t)
+    return sums, (dh, dw, ht, wt, y, w, t)
+
+
+def _old_soft_bwd(n, res, cts):
+    dh, dw, ht, wt, y, w, t = res
+    ct_soft = cts[0].astype(F32)
+    no_int = np.zeros(y.shape, jax.dtypes.float0)
+    zeros = (jnp.zeros_like(ht), jnp.zeros_like(wt), no_int, jnp.zeros_like(w), jnp.zeros_like(t))
+    return (ct_soft * dh, ct_soft * dw, *zeros)
+
+
+old_soft_sums.defvjp(_old_soft_fwd, _old_soft_bwd)
+
+
+class PreRedesign(distill.DistillObjective):
+    """The reference: the hard and soft losses as e6dbc3a computed them, `c . sums` differentiated."""
 
     def loss_sums(self, model, batch, coefficients):
         config, dist = self.config, self.config.distillation
+        if config.model.logit_softcap or self.teacher_config.model.logit_softcap:
+            raise SystemExit("the pre-redesign reference is restated without logit soft-caps")
+        if config.loss.vocab_chunk_size or jax.device_count() != 1:
+            raise SystemExit(
+                "the pre-redesign reference is restated for one device, whole vocabulary"
+            )
         t_hidden, t_feats, t_head = self._teacher_outputs(batch)
         layers = [s for s, _ in dist.layer_map]
         args = (batch["inputs"], batch["positions"], batch["segment_ids"])
         out = model.hidden_states(*args, collect=layers)
         head = model.head_weight()
-        hard = train.lm_loss_sums(config, out.hidden, head, batch, self.mesh)
-        soft = losses.soft_loss_sums(
-            out.hidden,
-            head,
-            t_hidden,
-            t_head,
-            batch["targets"],
-            batch["weights"],
-            temperature=self.knobs["temperature"],
-            student_softcap=config.model.logit_softcap,
-            teacher_softcap=self.teacher_config.model.logit_softcap,
-            num_vocab_tiling=config.loss.num_vocab_tiling,
-            vocab_chunk_size=config.loss.vocab_chunk_size,
-            mesh=self.mesh,
-            rules=config.mesh.rules,
-        )
+        n = config.loss.num_vocab_tiling
+        spec = (n, config.loss.z_loss_multiplier, config.loss.label_smoothing)
+        y, w = batch["targets"], batch["weights"]
+        hard_sum, z_loss_sum = old_hard_sums(spec, out.hidden, head, y, w)
+        t = jax.lax.stop_gradient(jnp.asarray(self.knobs["temperature"], F32))
+        soft_sum, teacher_sum = old_soft_sums(n, out.hidden, head, t_hidden, t_head, y, w, t)
         feature_sum = jnp.zeros((), jnp.float32)
         if layers:
             per_token = losses.feature_loss(model.project(out.features), t_feats, dist.feature_loss)
-            feature_sum = jnp.sum(per_token * batch["weights"].astype(jnp.float32))
+            feature_sum = jnp.sum(per_token * w.astype(jnp.float32))
         sums = {
-            "hard_sum": hard["loss_sum"],
-            "z_loss_sum": hard["z_loss_sum"],
-            "weight_sum": hard["weight_sum"],
-            "soft_sum": soft["soft_sum"],
-            "teacher_loss_sum": soft["teacher_loss_sum"],
+            "hard_sum": hard_sum,
+            "z_loss_sum": z_loss_sum,
+            "weight_sum": jnp.sum(w.astype(F32)),
+            "soft_sum": soft_sum,
+            "teacher_loss_sum": teacher_sum,
             "feature_sum": feature_sum,
         }
         c = self.coefficients(sums) if coefficients is None else coefficients
@@ -117,7 +270,7 @@ def main() -> None:
     shardings = train.shardings_of(student)
     objectives = {
         "kiln": distill.DistillObjective.create(config, mesh, teacher),
-        "separate_passes": SeparatePasses.create(config, mesh, teacher),
+        "pre_redesign": PreRedesign.create(config, mesh, teacher),
     }
     steps = {name: train.make_step(obj, shardings) for name, obj in objectives.items()}
     data = [train.place_batch(b, mesh, config) for b in batches(config, a.steps)]
@@ -125,24 +278,27 @@ def main() -> None:
     def copy(state):
         return jax.tree.map(jnp.copy, state)
 
-    losses_of, times = {}, {name: [] for name in steps}
+    losses_of = {}
+    wall, cpu = ({name: [] for name in steps} for _ in range(2))
     for round_ in range(a.rounds + 1):
         for name, step in steps.items():
             state = copy(student)
             jax.block_until_ready(state)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             trace = []
             for batch in data:
                 state, metrics = step(state, batch)
                 trace.append(metrics["learning/loss"])
             jax.block_until_ready(state)
-            elapsed = time.perf_counter() - start
             if round_:  # round 0 compiles and warms up
-                times[name].append(elapsed / a.steps)
+                wall[name].append((time.perf_counter() - start) / a.steps)
+                cpu[name].append((time.process_time() - start_cpu) / a.steps)
             losses_of[name] = [float(x) for x in trace]
 
-    ref, got = np.array(losses_of["separate_passes"]), np.array(losses_of["kiln"])
-    kiln_s, ref_s = statistics.median(times["kiln"]), statistics.median(times["separate_passes"])
+    ref, got = np.array(losses_of["pre_redesign"]), np.array(losses_of["kiln"])
+    med = {
+        k: {n: statistics.median(v[n]) for n in steps} for k, v in (("wall", wall), ("cpu", cpu))
+    }
     print(
         json.dumps(
             {
@@ -151,11 +307,17 @@ def main() -> None:
                 "tokens_per_step": config.train.global_batch_size * config.data.seq_len,
                 "steps_per_round": a.steps,
                 "rounds": a.rounds,
-                "kiln_step_seconds": round(kiln_s, 4),
-                "separate_passes_step_seconds": round(ref_s, 4),
-                "time_ratio": round(kiln_s / ref_s, 4),
+                "kiln_step_seconds": round(med["wall"]["kiln"], 4),
+                "pre_redesign_step_seconds": round(med["wall"]["pre_redesign"], 4),
+                "time_ratio": round(med["wall"]["kiln"] / med["wall"]["pre_redesign"], 4),
+                "kiln_step_cpu_seconds": round(med["cpu"]["kiln"], 4),
+                "pre_redesign_step_cpu_seconds": round(med["cpu"]["pre_redesign"], 4),
+                "cpu_time_ratio": round(med["cpu"]["kiln"] / med["cpu"]["pre_redesign"], 4),
+                "time_ratios_per_round": [
+                    round(k / r, 4) for k, r in zip(wall["kiln"], wall["pre_redesign"])
+                ],
                 "losses_kiln": got.tolist(),
-                "losses_separate_passes": ref.tolist(),
+                "losses_pre_redesign": ref.tolist(),
                 "loss_max_rel_diff": float(np.max(np.abs(got - ref) / np.abs(ref))),
                 "device": str(jax.devices()[0]),
                 "device_count": jax.device_count(),

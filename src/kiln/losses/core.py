@@ -79,6 +79,9 @@ class ChunkLogits(NamedTuple):
     teacher: jax.Array | None  # [n, c], soft-capped as the teacher is; None without a teacher
     hit: jax.Array  # [n, c] bool: the entry is the token's target
     temperature: jax.Array | None  # scalar T of the soft loss
+    # [n] int: the target's column when the block holds each row's whole vocabulary, so target
+    # logits are gathered instead of summed from `hit` over an [n, c] array; else None.
+    target: jax.Array | None = None
 
 
 class Normaliser(NamedTuple):

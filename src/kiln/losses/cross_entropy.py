@@ -70,7 +70,7 @@ class CrossEntropy:
 
     def stats(self, lg: ChunkLogits, axes: tuple[str, ...]) -> CEStats:
         x = getattr(lg, self.source)
-        x_y = jnp.sum(jnp.where(lg.hit, x, 0.0), axis=-1)  # a masked sum stays shard-local
+        x_y = target_logit(x, lg.hit, lg.target)
         return CEStats(normaliser(x, axes, shifted_sum=bool(self.eps)), psum(x_y, axes))
 
     def merge(self, a: CEStats, b: CEStats) -> CEStats:
@@ -121,6 +121,20 @@ class CrossEntropy:
             if self.eps:
                 g = g - (self.eps / self.vocab) * ct_loss[..., None]
         return g
+
+
+def target_logit(x_nV: jax.Array, hit_nV: jax.Array, target_n: jax.Array | None) -> jax.Array:
+    """x[n, target] per row, 0 where the target is not in the block: the same number either way.
+
+    A masked sum stays local to a vocabulary shard or chunk; with the whole row at hand a
+    gather reads one entry per row instead of the block.
+    """
+    if target_n is None:
+        return jnp.sum(jnp.where(hit_nV, x_nV, 0.0), axis=-1)
+    vocab = x_nV.shape[-1]
+    ok = (target_n >= 0) & (target_n < vocab)
+    col = jnp.clip(target_n, 0, vocab - 1)[..., None]
+    return jnp.where(ok, jnp.take_along_axis(x_nV, col, axis=-1)[..., 0], 0.0)
 
 
 def target_hit(vocab: int, targets: jax.Array) -> jax.Array:

@@ -79,7 +79,9 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
     def chunk_logits(h_n, g_n, y_n, k) -> ChunkLogits:
         x_s = logits(h_n, vslice(ws, k), softcap=tiling.student_cap)
         x_t = None if wt is None else logits(g_n, vslice(wt, k), softcap=tiling.teacher_cap)
-        return ChunkLogits(x_s, x_t, vslice(columns, k) == y_n[:, None], temp)
+        whole = k is None and not axes  # the chunk holds each row's whole vocabulary
+        target = y_n if whole else None
+        return ChunkLogits(x_s, x_t, vslice(columns, k) == y_n[:, None], temp, target)
 
     def backprop(lg, stats, h_n, w_n, w_Dc):
         """Per gradient set k: its logit gradient [n, c] times the head and the hidden states.

@@ -13,6 +13,8 @@ exact whatever c0's rounding error (then Z = 1 + O(1e-7) and the last term is O(
 Near d' = 0, g(d') = d'^2 + (d' - 1) E(d') and e^d' - 1 = d' + E(d') with E(d) = e^d - 1 - d
 from its Taylor series (|d'| <= 1/2, terms to d^9: relative error < 1e-7); elsewhere
 q g(d') = p (d' - 1) + q from the two softmaxes, which needs no further exponential.
+E_q[x] = sum_v exp(b_v - m_b) x_v / s_b, with m_b and s_b the student's normaliser (max and sum
+of exponentials): two row sums per token beyond the normalisers, each a plain reduction.
 The gradient w.r.t. the student's logits is T (q - p).
 """
 
@@ -27,10 +29,12 @@ import jax.numpy as jnp
 from kiln.losses.core import (
     ChunkLogits,
     Normaliser,
+    axis_size,
     check_temperature,
     f32,
     merge,
-    normaliser,
+    pmax,
+    psum,
     reduce,
 )
 
@@ -45,11 +49,11 @@ class KLStats(NamedTuple):
 
 
 class KLSums(NamedTuple):
-    """Per-token sums over the vocabulary: E_q[g(d')], E_q[e^d' - 1] and sum q, unnormalised."""
+    """Per-token sums over the vocabulary, in units of the student's normaliser s_b = sum exp(b - m_b):
+    s_b E_q[g(d')] and s_b E_q[e^d' - 1]."""
 
     g: jax.Array
     u: jax.Array
-    q: jax.Array
 
 
 def _expm1_minus_x(d):
@@ -66,25 +70,18 @@ def _log_ratio_excess(w):
     return jnp.where(jnp.abs(w) < 1e-3, series, jnp.log1p(w) - w / (1.0 + w))
 
 
-def _add(a, b):
-    return tuple(x + y for x, y in zip(a, b))
+def _tempered_normaliser(x_nV: jax.Array, t: jax.Array, axes: tuple[str, ...]) -> Normaliser:
+    """`normaliser(x / t)` without an [n, V] array of x / t for its maximum.
 
-
-def _row_sums(*xs_nV, block: int = 4096):
-    """Sums over the last axis of several arrays in one pass (a variadic reduction).
-
-    A single reduction over the chunk instead of one per array cuts the soft loss's
-    elementwise time on CPU; summing blocks of `block` entries first keeps the rounding of
-    long rows near float32 level (a flat variadic reduce adds sequentially: ~2e-5 relative
-    at 32k entries, ~4e-6 with blocks of 4096).
+    max(x / t) is max(x) / t bit for bit (x -> x / t rounds monotonically for t > 0), and the
+    row maximum of x is the one the cross-entropy of the same logits takes, so the scaled
+    logits feed only the exponentials.
     """
-    vocab = xs_nV[0].shape[-1]
-    blocked = vocab % block == 0 and vocab > block
-    if blocked:
-        xs_nV = tuple(x.reshape(*x.shape[:-1], vocab // block, block) for x in xs_nV)
-    zeros = (jnp.zeros((), f32),) * len(xs_nV)
-    partial = jax.lax.reduce(xs_nV, zeros, _add, (xs_nV[0].ndim - 1,))
-    return tuple(jnp.sum(p, axis=-1) for p in partial) if blocked else partial
+    m_n = pmax(jnp.max(x_nV, axis=-1), axes) / t
+    m_n = jnp.where(jnp.isfinite(m_n), m_n, 0.0)
+    s_n = psum(jnp.sum(jnp.exp(x_nV / t - m_n[..., None]), axis=-1), axes)
+    zero = jnp.zeros_like(m_n)
+    return Normaliser(m_n, s_n, zero, jnp.full((), x_nV.shape[-1] * axis_size(axes), f32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +100,8 @@ class SoftKL:
 
     def stats(self, lg: ChunkLogits, axes: tuple[str, ...]) -> KLStats:
         t = lg.temperature
-        a = normaliser(lg.teacher / t, axes, shifted_sum=False)
-        return KLStats(a, normaliser(lg.student / t, axes, shifted_sum=False))
+        a = _tempered_normaliser(lg.teacher, t, axes)
+        return KLStats(a, _tempered_normaliser(lg.student, t, axes))
 
     def merge(self, x: KLStats, y: KLStats) -> KLStats:
         return KLStats(merge(x.a, y.a), merge(x.b, y.b))
@@ -125,17 +122,24 @@ class SoftKL:
         return (lg.teacher - lg.student) / lg.temperature - c0[..., None]
 
     def sums(self, lg: ChunkLogits, st: KLStats) -> KLSums:
-        p, q = self.probs(lg, st)
+        """Two row sums of terms scaled by s_b, so that sum q is s_b itself (no third sum).
+
+        q s_b = exp(b - m_b) is the student's normaliser's exponential (computed once) and
+        p s_b = exp(a - m_a) s_b / s_a; each sum is a plain reduction of one array.
+        """
+        t = lg.temperature
+        q = jnp.exp(lg.student / t - st.b.m[..., None])
+        p = jnp.exp(lg.teacher / t - st.a.m[..., None]) * (st.b.s / st.a.s)[..., None]
         d = self.log_ratio(lg, st)
         small = jnp.abs(d) <= _SERIES
         e = _expm1_minus_x(d)
         g = jnp.where(small, q * (d * d + (d - 1.0) * e), p * (d - 1.0) + q)
         u = jnp.where(small, q * (d + e), p - q)
-        return KLSums(*_row_sums(g, u, q))
+        return KLSums(jnp.sum(g, axis=-1), jnp.sum(u, axis=-1))
 
     def values(self, st, sums: KLSums, valid_n, temperature) -> dict[str, jax.Array]:
-        w = sums.u / sums.q
-        kl = (sums.g / sums.q) / (1.0 + w) - _log_ratio_excess(w)
+        w = sums.u / st.b.s
+        kl = (sums.g / st.b.s) / (1.0 + w) - _log_ratio_excess(w)
         # Only rounding can make it negative (by ~1e-21 at identical logits): clamp.
         return {self.name: jnp.square(temperature) * jnp.maximum(kl, 0.0)}
 
