@@ -1,0 +1,189 @@
+"""Generation with a KV cache: decode logits against the full forward pass, sampling against
+numpy, greedy continuations against transformers' `generate` on the exported model, and the
+`kiln generate` command's refusals."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from conftest import make_config
+from kiln.cli import main
+from kiln.config import load_config
+from kiln.data.tokenizers import load_tokenizer
+from kiln.generate import Sampling, generate, sample
+from kiln.mesh import make_mesh
+from kiln.model import create_model
+from test_hf import kiln_run, write_tokenizer
+
+RTOL = 1e-5  # float32 logits, cache decode vs full forward: max |a - b| / max |b| per step
+MODEL = dict(vocab_size=96, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=64)
+# Different lengths in one batch: rows are left-padded to a common prompt length.
+PROMPTS = [[5, 17, 3, 88, 41, 9, 60], [12, 7], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 1]]
+
+
+def full_forward_logits(model, tokens):
+    """float32 logits [len, V] of one unpadded row by the training forward pass."""
+    x = np.asarray([tokens], np.int32)
+    positions = np.arange(len(tokens), dtype=np.int32)[None]
+    hidden = model.hidden_states(x, positions, np.ones_like(x)).hidden
+    return np.asarray(model.logits(hidden))[0]
+
+
+@pytest.mark.parametrize(
+    "mesh", [None, dict(fsdp=4, tensor=2)], ids=["one_device", "fsdp4_tensor2"]
+)
+def test_cache_decode_logits_equal_full_forward(mesh):
+    config = make_config(
+        model=dict(MODEL, max_seq_len=32, init_std=0.3), data=dict(seq_len=16), mesh=mesh or {}
+    )
+    device_mesh = make_mesh(config) if mesh else None
+    model = create_model(config, device_mesh, seed=0)
+    out = generate(
+        model,
+        PROMPTS,
+        max_new_tokens=10,
+        mesh=device_mesh,
+        rules=config.mesh.rules,
+        return_logits=True,
+    )
+    assert out.finish == ["length"] * 3
+    for prompt, tokens, logits in zip(PROMPTS, out.tokens, out.logits):
+        assert len(tokens) == 10
+        # Causal: the logits at prompt position n-1+i are those of new token i, given the prefix.
+        ref = full_forward_logits(model, prompt + tokens)[len(prompt) - 1 : -1]
+        for i in range(10):
+            err = np.abs(logits[i] - ref[i]).max() / np.abs(ref[i]).max()
+            assert err <= RTOL, (i, err)
+        assert tokens == np.argmax(ref, axis=-1).tolist()  # greedy
+
+
+def test_sampling_against_numpy():
+    logits = np.random.default_rng(0).normal(size=(1, 12)).astype(np.float32) * 2
+    keys = jax.random.split(jax.random.key(0), 400)
+
+    def draws(sampling):
+        return np.asarray(jax.vmap(lambda k: sample(logits, k, sampling))(keys))[:, 0]
+
+    order = np.argsort(-logits[0])
+    assert (draws(Sampling(0.0)) == order[0]).all()
+    assert (draws(Sampling(1.0, top_k=1)) == order[0]).all()
+    assert set(draws(Sampling(1.0, top_k=3))) == set(order[:3])
+    # Nucleus: the smallest set of most likely tokens whose mass reaches top_p (at T = 0.7).
+    probs = np.exp(logits[0] / 0.7 - np.max(logits[0] / 0.7))
+    probs = probs[order] / probs.sum()
+    nucleus = order[: np.searchsorted(np.cumsum(probs), 0.6) + 1]
+    assert set(draws(Sampling(0.7, top_p=0.6))) == set(nucleus)
+    assert len(set(draws(Sampling(1.0)))) > len(nucleus)
+    # Frequencies at T = 1 follow the softmax (400 draws: 4 binomial sigmas is below 0.1).
+    freq = np.bincount(draws(Sampling(1.0)), minlength=12) / 400
+    p = np.exp(logits[0] - logits[0].max())
+    np.testing.assert_allclose(freq, p / p.sum(), atol=0.1)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """An untied GQA run (word-level tokenizer, EOS id 0), exported to Hugging Face."""
+    tmp = tmp_path_factory.mktemp("gen")
+    tok = write_tokenizer(tmp / "tok.json")
+    run_dir, _ = kiln_run(tmp, data={"tokenizer": str(tok)})
+    assert main(["export-hf", str(run_dir), "--out", str(tmp / "hf")]) == 0
+    return run_dir, tmp / "hf"
+
+
+def hf_greedy(hf_dir, prompt, max_new_tokens):
+    """transformers' greedy continuation of one unpadded prompt (ending at EOS, if any)."""
+    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def greedy_records(run_dir, tmp_path, texts, max_new_tokens):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    out = tmp_path / "out.jsonl"
+    args = ["generate", str(run_dir), "--prompts", str(prompts), "--out", str(out)]
+    args += ["--temperature", "0", "--max-new-tokens", str(max_new_tokens)]
+    assert main(args) == 0
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+TEXTS = ["the kiln fires clay at high heat", "clay", "heat the kiln"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_greedy_generate_matches_transformers(tmp_path, run, tied):
+    if tied:
+        tok = write_tokenizer(tmp_path / "tok.json")
+        run_dir, _ = kiln_run(tmp_path, data={"tokenizer": str(tok)}, tie_embeddings=True)
+        hf_dir = tmp_path / "hf"
+        assert main(["export-hf", str(run_dir), "--out", str(hf_dir)]) == 0
+    else:
+        run_dir, hf_dir = run
+    records = greedy_records(run_dir, tmp_path, TEXTS, 12)
+    tokenizer = load_tokenizer(load_config(run_dir / "config.yaml").data.tokenizer)
+    for text, record in zip(TEXTS, records):
+        # The run's tokenizer, EOS (id 0) first: the document start of training.
+        prompt = [0, *tokenizer.encode(text)]
+        assert record["tokens"] == hf_greedy(hf_dir, prompt, 12)[: len(record["tokens"])]
+        assert len(record["tokens"]) == 12 or record["finish"] == "eos"
+
+
+@pytest.mark.slow
+def test_stop_string_and_samples(tmp_path):
+    run_dir, _ = kiln_run(tmp_path, vocab_size=384)  # byte tokenizer
+    (tmp_path / "a").mkdir()
+    first = greedy_records(run_dir, tmp_path / "a", ["x = "], 24)[0]
+    stop = first["completion"][3]
+    cut = first["completion"][: first["completion"].index(stop)]
+    out = tmp_path / "stopped.jsonl"
+    args = ["generate", str(run_dir), "--prompt", "x = ", "--temperature", "0", "--stop", stop]
+    assert main([*args, "--max-new-tokens", "24", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert (record["completion"], record["finish"]) == (cut, "stop")
+    assert len(record["tokens"]) < 24  # the host check ended decoding early
+
+    out = tmp_path / "samples.jsonl"
+    args = ["generate", str(run_dir), "--prompt", "x = ", "--num-samples", "3", "--top-k", "20"]
+    assert main([*args, "--seed", "1", "--max-new-tokens", "8", "--out", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["sample"] for r in records] == [0, 1, 2]
+    assert len({tuple(r["tokens"]) for r in records}) > 1
+
+
+def one_line_error(capsys, args, *needles):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kiln: error: "), err
+    for needle in needles:
+        assert needle in err[0], (needle, err)
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path, run, capsys):
+    run_dir, _ = run
+    gen = ["generate", str(run_dir)]
+    long = " ".join(["clay"] * 30)  # 31 tokens with EOS, + 8 new > max_seq_len 32
+    one_line_error(
+        capsys, [*gen, "--prompt", long, "--max-new-tokens", "8"], "model.max_seq_len=32"
+    )
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "clay"}\n\n{"prompt": 3}\n')
+    one_line_error(capsys, [*gen, "--prompts", str(bad)], f"{bad}:3:")
+    bad.write_text('{"prompt": "clay"}\n{"prompt": \n')
+    one_line_error(capsys, [*gen, "--prompts", str(bad)], f"{bad}:2: not valid JSON")
+    one_line_error(capsys, [*gen, "--prompt", "clay", "--step", "7"], "--step 7", "there are [0]")
+    one_line_error(capsys, [*gen], "exactly one of --prompt")
+    empty, _ = kiln_run(tmp_path, qk_norm=True)  # a config.yaml, no checkpoint
+    one_line_error(capsys, ["generate", str(empty), "--prompt", "clay"], "no complete checkpoint")
