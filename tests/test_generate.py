@@ -68,6 +68,26 @@ def test_cache_decode_logits_equal_full_forward(mesh):
             assert err <= RTOL, (i, err)
         assert tokens == np.argmax(ref_row, axis=-1).tolist()  # greedy
 
+    # Other prompts of the same batch shape reuse the compiled prefill and step: no compile.
+    compiles = []
+
+    def listener(event, seconds, **_):
+        compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        again = generate(
+            model,
+            [p[::-1] for p in PROMPTS],
+            max_new_tokens=n,
+            mesh=device_mesh,
+            rules=config.mesh.rules,
+            return_logits=True,
+        )
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert len(again.tokens[0]) == n and compiles == []
+
 
 def test_sampling_against_numpy():
     logits = np.random.default_rng(0).normal(size=(1, 12)).astype(np.float32) * 2

@@ -343,6 +343,7 @@ def run_generate(
 ) -> str:
     """`kiln generate`: continuations of `texts` by a run's model; the text to print."""
     from kiln.checkpoint import load_run_model
+    from kiln.config import read_run_config
     from kiln.data.tokenizers import load_tokenizer
 
     context = "kiln generate"
@@ -350,10 +351,13 @@ def run_generate(
         raise KilnError(f"{context}: run directory not found: {run_dir}")
     if out is not None and Path(out).expanduser().exists():
         raise KilnError(f"--out: {out} already exists; choose a new file")
-    run = load_run_model(run_dir, step, context=context)
-    tokenizer = load_tokenizer(run.config.data.tokenizer)
+    config = read_run_config(Path(run_dir).expanduser(), context)
+    tokenizer = load_tokenizer(config.data.tokenizer)
     # Training documents follow an EOS (it starts every packed document), so a prompt does too.
     prompts = [[tokenizer.eos_id, *tokenizer.encode(t)] for t in texts for _ in range(num_samples)]
+    _check_prompts(prompts, config.model, max_new_tokens)  # before the parameters are read
+    sampling.check(config.model.vocab_size)
+    run = load_run_model(run_dir, step, context=context)
 
     def stopped(tokens: list[int]) -> bool:
         return stop in tokenizer.decode(tokens)
