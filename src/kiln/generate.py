@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from kiln.config import DEFAULT_AXIS_RULES
 from kiln.errors import KilnError
 from kiln.mesh import constrain, in_mesh, mesh_axes
 from kiln.model import KVCache, LanguageModel
@@ -244,7 +245,7 @@ def generate(
     cfg = model.cfg
     _check_prompts(prompts, cfg, max_new_tokens)
     sampling.check(cfg.vocab_size)
-    rules_t = decode_rules(rules if rules is not None else _default_rules())
+    rules_t = decode_rules(rules if rules is not None else DEFAULT_AXIS_RULES)
     settings = _Settings(sampling, max_new_tokens, -1 if eos_id is None else eos_id, return_logits)
     graphdef, params = nnx.split(model)
     prefill, step = _compiled(graphdef, settings, mesh, rules_t)
@@ -263,13 +264,14 @@ def generate(
 
     key = jax.random.key(seed)
     state = prefill(params, inputs_BP, positions_BP, segment_ids_BP, key)
-    stopped = np.zeros(rows, bool)
+    stopped = np.zeros(rows, bool)  # rows at EOS or `stop`, as of the last host check
     pending = None  # all-done of the step before, read after the next step is dispatched
     steps = 1
     while steps < max_new_tokens:
         if stop is not None and steps % check_every == 0:
-            tokens = np.asarray(state.tokens_BN)[:rows, :steps]
-            stopped |= [stop(_until_eos(t, settings.eos_id)) for t in tokens]
+            tokens_BN = np.asarray(state.tokens_BN)[:rows, :steps]
+            so_far = [_until_eos(t, settings.eos_id) for t in tokens_BN]
+            stopped |= [r[-1] == eos_id or stop(r) for r in so_far]
         state, all_done = step(params, state, key)
         steps += 1
         if pending is not None and (bool(pending) or stopped.all()):
@@ -291,12 +293,6 @@ def _until_eos(tokens_N: np.ndarray, eos_id: int) -> list[int]:
     """The tokens up to and including the first EOS."""
     hits = np.flatnonzero(tokens_N == eos_id)
     return tokens_N[: hits[0] + 1 if len(hits) else len(tokens_N)].tolist()
-
-
-def _default_rules():
-    from kiln.config import DEFAULT_AXIS_RULES
-
-    return DEFAULT_AXIS_RULES
 
 
 # ---------------------------------------------------------------------------------------------
