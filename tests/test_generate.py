@@ -205,7 +205,12 @@ def test_bad_input_exits_2_with_one_line(tmp_path, run, capsys):
     one_line_error(capsys, [*gen, "--prompts", str(bad)], f"{bad}:3:")
     bad.write_text('{"prompt": "clay"}\n{"prompt": \n')
     one_line_error(capsys, [*gen, "--prompts", str(bad)], f"{bad}:2: not valid JSON")
-    one_line_error(capsys, [*gen, "--prompt", "clay", "--step", "7"], "--step 7", "there are [0]")
+    few = ["--max-new-tokens", "4"]
+    one_line_error(
+        capsys, [*gen, "--prompt", "x", *few, "--step", "7"], "--step 7", "there are [0]"
+    )
     one_line_error(capsys, [*gen], "exactly one of --prompt")
     empty, _ = kiln_run(tmp_path, qk_norm=True)  # a config.yaml, no checkpoint
-    one_line_error(capsys, ["generate", str(empty), "--prompt", "clay"], "no complete checkpoint")
+    one_line_error(
+        capsys, ["generate", str(empty), "--prompt", "x", *few], "no complete checkpoint"
+    )
