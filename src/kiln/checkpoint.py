@@ -12,13 +12,17 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh
 
-from kiln.config import CheckpointConfig
+from kiln.config import CheckpointConfig, Config, read_run_config
 from kiln.errors import KilnError
+from kiln.mesh import make_mesh, sharded_abstract
+from kiln.model import LanguageModel, build_model
 
 
 class _QuietOrbax(logging.Filter):
@@ -121,11 +125,43 @@ def restore(directory: Path, step: int | None, abstract_state) -> tuple[Any, dic
 def restore_params(path: str | Path, abstract_params) -> tuple[Any, int]:
     """Only the params of a run directory, a checkpoints directory or one step's directory."""
     directory, step = resolve(path)
+    return _restore_params(directory, step, abstract_params, "checkpoint.load_params_from")
+
+
+def restore_run_params(
+    run_dir: str | Path, abstract_params, step: int | None = None, *, context: str
+) -> tuple[Any, int]:
+    """(params, step) of checkpoint `step` (None = latest) of a run directory, nothing else.
+
+    Errors are KilnErrors starting with `context` (e.g. "kiln generate"): no checkpoint, or
+    no checkpoint `step` (naming the steps there are).
+    """
+    directory = Path(run_dir).expanduser().absolute() / "checkpoints"
+    mgr = _manager(directory, None, read_only=True) if directory.is_dir() else None
+    try:
+        steps = sorted(mgr.all_steps()) if mgr is not None else []
+    finally:
+        if mgr is not None:
+            mgr.close()
+    if mgr is None:
+        raise KilnError(
+            f"{context}: no complete checkpoint in {run_dir}: it has no checkpoints/ directory"
+        )
+    if not steps:
+        raise KilnError(f"{context}: no complete checkpoint in {directory}")
+    if step is not None and step not in steps:
+        raise KilnError(
+            f"{context}: --step {step}: no such checkpoint in {directory}; there are {steps}"
+        )
+    return _restore_params(directory, steps[-1] if step is None else step, abstract_params, context)
+
+
+def _restore_params(directory: Path, step: int | None, abstract_params, context: str):
     mgr = _manager(directory, None, read_only=True)
     try:
         step = mgr.latest_step() if step is None else step
         if step is None:
-            raise KilnError(f"checkpoint.load_params_from: no complete checkpoint in {directory}")
+            raise KilnError(f"{context}: no complete checkpoint in {directory}")
         item = {"params": abstract_params}
         restore_args = jax.tree.map(
             lambda a: ocp.ArrayRestoreArgs(
@@ -144,13 +180,40 @@ def restore_params(path: str | Path, abstract_params) -> tuple[Any, int]:
             )
         except (ValueError, KeyError, TypeError) as e:
             raise KilnError(
-                f"checkpoint.load_params_from: {directory / str(step)} does not match this model: "
+                f"{context}: {directory / str(step)} does not match this model: "
                 f"{str(e).splitlines()[0][:300]}"
             ) from None
     finally:
         mgr.close()
     leaves = jax.tree.leaves(restored.state["params"])
     return jax.tree.unflatten(jax.tree.structure(abstract_params), leaves), step
+
+
+class RunModel(NamedTuple):
+    """A trained run's model, its parameters restored onto the mesh of its config."""
+
+    config: Config
+    mesh: Mesh
+    model: LanguageModel
+    step: int
+
+
+def load_run_model(run_dir: str | Path, step: int | None = None, *, context: str) -> RunModel:
+    """The model of a run directory at checkpoint `step` (None = latest), parameters only.
+
+    The mesh is the run config's (`mesh.*` over this process's devices); parameters are read
+    straight into their shardings on it, and optimizer state is never read.
+    """
+    config = read_run_config(Path(run_dir).expanduser(), context)
+    mesh = make_mesh(config)
+    graphdef, abstract = sharded_abstract(
+        lambda: build_model(config.model, rngs=nnx.Rngs(0)), mesh, config.mesh.rules
+    )
+    target, rest = nnx.split_state(abstract, nnx.Param, ...)
+    if jax.tree.leaves(rest):
+        raise KilnError(f"{context}: the {config.model.family} model has non-parameter state")
+    params, step = restore_run_params(run_dir, target, step, context=context)
+    return RunModel(config, mesh, nnx.merge(graphdef, params), step)
 
 
 def resolve(path: str | Path) -> tuple[Path, int | None]:
@@ -175,31 +238,3 @@ def latest_complete_step(directory: Path) -> int | None:
         return mgr.latest_step()
     finally:
         mgr.close()
-
-
-def restore_run_params(
-    run_dir: str | Path, step: int | None, abstract_params, context: str
-) -> tuple[Any, int]:
-    """The parameters only (no optimizer state) of checkpoint `step` (None = latest) of a run.
-
-    For commands that use a trained run (`kiln eval`); errors name `context`, the run directory
-    and the complete checkpoints there are.
-    """
-    run_dir = Path(run_dir).expanduser()
-    directory = run_dir.absolute() / "checkpoints"
-    if not directory.is_dir():
-        raise KilnError(f"{context}: {run_dir} has no checkpoints/ directory; nothing to restore")
-    mgr = _manager(directory, None, read_only=True)
-    try:
-        steps = sorted(mgr.all_steps())
-    finally:
-        mgr.close()
-    if not steps:
-        raise KilnError(f"{context}: no complete checkpoint in {directory}")
-    if step is not None and step not in steps:
-        raise KilnError(
-            f"{context}: --step {step}: no checkpoint {step} in {directory}; available: {steps}"
-        )
-    step = steps[-1] if step is None else step
-    params, _ = restore_params(directory / str(step), abstract_params)
-    return params, step

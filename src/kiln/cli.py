@@ -170,6 +170,29 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kiln.generate import Sampling, read_prompts, run_generate
+
+    if (args.prompt is None) == (args.prompts is None):
+        raise KilnError("kiln generate: give exactly one of --prompt TEXT or --prompts FILE.jsonl")
+    texts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    print(
+        run_generate(
+            args.run_dir,
+            texts,
+            step=args.step,
+            max_new_tokens=args.max_new_tokens,
+            sampling=sampling,
+            seed=args.seed,
+            num_samples=args.num_samples,
+            stop=args.stop,
+            out=args.out,
+        )
+    )
+    return 0
+
+
 def cmd_import_hf(args: argparse.Namespace) -> int:
     from kiln.hf import import_hf
 
@@ -293,6 +316,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--out", required=True, metavar="DIR", help="new directory to write")
     p.set_defaults(func=cmd_export_hf)
+
+    p = sub.add_parser("generate", help="continue prompts with a run's model (KV-cache decoding)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="run directory ({output_dir}/{run_name})")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--prompt", default=None, metavar="TEXT", help="one prompt")
+    p.add_argument(
+        "--prompts", default=None, metavar="FILE.jsonl", help='one {"prompt": "..."} per line'
+    )
+    p.add_argument("--max-new-tokens", type=_at_least_one, default=128, metavar="N")
+    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 = greedy")
+    p.add_argument("--top-k", type=_at_least_one, default=None, metavar="K")
+    p.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus mass, (0, 1]")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--num-samples", type=_at_least_one, default=1, metavar="N", help="samples per prompt"
+    )
+    p.add_argument("--stop", default=None, metavar="STRING", help="end a completion at this string")
+    p.add_argument(
+        "--out", default=None, metavar="FILE.jsonl", help="write JSONL records instead of text"
+    )
+    p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser(
         "eval", help="score a run's checkpoint on tasks: perplexity and multiple choice"

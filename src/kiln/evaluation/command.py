@@ -40,7 +40,7 @@ def restore_model(config: Config, run_dir: Path, step: int | None, mesh, context
 
     graphdef, abstract = sharded_abstract(build, mesh, config.mesh.rules)
     abstract_params, abstract_rest = nnx.split_state(abstract, nnx.Param, ...)
-    params, step = restore_run_params(run_dir, step, abstract_params, context)
+    params, step = restore_run_params(run_dir, abstract_params, step, context=context)
     # Variables that are not parameters (none in today's families) are created as at init;
     # XLA drops the parameter initialisers, which nothing returns.
     shardings = jax.tree.map(lambda x: x.sharding, abstract_rest)

@@ -16,7 +16,7 @@ from flax import nnx
 
 from kiln.config import ModelConfig
 from kiln.mesh import mesh_sizes_for_summary, sharded_init, shards_per_dim, state_specs
-from kiln.model.interface import DTYPES, LanguageModel, ModelOutput, logits_dtype
+from kiln.model.interface import DTYPES, KVCache, LanguageModel, ModelOutput, logits_dtype
 from kiln.model.llama import Transformer
 
 # model.family -> the class that implements it; built as cls(model_cfg, rngs=...).
@@ -99,6 +99,7 @@ def summary(config: Any, num_devices: int | None = None) -> str:
 __all__ = [
     "DTYPES",
     "FAMILIES",
+    "KVCache",
     "LanguageModel",
     "ModelOutput",
     "abstract_model",

@@ -81,6 +81,21 @@ def dense_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, *, query_block: int 
     return jnp.moveaxis(out_JBCKGH, 0, 2).reshape(b, s, n, h)
 
 
+def cached_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, segment_ids_BT, index):
+    """S new query rows at cache slots index..index+S-1 over a cache of T slots (decoding).
+
+    Slot t is visible to the row at slot i when t <= i and their segment ids are equal:
+    empty slots and padding (segment 0) are never seen by real tokens, so rows of different
+    prompt lengths in one left-padded batch each attend to their own prompt only.
+    """
+    b, s, n, h = q_BSNH.shape
+    k = k_BTKH.shape[2]
+    idx_S = index + jnp.arange(s)
+    q_BSKGH = q_BSNH.reshape(b, s, k, n // k, h)
+    out = _rows(q_BSKGH, idx_S, segment_ids_BS, k_BTKH, v_BTKH, segment_ids_BT)
+    return out.reshape(b, s, n, h)
+
+
 def sequence_shards() -> int:
     """How many pieces the mesh of the code being traced cuts the `length` axis into (1: none)."""
     mesh = jax.sharding.get_abstract_mesh()

@@ -24,6 +24,19 @@ class ModelOutput(NamedTuple):
     aux: dict[str, jax.Array]
 
 
+class KVCache(NamedTuple):
+    """Keys and values of every layer for T slots, filled left to right.
+
+    k, v: [L,B,T,K,H] in the compute dtype; segment_ids [B,T] int32 (0 = empty slot or
+    padding, which real tokens never attend to); index: int32 scalar, the next slot to write.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    segment_ids: jax.Array
+    index: jax.Array
+
+
 class LanguageModel(Protocol):
     """A decoder that ends at hidden states; losses own the head (`head_weight`)."""
 
@@ -38,6 +51,27 @@ class LanguageModel(Protocol):
         collect: Sequence[int] = (),
     ) -> ModelOutput:
         """Hidden states, plus the residual stream after each block in `collect` (0-based)."""
+        ...
+
+    def init_cache(self, batch: int, length: int) -> KVCache:
+        """An empty cache of `length` slots per row (zeros; index 0)."""
+        ...
+
+    def extend(
+        self,
+        inputs_BS: jax.Array,
+        positions_BS: jax.Array,
+        segment_ids_BS: jax.Array,
+        cache: KVCache,
+        *,
+        fresh: bool = False,
+    ) -> tuple[jax.Array, KVCache]:
+        """Hidden states [B,S,D] of S new tokens written at `cache.index`, and the cache after.
+
+        The new tokens attend to the cache's earlier slots and to each other (causal, same
+        segment id). `fresh` (static): the cache is empty, so the tokens attend only to each
+        other through the training attention (a prompt's prefill).
+        """
         ...
 
     def head_weight(self, dtype=None) -> jax.Array:

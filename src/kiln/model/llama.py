@@ -18,8 +18,8 @@ from kiln.config import ModelConfig
 from kiln.errors import KilnError
 from kiln.losses import logits as head_logits
 from kiln.mesh import constrain
-from kiln.model.attention import attention
-from kiln.model.interface import DTYPES, ModelOutput, logits_dtype
+from kiln.model.attention import attention, cached_attention, causal_attention
+from kiln.model.interface import DTYPES, KVCache, ModelOutput, logits_dtype
 from kiln.model.project import project
 
 # Residual stream and every [batch, seq, d_model] activation between sub-layers: its length is
@@ -30,6 +30,8 @@ _HEADS = ("batch", "length", "act_heads", None)
 # attention implementation gathers them along length as it needs (kiln.model.attention).
 _KV_HEADS = ("batch", "length", "act_kv_heads", None)
 _MLP = ("batch", "length", "act_mlp")
+# A generation's key/value cache [L,B,T,K,H]: rows split like the batch, heads like the keys'.
+CACHE_LBTKH = (None, "batch", None, "act_kv_heads", None)
 # The block's named intermediates (jax.ad_checkpoint.checkpoint_name; identity ops that the
 # remat policies below select by name): projections before qk-norm and rope, attention's
 # per-head output before wo, and the sub-layers' outputs before the residual adds.
@@ -109,7 +111,8 @@ class Attention(nnx.Module):
         self.dtype = DTYPES[cfg.dtype]
         self.implementation = cfg.attention
 
-    def __call__(self, x_BSD, positions_BS, segment_ids_BS):
+    def _qkv(self, x_BSD, positions_BS):
+        """Queries [B,S,N,H], keys and values [B,S,K,H] of x, normed (if configured) and rotated."""
         dt = self.dtype
         q_BSNH = project("BSD,DNH->BSNH", x_BSD, self.wq[...].astype(dt))
         k_BTKH = project("BSD,DKH->BSKH", x_BSD, self.wk[...].astype(dt))
@@ -122,13 +125,40 @@ class Attention(nnx.Module):
         q_BSNH = constrain(rope(q_BSNH, positions_BS, self.theta), _HEADS)
         k_BTKH = constrain(rope(k_BTKH, positions_BS, self.theta), _KV_HEADS)
         v_BTKH = constrain(v_BTKH, _KV_HEADS)
+        return q_BSNH, k_BTKH, v_BTKH
 
+    def _out(self, out_BSNH):
+        out_BSNH = checkpoint_name(constrain(out_BSNH, _HEADS), "attn_out")
+        out_BSD = project("BSNH,NHD->BSD", out_BSNH, self.wo[...].astype(self.dtype))
+        return checkpoint_name(out_BSD, "out_proj")
+
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS):
+        q_BSNH, k_BTKH, v_BTKH = self._qkv(x_BSD, positions_BS)
         out_BSNH = attention(
             q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, implementation=self.implementation
         )
-        out_BSNH = checkpoint_name(constrain(out_BSNH, _HEADS), "attn_out")
-        out_BSD = project("BSNH,NHD->BSD", out_BSNH, self.wo[...].astype(dt))
-        return checkpoint_name(out_BSD, "out_proj")
+        return self._out(out_BSNH)
+
+    def cached(self, x_BSD, positions_BS, segment_ids_BS, layer):
+        """(output, new keys [B,S,K,H], new values) of S new tokens over a layer's cache.
+
+        `layer` is (k_BTKH, v_BTKH, segment_ids_BT, index) with the new tokens' segment ids
+        already at slots index.., or None for an empty cache (a prefill: the new tokens
+        attend only to each other, through the blocked XLA attention, which takes any length
+        on any platform).
+        """
+        q_BSNH, k_BSKH, v_BSKH = self._qkv(x_BSD, positions_BS)
+        if layer is None:
+            out_BSNH = causal_attention(q_BSNH, k_BSKH, v_BSKH, segment_ids_BS)
+        else:
+            k_BTKH, v_BTKH, segment_ids_BT, index = layer
+            at = (0, index, 0, 0)
+            k_BTKH = jax.lax.dynamic_update_slice(k_BTKH, k_BSKH.astype(k_BTKH.dtype), at)
+            v_BTKH = jax.lax.dynamic_update_slice(v_BTKH, v_BSKH.astype(v_BTKH.dtype), at)
+            out_BSNH = cached_attention(
+                q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, segment_ids_BT, index
+            )
+        return self._out(out_BSNH), k_BSKH, v_BSKH
 
 
 class Mlp(nnx.Module):
@@ -164,7 +194,17 @@ class Block(nnx.Module):
         # Norms and residual adds run on the residual's sharding (ACT_BSD); each sub-layer's
         # output is pinned to it too, so its partial sums over tensor are reduce-scattered.
         h_BSD = constrain(self.attn_norm(x_BSD), ACT_BSD)
-        x_BSD = x_BSD + constrain(self.attn(h_BSD, positions_BS, segment_ids_BS), ACT_BSD)
+        return self._rest(x_BSD, self.attn(h_BSD, positions_BS, segment_ids_BS))
+
+    def cached(self, x_BSD, positions_BS, segment_ids_BS, layer):
+        """The block on new tokens over a layer's cache: (output, new keys, new values)."""
+        h_BSD = constrain(self.attn_norm(x_BSD), ACT_BSD)
+        attn_BSD, k_BSKH, v_BSKH = self.attn.cached(h_BSD, positions_BS, segment_ids_BS, layer)
+        return self._rest(x_BSD, attn_BSD), k_BSKH, v_BSKH
+
+    def _rest(self, x_BSD, attn_BSD):
+        """The attention's residual add, then the MLP sub-layer."""
+        x_BSD = x_BSD + constrain(attn_BSD, ACT_BSD)
         h_BSD = constrain(self.mlp_norm(x_BSD), ACT_BSD)
         x_BSD = x_BSD + constrain(self.mlp(h_BSD), ACT_BSD)
         return constrain(x_BSD, ACT_BSD)
@@ -209,13 +249,7 @@ class Transformer(nnx.Module):
                     f"layer {i} requested for features, but the model has "
                     f"model.num_layers={cfg.num_layers} (allowed: 0..{cfg.num_layers - 1})"
                 )
-        # The table's embed dimension is gathered first (as every weight is, just in time): a
-        # lookup from a table split along embed over fsdp and sequence would have to move its
-        # [B, S, D] result to the batch/length split, which the partitioner does by replicating it.
-        table_VD = constrain(self.embedding[...], ("vocab", None))
-        x_BSD = jnp.take(table_VD, inputs_BS, axis=0).astype(DTYPES[cfg.dtype])
-        x_BSD = constrain(x_BSD, ACT_BSD)
-
+        x_BSD = self._embed(inputs_BS)
         graphdef, params = nnx.split(self.blocks)
 
         def body(x_BSD, layer_params):
@@ -227,6 +261,52 @@ class Transformer(nnx.Module):
         x_BSD, all_LBSD = jax.lax.scan(body, x_BSD, params)
         features = all_LBSD[jnp.asarray(collect)] if collect else None
         return ModelOutput(self.final_norm(x_BSD), features, {})
+
+    def _embed(self, inputs_BS):
+        # The table's embed dimension is gathered first (as every weight is, just in time): a
+        # lookup from a table split along embed over fsdp and sequence would have to move its
+        # [B, S, D] result to the batch/length split, which the partitioner does by replicating it.
+        table_VD = constrain(self.embedding[...], ("vocab", None))
+        x_BSD = jnp.take(table_VD, inputs_BS, axis=0).astype(DTYPES[self.cfg.dtype])
+        return constrain(x_BSD, ACT_BSD)
+
+    def init_cache(self, batch: int, length: int) -> KVCache:
+        """An empty cache [L,B,length,K,H] in the compute dtype (zeros; index 0)."""
+        c = self.cfg
+        shape = (c.num_layers, batch, length, c.kv_heads, c.resolved_head_dim)
+        kv = constrain(jnp.zeros(shape, DTYPES[c.dtype]), CACHE_LBTKH)
+        segment_ids_BT = constrain(jnp.zeros((batch, length), jnp.int32), ("batch", None))
+        return KVCache(kv, kv, segment_ids_BT, jnp.zeros((), jnp.int32))
+
+    def extend(self, inputs_BS, positions_BS, segment_ids_BS, cache: KVCache, *, fresh=False):
+        """Hidden states [B,S,D] of new tokens written at `cache.index`, and the cache after.
+
+        See `kiln.model.LanguageModel.extend`; the blocks are scanned as in `hidden_states`,
+        each reading its layer of the cache and returning its new keys and values, which are
+        written into the whole cache once after the scan (in place when the cache is donated).
+        """
+        x_BSD = self._embed(inputs_BS)
+        at = (0, cache.index)
+        segment_ids_BT = jax.lax.dynamic_update_slice(
+            cache.segment_ids, segment_ids_BS.astype(jnp.int32), at
+        )
+        graphdef, params = nnx.split(self.blocks)
+
+        def body(x_BSD, xs):
+            layer_params, *kv = xs
+            layer = None if fresh else (*kv, segment_ids_BT, cache.index)
+            block = nnx.merge(graphdef, layer_params)
+            x_BSD, k_BSKH, v_BSKH = block.cached(x_BSD, positions_BS, segment_ids_BS, layer)
+            return x_BSD, (k_BSKH, v_BSKH)
+
+        xs = (params,) if fresh else (params, cache.k, cache.v)
+        x_BSD, (k_LBSKH, v_LBSKH) = jax.lax.scan(body, x_BSD, xs)
+        at = (0, 0, cache.index, 0, 0)
+        k = jax.lax.dynamic_update_slice(cache.k, k_LBSKH.astype(cache.k.dtype), at)
+        v = jax.lax.dynamic_update_slice(cache.v, v_LBSKH.astype(cache.v.dtype), at)
+        index = cache.index + inputs_BS.shape[1]
+        cache = KVCache(constrain(k, CACHE_LBTKH), constrain(v, CACHE_LBTKH), segment_ids_BT, index)
+        return self.final_norm(x_BSD), cache
 
     def head_weight(self, dtype=None) -> jax.Array:
         """LM head [D, V] (the embedding transposed when tied) in `dtype` (None: logits dtype)."""

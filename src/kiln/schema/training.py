@@ -128,7 +128,7 @@ class TrainConfig(Section):
     eval_batches: PositiveInt = Field(4, description="Global batches per evaluation.")
     eval_tasks: tuple[str, ...] = Field(
         (),
-        description="Tasks scored every eval_every_steps beside the held-out loss (never when it is 0), logged as eval/<task>/<metric>: [NAME=]perplexity:PATH (text/JSONL/Parquet files, stdlib:GLOB) or [NAME=]choice:FILE.jsonl; kiln:FILE is a task shipped with kiln (see docs/evaluate.md).",
+        description="Tasks scored every eval_every_steps beside the held-out loss (never when it is 0), logged as eval/<task>/<metric>: [NAME=]perplexity:PATH (text/JSONL/Parquet files, stdlib:GLOB) or [NAME=]choice:FILE.jsonl; kiln:FILE is a task shipped with kiln (see docs/generate.md).",
     )
     grad_reduce_dtype: Literal["float32", "compute"] = Field(
         "float32",
