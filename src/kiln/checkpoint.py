@@ -8,9 +8,12 @@ leftover temporaries are removed when a manager opens the directory.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from kiln.config import CheckpointConfig
-from kiln.errors import KilnError
+from kiln.errors import KilnError, RunStopped, write_error
 
 
 class _QuietOrbax(logging.Filter):
@@ -64,6 +67,7 @@ class Checkpointer:
         self.directory = Path(run_dir).absolute() / "checkpoints"
         self.cfg = cfg
         self._mgr = _manager(self.directory, cfg)
+        self._pending: int | None = None  # the step of the latest save started
 
     def latest_step(self) -> int | None:
         return self._mgr.latest_step()
@@ -72,21 +76,55 @@ class Checkpointer:
         return sorted(self._mgr.all_steps())
 
     def save(self, step: int, state, data_state: Mapping[str, Any] | None) -> None:
-        """Start saving (in the background when async); a save at an existing step is a no-op."""
+        """Start saving (in the background when async); a save at an existing step is a no-op.
+
+        RunStopped (one line) if the directory cannot be written or an earlier background save
+        failed: orbax would otherwise fail in a thread and wait minutes for the lost signal.
+        """
         if step in self._mgr.all_steps():
             return
-        args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=ocp.args.JsonSave(dict(data_state or {})),
-        )
-        self._mgr.save(step, args=args, force=True)
+        with self._failures(step):
+            self._mgr.check_for_errors()
+            # A probe, so that a read-only or vanished directory stops the run here and now.
+            os.rmdir(tempfile.mkdtemp(prefix=".kiln-probe-", dir=self.directory))
+            args = ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=ocp.args.JsonSave(dict(data_state or {})),
+            )
+            self._mgr.save(step, args=args, force=True)
+            self._pending = step
 
     def wait(self) -> None:
-        self._mgr.wait_until_finished()
+        with self._failures(self._pending):
+            self._mgr.wait_until_finished()
+            self._mgr.check_for_errors()
 
     def close(self) -> None:
-        self._mgr.wait_until_finished()
-        self._mgr.close()
+        try:
+            self.wait()
+        finally:
+            self._mgr.close()
+
+    @contextmanager
+    def _failures(self, step: int | None) -> Iterator[None]:
+        """Errors of saving `step` as one RunStopped line; the last complete checkpoint stays."""
+        try:
+            yield
+        except Exception as e:
+            what = self.directory / str(step)
+            kept = self._mgr.latest_step()
+            if isinstance(e, OSError) or "No space left" in str(e):
+                err = e if isinstance(e, OSError) else OSError(errno.ENOSPC, "No space left")
+                message = str(write_error(err, what))
+            else:
+                message = f"saving {what} failed: {_first_line(e)}"
+            held = f"step {kept}" if kept is not None and kept != step else "none yet"
+            raise RunStopped(f"{message} (last complete checkpoint: {held})") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0][:300] if text else "") or type(e).__name__
 
 
 def restore(directory: Path, step: int | None, abstract_state) -> tuple[Any, dict[str, Any]]:
@@ -118,14 +156,17 @@ def restore(directory: Path, step: int | None, abstract_state) -> tuple[Any, dic
     return state, dict(restored.data or {})
 
 
-def restore_params(path: str | Path, abstract_params) -> tuple[Any, int]:
-    """Only the params of a run directory, a checkpoints directory or one step's directory."""
+def restore_params(
+    path: str | Path, abstract_params, field: str = "checkpoint.load_params_from"
+) -> tuple[Any, int]:
+    """Only the params of a run directory, a checkpoints directory or one step's directory;
+    errors name `field`, the setting that pointed here."""
     directory, step = resolve(path)
     mgr = _manager(directory, None, read_only=True)
     try:
         step = mgr.latest_step() if step is None else step
         if step is None:
-            raise KilnError(f"checkpoint.load_params_from: no complete checkpoint in {directory}")
+            raise KilnError(f"{field}: no complete checkpoint in {directory}")
         item = {"params": abstract_params}
         restore_args = jax.tree.map(
             lambda a: ocp.ArrayRestoreArgs(
@@ -144,7 +185,7 @@ def restore_params(path: str | Path, abstract_params) -> tuple[Any, int]:
             )
         except (ValueError, KeyError, TypeError) as e:
             raise KilnError(
-                f"checkpoint.load_params_from: {directory / str(step)} does not match this model: "
+                f"{field}: {directory / str(step)} does not match this model: "
                 f"{str(e).splitlines()[0][:300]}"
             ) from None
     finally:

@@ -63,6 +63,8 @@ def make_datasets(config: Any) -> Datasets:
         corpus = open_corpus(dirs, tokenizer, config.model.vocab_size)
     else:
         files = resolve_inputs(d.paths)
+        if not any(f.stat().st_size for f in files):
+            raise KilnError(f"data.paths: {d.paths} hold no text (every input file is empty)")
         cache = cache_dir_for(config, files, tokenizer)
         prepare(
             files,
