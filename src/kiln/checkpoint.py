@@ -8,9 +8,10 @@ leftover temporaries are removed when a manager opens the directory.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
+import re
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -25,21 +26,39 @@ from kiln.errors import KilnError, RunStopped, write_error
 
 
 class _QuietOrbax(logging.Filter):
-    """Drops orbax's records below ERROR: it logs routine events (read-only managers, saves)
-    as warnings, and kiln reports its own. orbax logs through absl's logger, which other
-    libraries share, so the filter goes by the file a record comes from."""
+    """Drops orbax's records below CRITICAL: it logs routine events (read-only managers,
+    saves) as warnings, and its errors with tracebacks from every thread a failed save ran in,
+    while the same error reaches kiln, which reports it in one line. orbax logs through absl's
+    logger, which other libraries share, so the filter goes by the file a record comes from."""
 
     root = str(Path(ocp.__file__).parents[1]) + os.sep  # site-packages/orbax/, as imported
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.ERROR or not record.pathname.startswith(self.root)
+        return record.levelno >= logging.CRITICAL or not record.pathname.startswith(self.root)
 
 
 _QUIET_ORBAX = _QuietOrbax()
 
 
+def _quiet_closed_loops(previous):
+    """sys.unraisablehook without orbax's "Event loop is closed": after one write of a save or
+    restore fails, orbax closes its event loop and tensorstore's other callbacks find it
+    closed, each printing a traceback that hides the one error kiln reports."""
+
+    def hook(unraisable) -> None:
+        value = unraisable.exc_value
+        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook.kiln_quiet = True
+    return hook
+
+
 def _manager(directory: Path, cfg: CheckpointConfig | None, *, read_only: bool = False):
     logging.getLogger("absl").addFilter(_QUIET_ORBAX)  # once: addFilter skips a repeat
+    if not getattr(sys.unraisablehook, "kiln_quiet", False):
+        sys.unraisablehook = _quiet_closed_loops(sys.unraisablehook)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=cfg.keep if cfg else None,
         keep_period=cfg.keep_every if cfg else None,
@@ -83,8 +102,8 @@ class Checkpointer:
         """
         if step in self._mgr.all_steps():
             return
+        self.check()
         with self._failures(step):
-            self._mgr.check_for_errors()
             # A probe, so that a read-only or vanished directory stops the run here and now.
             os.rmdir(tempfile.mkdtemp(prefix=".kiln-probe-", dir=self.directory))
             args = ocp.args.Composite(
@@ -92,7 +111,13 @@ class Checkpointer:
                 data=ocp.args.JsonSave(dict(data_state or {})),
             )
             self._mgr.save(step, args=args, force=True)
-            self._pending = step
+        self._pending = step
+
+    def check(self) -> None:
+        """RunStopped if a background save has failed (cheap: called after every step)."""
+        if self._pending is not None:
+            with self._failures(self._pending):
+                self._mgr.check_for_errors()
 
     def wait(self) -> None:
         with self._failures(self._pending):
@@ -112,14 +137,15 @@ class Checkpointer:
             yield
         except Exception as e:
             what = self.directory / str(step)
-            kept = self._mgr.latest_step()
-            if isinstance(e, OSError) or "No space left" in str(e):
-                err = e if isinstance(e, OSError) else OSError(errno.ENOSPC, "No space left")
-                message = str(write_error(err, what))
-            else:
-                message = f"saving {what} failed: {_first_line(e)}"
-            held = f"step {kept}" if kept is not None and kept != step else "none yet"
-            raise RunStopped(f"{message} (last complete checkpoint: {held})") from None
+            kept = latest_complete_step(self.directory)
+            code = re.search(r"os_error_code='(\d+)'", str(e))  # tensorstore's errors
+            if not isinstance(e, OSError) and code:
+                e = OSError(int(code[1]), os.strerror(int(code[1])))
+            if isinstance(e, OSError):
+                raise write_error(e, what, kept) from None
+            raise RunStopped(
+                f"saving {what} failed: {_first_line(e)} (last complete checkpoint: {kept})"
+            ) from None
 
 
 def _first_line(e: BaseException) -> str:

@@ -11,14 +11,22 @@ class RunStopped(Exception):
     """A run that cannot go on (e.g. too many non-finite steps): the CLI prints it and exits 1."""
 
 
-def write_error(e: OSError, path: object) -> RunStopped:
-    """A failed write to a run's files as one line; a full disk (or quota) says so."""
+def write_error(e: OSError, path: object, kept: int | str | None = "") -> RunStopped:
+    """A failed write to a run's files as one line; a full disk (or quota) says so.
+
+    `kept`: the step of the last complete checkpoint, None if there is none ("" = not known).
+    """
+    resume = "resume from the last complete checkpoint"
+    if kept is None:
+        resume = "start over (there is no complete checkpoint yet)"
+    elif kept != "":
+        resume += f" (step {kept})"
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return RunStopped(
             f"no space left on device writing {path}; nothing half-written was kept: free "
-            "space, then run the same command again to resume from the last complete checkpoint"
+            f"space, then run the same command again to {resume}"
         )
     return RunStopped(
-        f"cannot write {path}: {e.strerror or e}; the last complete checkpoint is kept: fix "
-        "the directory, then run the same command again to resume from it"
+        f"cannot write {path}: {e.strerror or e}; nothing half-written was kept: fix the "
+        f"directory, then run the same command again to {resume}"
     )

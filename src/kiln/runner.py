@@ -380,6 +380,7 @@ class Loop:
                 profile.before(step, state)
                 state, metrics = self.step_fn(state, self.place(next(self.batches)))
                 profile.after(step, (state, metrics))
+                self.ckpt.check()  # a failed background save stops the run now, not later
                 if pending is not None:
                     skips = skips + 1 if self._finish(*pending, clock) else 0
                     if skips >= cfg.train.max_consecutive_skips:

@@ -1,0 +1,313 @@
+"""A run directory survives its faults: one writer, full and read-only disks, Ctrl-C at
+start-up, paths that cannot be created, and the CLI's own mistakes are one line each."""
+
+import errno
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import assert_user_error, kiln, kiln_env, start_kiln, write_config
+
+from kiln.checkpoint import latest_complete_step
+from kiln.config import config_from_dict
+from kiln.data.sources import resolve_inputs
+from kiln.errors import KilnError, RunStopped
+from kiln.metrics import append_line
+from kiln.paths import check_output_paths
+from kiln.runlock import RunLock
+
+
+def small_run(tmp_path: Path, name: str = "r", steps: int = 12, **train) -> dict:
+    corpus = tmp_path / "corpus.txt"
+    if not corpus.exists():
+        rng = np.random.default_rng(0)
+        corpus.write_text(" ".join(rng.choice(["kiln", "loss", "step", "mesh"], size=3000)))
+    return {
+        "model": {"vocab_size": 384, "d_model": 32, "num_layers": 1, "num_heads": 4, "d_ff": 64, "max_seq_len": 16},
+        "data": {"source": "text", "paths": [str(corpus)], "seq_len": 16, "cache_dir": str(tmp_path / "cache")},
+        "mesh": {"fsdp": -1},
+        "optim": {"learning_rate": 1e-3, "schedule": "constant", "warmup_steps": 0},
+        "train": {"output_dir": str(tmp_path / "runs"), "run_name": name, "global_batch_size": 8, "log_every_steps": 1, "steps": steps, **train},
+        "checkpoint": {"every_steps": 4, "keep": 3, "async_save": True},
+        "logging": {"progress": False},
+    }  # fmt: skip
+
+
+def rows(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_bytes().split(b"\n")
+    assert lines[-1] == b"", "a torn last line"
+    table = [json.loads(line) for line in lines[:-1]]
+    assert all(isinstance(r, dict) for r in table)
+    steps = [r["step"] for r in table]
+    assert steps == sorted(set(steps)), steps  # strictly increasing
+    return table
+
+
+def without_timing(table: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in table]
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. One writer per run directory
+
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from kiln.runlock import RunLock
+lock = RunLock(Path(sys.argv[1]), "kiln train")
+lock.acquire()
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_second_process_is_refused_and_a_dead_holders_lock_is_taken_over(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=kiln_env(),
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(KilnError) as refused:
+            RunLock(tmp_path, "kiln train").acquire()
+        message = str(refused.value)
+        assert f"pid {holder.pid} on host {socket.gethostname()}" in message
+        assert "\n" not in message
+    finally:
+        holder.kill()  # kill -9: the lock file stays behind, the kernel drops the lock
+        holder.wait()
+    assert (tmp_path / "kiln.lock").is_file()
+    lock = RunLock(tmp_path, "kiln train")
+    note = lock.acquire()
+    assert f"stale lock of pid {holder.pid}" in note
+    lock.release()
+    assert not (tmp_path / "kiln.lock").exists()
+
+
+def test_kiln_train_on_a_locked_run_directory_exits_2_naming_the_holder(tmp_path):
+    config = write_config(tmp_path / "c.yaml", small_run(tmp_path))
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    lock = RunLock(run_dir, "kiln train")
+    lock.acquire()
+    try:
+        proc = kiln("train", config)
+    finally:
+        lock.release()
+    assert_user_error(proc, f"in use by pid {os.getpid()} on host {socket.gethostname()}")
+    assert sorted(p.name for p in run_dir.iterdir()) == []  # the second wrote nothing
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. A full disk: a metrics row is written whole or not at all
+
+
+class FullAfter:
+    """A file whose disk fills up after `room` more bytes: a short write, then ENOSPC."""
+
+    def __init__(self, fh, room: int):
+        self.fh, self.room = fh, room
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+    def write(self, data) -> int:
+        if self.room <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        n = self.fh.write(bytes(data[: self.room]))
+        self.room -= n
+        return n
+
+
+def test_a_row_that_does_not_fit_is_cut_back_off(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    with open(path, "ab", buffering=0) as raw:
+        append_line(raw, b'{"step": 1}', path)
+        with pytest.raises(RunStopped, match="^no space left on device writing .*metrics.jsonl"):
+            append_line(FullAfter(raw, room=5), b'{"step": 2, "learning/loss": 1.5}', path)
+    assert path.read_bytes() == b'{"step": 1}\n'
+
+
+# A `kiln train` whose disk fills up while it writes metrics.jsonl: the fault is injected in
+# the file object kiln gets from open(), below kiln's code.
+DISK_FILLS = """
+import builtins, errno, sys
+real_open = builtins.open
+class Full:  # a file on a disk that fills up half-way through its write number `rows`
+    def __init__(self, fh, rows): self.fh, self.rows = fh, rows
+    def __getattr__(self, name): return getattr(self.fh, name)
+    def write(self, data):
+        self.rows -= 1
+        if self.rows < 0: raise OSError(errno.ENOSPC, "No space left on device")
+        return self.fh.write(bytes(data) if self.rows else bytes(data[: len(data) // 2]))
+def fake_open(file, mode="r", *args, **kwargs):
+    fh = real_open(file, mode, *args, **kwargs)
+    return Full(fh, int(sys.argv[1])) if str(file).endswith("metrics.jsonl") and "a" in mode else fh
+builtins.open = fake_open
+from kiln.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def read_only(path: Path, command: list[str]) -> list[str]:
+    """`command` with `path` read-only: chmod for a user, a read-only bind mount for root
+    (who writes through chmod) in a private user and mount namespace."""
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        return command
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode:
+        pytest.skip("running as root without user namespaces: no way to make a path read-only")
+    mount = f'mount --bind {path} {path} && mount -o remount,bind,ro {path} && exec "$@"'
+    return ["unshare", "-rm", "sh", "-c", mount, "sh", *command]
+
+
+@pytest.mark.slow
+def test_full_then_read_only_disk_then_resume_logs_what_an_uninterrupted_run_logs(tmp_path):
+    straight_cfg = write_config(tmp_path / "straight.yaml", small_run(tmp_path, "straight"))
+    straight = start_kiln("train", straight_cfg)
+    config = write_config(tmp_path / "c.yaml", small_run(tmp_path))
+    run_dir = tmp_path / "runs" / "r"
+    env = kiln_env()
+    # 1. The disk fills up half-way through the row of step 6 (after the checkpoint of step 4).
+    full = subprocess.run(
+        [sys.executable, "-c", DISK_FILLS, "6", "train", str(config)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert full.returncode == 1, full.stderr[-3000:]
+    assert "Traceback" not in full.stderr, full.stderr[-3000:]
+    errors = [line for line in full.stderr.splitlines() if line.startswith("kiln: error:")]
+    assert len(errors) == 1 and "no space left on device writing" in errors[0], full.stderr
+    assert str(run_dir / "metrics.jsonl") in errors[0]
+    assert (run_dir / "metrics.jsonl").read_bytes().endswith(b"\n")  # nothing torn
+    assert not (run_dir / "kiln.lock").exists()
+
+    # 2. Resumed with a read-only checkpoints directory: the first save fails in one line.
+    kept = latest_complete_step(run_dir / "checkpoints")
+    assert kept is not None and kept < 12
+    checkpoints = run_dir / "checkpoints"
+    command = [sys.executable, "-m", "kiln.cli", "train", str(config)]
+    blocked = subprocess.run(
+        read_only(checkpoints, command), capture_output=True, text=True, env=env, timeout=600
+    )
+    checkpoints.chmod(0o755)
+    assert blocked.returncode == 1, blocked.stderr[-3000:]
+    assert "Traceback" not in blocked.stderr and "Event loop" not in blocked.stderr
+    errors = [line for line in blocked.stderr.splitlines() if line.startswith("kiln: error:")]
+    assert len(errors) == 1, blocked.stderr[-3000:]
+    assert f"cannot write {checkpoints}" in errors[0] and f"(step {kept})" in errors[0]
+    assert latest_complete_step(checkpoints) == kept  # the last good checkpoint stays
+
+    # 3. With the disk fixed, the run resumes and ends as if nothing had happened.
+    resumed = kiln("train", config, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from step {kept}" in resumed.stderr
+    _, err = straight.communicate(timeout=600)
+    assert straight.returncode == 0, err[-3000:]
+    want = rows(tmp_path / "runs" / "straight")
+    got = rows(run_dir)
+    assert [r["step"] for r in got] == list(range(1, 13))
+    assert without_timing(got) == without_timing(want)  # bitwise: resume is exact
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Ctrl-C at any moment of start-up
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after", [1.0, 2.5, 4.0])
+def test_ctrl_c_during_start_up_exits_130_in_one_line(tmp_path, after):
+    config = write_config(tmp_path / "c.yaml", small_run(tmp_path))
+    proc = start_kiln("train", config)
+    time.sleep(after)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    if "first step after" in err:
+        pytest.skip("start-up was over before the signal: the loop's own handling applies")
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == "kiln: interrupted", err[-3000:]
+    assert "Traceback" not in err and "Fatal" not in err, err[-3000:]
+    assert not (tmp_path / "runs" / "r" / "kiln.lock").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Paths that cannot be created, inputs that are not files
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "value", "needle"),
+    [
+        ("train", "output_dir", "afile", "train.output_dir: "),
+        ("train", "output_dir", "/proc/kiln-runs", "train.output_dir: /proc/kiln-runs cannot be"),
+        ("data", "cache_dir", "afile", "data.cache_dir: "),
+    ],
+)
+def test_paths_that_cannot_be_created_are_refused_before_any_work(
+    tmp_path, section, field, value, needle
+):
+    (tmp_path / "afile").write_text("x")
+    raw = small_run(tmp_path)
+    raw[section][field] = str(tmp_path / value) if value == "afile" else value
+    with pytest.raises(KilnError, match=needle):
+        check_output_paths(config_from_dict(raw))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "corpus.txt"]
+
+
+def test_a_fifo_among_the_inputs_is_refused(tmp_path):
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(KilnError, match="data.paths: .*pipe.* is not a regular file"):
+        resolve_inputs([str(tmp_path / "pipe")])
+
+
+def test_an_output_dir_that_is_a_file_exits_2_and_an_empty_input_names_data_paths(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    config = write_config(tmp_path / "c.yaml", small_run(tmp_path))
+    assert_user_error(kiln("train", config, f"train.output_dir={tmp_path / 'afile'}"), "afile")
+    (tmp_path / "empty.txt").write_text("")
+    proc = kiln("train", config, f"data.paths=[{tmp_path / 'empty.txt'}]")
+    assert_user_error(proc, "data.paths: ", "empty")
+    assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# 11. The CLI's own errors
+
+
+def test_kiln_train_without_arguments_asks_for_the_config_only():
+    proc = kiln("train")
+    assert_user_error(proc, "required: config", "kiln train --help")
+    assert "overrides" not in proc.stderr
+
+
+def test_a_typo_in_a_mesh_rules_key_is_an_unknown_key():
+    with pytest.raises(KilnError) as e:
+        config_from_dict({"mesh": {"rules": {"batchx": ["data"]}}})
+    assert str(e.value) == (
+        "unknown key 'mesh.rules.batchx': did you mean 'batch'? allowed: "
+        + ", ".join(config_from_dict({}).mesh.rules)
+    )
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '"llama"', "null"])
+def test_import_hf_of_a_config_json_that_is_not_an_object_is_one_line(tmp_path, text, capsys):
+    from kiln.cli import main
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(text)
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "config.json: got a JSON" in err[0], err
+    assert not (tmp_path / "out").exists()
