@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_user_error, kiln, kiln_env, start_kiln, write_config
 
+from conftest import assert_user_error, kiln, kiln_env, start_kiln, write_config
 from kiln.checkpoint import latest_complete_step
 from kiln.config import config_from_dict
 from kiln.data.sources import resolve_inputs
@@ -134,7 +134,7 @@ def test_a_row_that_does_not_fit_is_cut_back_off(tmp_path):
     path = tmp_path / "metrics.jsonl"
     with open(path, "ab", buffering=0) as raw:
         append_line(raw, b'{"step": 1}', path)
-        with pytest.raises(RunStopped, match="^no space left on device writing .*metrics.jsonl"):
+        with pytest.raises(RunStopped, match=r"^no space left on device writing .*metrics\.jsonl"):
             append_line(FullAfter(raw, room=5), b'{"step": 2, "learning/loss": 1.5}', path)
     assert path.read_bytes() == b'{"step": 1}\n'
 
@@ -234,7 +234,7 @@ def test_ctrl_c_during_start_up_exits_130_in_one_line(tmp_path, after):
     proc = start_kiln("train", config)
     time.sleep(after)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=120)
     if "first step after" in err:
         pytest.skip("start-up was over before the signal: the loop's own handling applies")
     assert proc.returncode == 130, err[-3000:]
@@ -268,7 +268,7 @@ def test_paths_that_cannot_be_created_are_refused_before_any_work(
 
 def test_a_fifo_among_the_inputs_is_refused(tmp_path):
     os.mkfifo(tmp_path / "pipe")
-    with pytest.raises(KilnError, match="data.paths: .*pipe.* is not a regular file"):
+    with pytest.raises(KilnError, match=r"data\.paths: .*pipe.* is not a regular file"):
         resolve_inputs([str(tmp_path / "pipe")])
 
 
