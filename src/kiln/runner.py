@@ -225,8 +225,10 @@ def run_loop(run: PreparedRun):
     try:
         is_main, taken = open_run_dir(config.run_dir, config, run.lock)
         ckpt = Checkpointer(config.run_dir, config.checkpoint)
-    except BaseException:
+    except BaseException as e:
         run.lock.release()
+        if isinstance(e, OSError):
+            raise write_error(e, config.run_dir / "checkpoints") from None
         raise
     try:
         logger = MetricsLogger(
@@ -235,31 +237,31 @@ def run_loop(run: PreparedRun):
     except BaseException:
         _close_all((ckpt.close, run.lock.release), failing=True)
         raise
-    for note in ([taken] if taken else []) + run.notes:
-        logger.info(note)
-
-    eval_fn = None
-    if config.train.eval_every_steps:
-        eval_step = train.make_eval_step(config, mesh)
-        eval_batches = run.datasets.eval_batches(config.train.eval_batches)
-
-        def eval_fn(state):
-            return train.evaluate(eval_step, state, eval_batches, mesh, config)
-
-    loop = Loop(
-        config=config,
-        command=run.command,
-        step_fn=train.make_step(run.objective, train.shardings_of(run.state)),
-        place=lambda batch: train.place_batch(batch, mesh, config),
-        batches=run.batches,
-        ckpt=ckpt,
-        logger=logger,
-        flops_per_token=run.objective.flops_per_token(),
-        evaluate=eval_fn,
-        started=run.started,
-    )
     failing = True
     try:
+        for note in ([taken] if taken else []) + run.notes:
+            logger.info(note)
+
+        eval_fn = None
+        if config.train.eval_every_steps:
+            eval_step = train.make_eval_step(config, mesh)
+            eval_batches = run.datasets.eval_batches(config.train.eval_batches)
+
+            def eval_fn(state):
+                return train.evaluate(eval_step, state, eval_batches, mesh, config)
+
+        loop = Loop(
+            config=config,
+            command=run.command,
+            step_fn=train.make_step(run.objective, train.shardings_of(run.state)),
+            place=lambda batch: train.place_batch(batch, mesh, config),
+            batches=run.batches,
+            ckpt=ckpt,
+            logger=logger,
+            flops_per_token=run.objective.flops_per_token(),
+            evaluate=eval_fn,
+            started=run.started,
+        )
         state = loop.run(run.state)
         failing = False
         return state
