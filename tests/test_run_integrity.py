@@ -16,7 +16,7 @@ import pytest
 
 from conftest import assert_user_error, kiln, kiln_env, start_kiln, write_config
 from kiln.config import config_from_dict
-from kiln.data.sources import resolve_inputs
+from kiln.data import make_datasets
 from kiln.errors import KilnError, RunStopped
 from kiln.metrics import append_line
 from kiln.paths import check_output_paths
@@ -182,8 +182,11 @@ def test_paths_that_cannot_be_created_are_refused_before_any_work(
 
 def test_a_fifo_among_the_inputs_is_refused(tmp_path):
     os.mkfifo(tmp_path / "pipe")
+    raw = small_run(tmp_path)
+    raw["data"]["paths"] = [str(tmp_path / "corpus.txt"), str(tmp_path / "pipe")]
     with pytest.raises(KilnError, match=r"data\.paths: .*pipe.* is not a regular file"):
-        resolve_inputs([str(tmp_path / "pipe")])
+        make_datasets(config_from_dict(raw))
+    assert not (tmp_path / "cache").exists()
 
 
 def test_an_output_dir_that_is_a_file_exits_2_and_an_empty_input_names_data_paths(tmp_path):

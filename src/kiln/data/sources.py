@@ -31,14 +31,14 @@ def resolve_inputs(patterns: Sequence[str], what: str = "data.paths") -> list[Pa
         raise KilnError(f"{what}: no input given; allowed: files, directories, globs, stdlib:GLOB")
     found: dict[Path, None] = {}
     for pattern in patterns:
-        matches = _expand(pattern, what)
+        matches = _expand(pattern)
         if not matches:
             raise KilnError(f"{what}: {pattern!r} matches no files")
         found.update(dict.fromkeys(matches))
     return sorted(found)
 
 
-def _expand(pattern: str, what: str) -> list[Path]:
+def _expand(pattern: str) -> list[Path]:
     if pattern.startswith(STDLIB_PREFIX):
         root = stdlib_root()
         hits = glob.glob(pattern[len(STDLIB_PREFIX) :], root_dir=root, recursive=True)
@@ -58,11 +58,6 @@ def _expand(pattern: str, what: str) -> list[Path]:
             if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
         ]
     if path.exists():
-        if not path.is_file():  # a FIFO or device would block or never end
-            raise KilnError(
-                f"{what}: {str(path)!r} is not a regular file (a FIFO, socket or device); "
-                "allowed: files, directories, globs, stdlib:GLOB"
-            )
         return [path.absolute()]
     return []
 
