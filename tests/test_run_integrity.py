@@ -10,11 +10,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from conftest import assert_user_error, kiln, kiln_env, start_kiln, write_config
+from kiln.checkpoint import latest_complete_step
 from kiln.config import config_from_dict
 from kiln.data import make_datasets
 from kiln.errors import KilnError, RunStopped
@@ -197,6 +199,30 @@ def test_an_output_dir_that_is_a_file_exits_2_and_an_empty_input_names_data_path
     proc = kiln("train", config, f"data.paths=[{tmp_path / 'empty.txt'}]")
     assert_user_error(proc, "data.paths: ", "empty")
     assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. orbax's noise
+
+
+def test_orbax_closed_event_loop_tracebacks_are_dropped_and_other_unraisables_kept(
+    tmp_path, monkeypatch
+):
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    (tmp_path / "checkpoints").mkdir()
+    assert latest_complete_step(tmp_path / "checkpoints") is None  # opens an orbax manager
+
+    def unraisable(error):
+        return SimpleNamespace(
+            exc_type=type(error), exc_value=error, exc_traceback=None, err_msg=None, object=None
+        )
+
+    sys.unraisablehook(unraisable(RuntimeError("Event loop is closed")))
+    assert seen == []
+    other = unraisable(RuntimeError("something else"))
+    sys.unraisablehook(other)
+    assert seen == [other]
 
 
 # ---------------------------------------------------------------------------------------------
