@@ -24,7 +24,8 @@ def check_output_paths(config: Config) -> None:
     if config.data.source in _CACHED_SOURCES:
         cache = config.data.cache_dir
         root = Path(cache).expanduser() if cache else output_dir / ".cache"
-        check_creatable(root, "data.cache_dir" if cache else "data.cache_dir (default)")
+        if not root.is_dir():  # an existing cache may be read-only: prepared data is only read
+            check_creatable(root, "data.cache_dir" if cache else "data.cache_dir (default)")
 
 
 def check_creatable(path: Path, field: str) -> None:
