@@ -16,6 +16,7 @@ from flax import nnx
 from kiln import distill, losses, train
 from kiln.checkpoint import Checkpointer, restore_params
 from kiln.config import config_from_dict
+from kiln.errors import KilnError
 from kiln.mesh import make_mesh, sharded_init
 from kiln.model import create_model
 from kiln.runner import checkpoint_tree, restore_state
@@ -484,3 +485,25 @@ def test_distillation_run_resumes_like_a_training_run(tmp_path):
     a, b = final_params(straight), final_params(tmp_path / "resumed.yaml")
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)  # bitwise
+
+
+def test_a_teacher_whose_config_does_not_match_its_checkpoint_names_the_teacher_field(
+    tmp_path, teacher
+):
+    # The teacher's checkpoint holds d_ff 64; its config.yaml, edited, says 128.
+    run_dir = tmp_path / "teacher"
+    state = train.state_from_model(
+        teacher.config,
+        make_mesh(teacher.config),
+        nnx.merge(teacher.graphdef, teacher.params, teacher.rest),
+    )
+    ckpt = Checkpointer(run_dir, teacher.config.checkpoint)
+    ckpt.save(2, checkpoint_tree(state), {})
+    ckpt.close()
+    edited = make_config({**TEACHER_MODEL, "d_ff": 128})
+    (run_dir / "config.yaml").write_text(edited.to_yaml())
+    student = make_config(distillation={"teacher_run_dir": str(run_dir)})
+    with pytest.raises(KilnError) as e:
+        distill.load_teacher(student, make_mesh(student))
+    assert str(e.value).startswith("distillation.teacher_run_dir: "), e.value
+    assert "does not match this model" in str(e.value) and "\n" not in str(e.value)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from conftest import kiln_env
 from kiln.checkpoint import latest_complete_step
 from kiln.config import config_from_dict
 from kiln.metrics import MetricsLogger
@@ -67,14 +69,14 @@ def test_an_intact_file_is_left_as_it_is(tmp_path):
 # As a user meets it: `kiln train` killed with kill -9 after a checkpoint, then run again
 
 
-def write_config(tmp_path: Path, corpus: Path) -> Path:
+def write_config(tmp_path: Path, corpus: Path, **checkpoint) -> Path:
     cfg = {
         "model": {"vocab_size": 384, "d_model": 32, "num_layers": 1, "num_heads": 4, "d_ff": 64, "max_seq_len": 16},
         "data": {"source": "text", "paths": [str(corpus)], "seq_len": 16, "cache_dir": str(tmp_path / "cache")},
         "mesh": {"fsdp": -1},
         "optim": {"learning_rate": 1e-3, "schedule": "constant", "warmup_steps": 0},
         "train": {"output_dir": str(tmp_path / "runs"), "run_name": "r", "global_batch_size": 8, "log_every_steps": 1, "steps": 12},
-        "checkpoint": {"every_steps": 4, "keep": 2, "async_save": False},
+        "checkpoint": {"every_steps": 4, "keep": 2, "async_save": False, **checkpoint},
         "logging": {"progress": False},
     }  # fmt: skip
     path = tmp_path / "config.yaml"
@@ -101,13 +103,24 @@ def without_timing(table: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in table]
 
 
-@pytest.mark.slow
-def test_kill_9_then_resume_logs_each_step_once(tmp_path):
+def write_corpus(tmp_path: Path) -> Path:
     corpus = tmp_path / "corpus.txt"
     rng = np.random.default_rng(0)
     corpus.write_text(" ".join(rng.choice(["kiln", "loss", "step", "mesh"], size=3000)) + "\n")
-    (tmp_path / "straight").mkdir()
-    straight = kiln_train(write_config(tmp_path / "straight", corpus))
+    return corpus
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> list[dict]:
+    """The rows of the 12-step run that nothing interrupted, the reference of the tests below."""
+    tmp_path = tmp_path_factory.mktemp("straight")
+    finish(kiln_train(write_config(tmp_path, write_corpus(tmp_path))))
+    return rows(tmp_path / "runs" / "r")
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_logs_each_step_once(tmp_path, straight):
+    corpus = write_corpus(tmp_path)
     config = write_config(tmp_path, corpus)
     run_dir = tmp_path / "runs" / "r"
     killed = kiln_train(config, "train.steps=100000")  # never finishes by itself
@@ -121,7 +134,6 @@ def test_kill_9_then_resume_logs_each_step_once(tmp_path):
     finally:
         os.kill(killed.pid, signal.SIGKILL)
         killed.communicate(timeout=60)
-    finish(straight)
     complete_lines = (run_dir / "metrics.jsonl").read_text().split("\n")[:-1]
     logged = [json.loads(line)["step"] for line in complete_lines]
     last_checkpoint = latest_complete_step(run_dir / "checkpoints")
@@ -131,7 +143,7 @@ def test_kill_9_then_resume_logs_each_step_once(tmp_path):
 
     err = finish(kiln_train(config))
     assert f"resuming from step {last_checkpoint}" in err
-    want = rows(tmp_path / "straight" / "runs" / "r")
+    want = straight
     got = rows(run_dir)
     assert [r["step"] for r in got] == list(range(1, 13))
     assert without_timing(got) == without_timing(want)  # bitwise: resume is exact
@@ -139,3 +151,87 @@ def test_kill_9_then_resume_logs_each_step_once(tmp_path):
     assert [s for s, _ in tb] == list(range(1, 13))
     # float32 events against the float64 JSON values: 1e-6 relative covers the rounding
     np.testing.assert_allclose([v for _, v in tb], [r["learning/loss"] for r in want], rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# A full disk, then a read-only checkpoints directory, then a resume
+
+
+# A `kiln train` whose disk fills up while it writes metrics.jsonl: the fault is injected in
+# the file object kiln gets from open(), below kiln's code.
+DISK_FILLS = """
+import builtins, errno, sys
+real_open = builtins.open
+class Full:  # a file on a disk that fills up half-way through its write number `rows`
+    def __init__(self, fh, rows): self.fh, self.rows = fh, rows
+    def __getattr__(self, name): return getattr(self.fh, name)
+    def write(self, data):
+        self.rows -= 1
+        if self.rows < 0: raise OSError(errno.ENOSPC, "No space left on device")
+        return self.fh.write(bytes(data) if self.rows else bytes(data[: len(data) // 2]))
+def fake_open(file, mode="r", *args, **kwargs):
+    fh = real_open(file, mode, *args, **kwargs)
+    return Full(fh, int(sys.argv[1])) if str(file).endswith("metrics.jsonl") and "a" in mode else fh
+builtins.open = fake_open
+from kiln.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def read_only(path: Path, command: list[str]) -> list[str]:
+    """`command` with `path` read-only: chmod for a user, a read-only bind mount for root
+    (who writes through chmod) in a private user and mount namespace."""
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        return command
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode:
+        pytest.skip("running as root without user namespaces: no way to make a path read-only")
+    mount = f'mount --bind {path} {path} && mount -o remount,bind,ro {path} && exec "$@"'
+    return ["unshare", "-rm", "sh", "-c", mount, "sh", *command]
+
+
+@pytest.mark.slow
+def test_full_then_read_only_disk_then_resume_logs_what_an_uninterrupted_run_logs(
+    tmp_path, straight
+):
+    config = write_config(tmp_path, write_corpus(tmp_path), async_save=True)
+    run_dir = tmp_path / "runs" / "r"
+    env = kiln_env()
+    # 1. The disk fills up half-way through the row of step 6 (after the checkpoint of step 4).
+    full = subprocess.run(
+        [sys.executable, "-c", DISK_FILLS, "6", "train", str(config)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert full.returncode == 1, full.stderr[-3000:]
+    assert "Traceback" not in full.stderr, full.stderr[-3000:]
+    errors = [line for line in full.stderr.splitlines() if line.startswith("kiln: error:")]
+    assert len(errors) == 1 and "no space left on device writing" in errors[0], full.stderr
+    assert str(run_dir / "metrics.jsonl") in errors[0]
+    assert (run_dir / "metrics.jsonl").read_bytes().endswith(b"\n")  # nothing torn
+    assert not (run_dir / "kiln.lock").exists()
+
+    # 2. Resumed with a read-only checkpoints directory: the first save fails in one line.
+    kept = latest_complete_step(run_dir / "checkpoints")
+    assert kept is not None and kept < 12
+    checkpoints = run_dir / "checkpoints"
+    command = [sys.executable, "-m", "kiln.cli", "train", str(config)]
+    blocked = subprocess.run(
+        read_only(checkpoints, command), capture_output=True, text=True, env=env, timeout=600
+    )
+    checkpoints.chmod(0o755)
+    assert blocked.returncode == 1, blocked.stderr[-3000:]
+    assert "Traceback" not in blocked.stderr and "Event loop" not in blocked.stderr
+    errors = [line for line in blocked.stderr.splitlines() if line.startswith("kiln: error:")]
+    assert len(errors) == 1, blocked.stderr[-3000:]
+    assert f"cannot write {checkpoints}" in errors[0] and f"(step {kept})" in errors[0]
+    assert latest_complete_step(checkpoints) == kept  # the last good checkpoint stays
+
+    # 3. With the disk fixed, the run resumes and ends as if nothing had happened.
+    assert f"resuming from step {kept}" in finish(kiln_train(config))
+    got = rows(run_dir)
+    assert (run_dir / "metrics.jsonl").read_bytes().endswith(b"\n")
+    assert [r["step"] for r in got] == list(range(1, 13))  # strictly increasing, each once
+    assert without_timing(got) == without_timing(straight)  # bitwise: resume is exact

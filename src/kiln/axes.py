@@ -3,6 +3,7 @@ section of the config (one size field per axis, and the rules)."""
 
 from __future__ import annotations
 
+import difflib
 import math
 from typing import Annotated, Any, Literal
 
@@ -63,6 +64,12 @@ class _Mesh(Section):
     @classmethod
     def _rules(cls, rules: dict[str, list[str]]) -> dict[str, list[str]]:
         for name, axes in rules.items():
+            if name not in DEFAULT_AXIS_RULES:
+                close = difflib.get_close_matches(name, DEFAULT_AXIS_RULES, n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ValueError(
+                    f"unknown key 'mesh.rules.{name}': {hint}allowed: {', '.join(DEFAULT_AXIS_RULES)}"
+                )
             if len(set(axes)) != len(axes):
                 raise ValueError(f"rule {name!r} repeats a mesh axis: {axes}")
         return {**{k: list(v) for k, v in DEFAULT_AXIS_RULES.items()}, **rules}

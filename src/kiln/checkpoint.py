@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+import re
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -20,27 +24,45 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from kiln.config import CheckpointConfig, Config, read_run_config
-from kiln.errors import KilnError
+from kiln.errors import KilnError, RunStopped, write_error
 from kiln.mesh import make_mesh, sharded_abstract
 from kiln.model import LanguageModel, build_model
 
 
 class _QuietOrbax(logging.Filter):
-    """Drops orbax's records below ERROR: it logs routine events (read-only managers, saves)
-    as warnings, and kiln reports its own. orbax logs through absl's logger, which other
-    libraries share, so the filter goes by the file a record comes from."""
+    """Drops orbax's records below CRITICAL: it logs routine events (read-only managers,
+    saves) as warnings, and its errors with tracebacks from every thread a failed save ran in,
+    while the same error reaches kiln, which reports it in one line. orbax logs through absl's
+    logger, which other libraries share, so the filter goes by the file a record comes from."""
 
     root = str(Path(ocp.__file__).parents[1]) + os.sep  # site-packages/orbax/, as imported
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.ERROR or not record.pathname.startswith(self.root)
+        return record.levelno >= logging.CRITICAL or not record.pathname.startswith(self.root)
 
 
 _QUIET_ORBAX = _QuietOrbax()
 
 
+def _quiet_closed_loops(previous):
+    """sys.unraisablehook without orbax's "Event loop is closed": after one write of a save or
+    restore fails, orbax closes its event loop and tensorstore's other callbacks find it
+    closed, each printing a traceback that hides the one error kiln reports."""
+
+    def hook(unraisable) -> None:
+        value = unraisable.exc_value
+        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook.kiln_quiet = True
+    return hook
+
+
 def _manager(directory: Path, cfg: CheckpointConfig | None, *, read_only: bool = False):
     logging.getLogger("absl").addFilter(_QUIET_ORBAX)  # once: addFilter skips a repeat
+    if not getattr(sys.unraisablehook, "kiln_quiet", False):
+        sys.unraisablehook = _quiet_closed_loops(sys.unraisablehook)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=cfg.keep if cfg else None,
         keep_period=cfg.keep_every if cfg else None,
@@ -68,6 +90,7 @@ class Checkpointer:
         self.directory = Path(run_dir).absolute() / "checkpoints"
         self.cfg = cfg
         self._mgr = _manager(self.directory, cfg)
+        self._pending: int | None = None  # the step of the latest save started
 
     def latest_step(self) -> int | None:
         return self._mgr.latest_step()
@@ -76,21 +99,62 @@ class Checkpointer:
         return sorted(self._mgr.all_steps())
 
     def save(self, step: int, state, data_state: Mapping[str, Any] | None) -> None:
-        """Start saving (in the background when async); a save at an existing step is a no-op."""
+        """Start saving (in the background when async); a save at an existing step is a no-op.
+
+        RunStopped (one line) if the directory cannot be written or an earlier background save
+        failed: orbax would otherwise fail in a thread and wait minutes for the lost signal.
+        """
         if step in self._mgr.all_steps():
             return
-        args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=ocp.args.JsonSave(dict(data_state or {})),
-        )
-        self._mgr.save(step, args=args, force=True)
+        self.check()
+        with self._failures(step):
+            # A probe, so that a read-only or vanished directory stops the run here and now.
+            os.rmdir(tempfile.mkdtemp(prefix=".kiln-probe-", dir=self.directory))
+            args = ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=ocp.args.JsonSave(dict(data_state or {})),
+            )
+            self._mgr.save(step, args=args, force=True)
+        self._pending = step
+
+    def check(self) -> None:
+        """RunStopped if a background save has failed (cheap: called after every step)."""
+        if self._pending is not None:
+            with self._failures(self._pending):
+                self._mgr.check_for_errors()
 
     def wait(self) -> None:
-        self._mgr.wait_until_finished()
+        with self._failures(self._pending):
+            self._mgr.wait_until_finished()
+            self._mgr.check_for_errors()
 
     def close(self) -> None:
-        self._mgr.wait_until_finished()
-        self._mgr.close()
+        try:
+            self.wait()
+        finally:
+            self._mgr.close()
+
+    @contextmanager
+    def _failures(self, step: int | None) -> Iterator[None]:
+        """Errors of saving `step` as one RunStopped line; the last complete checkpoint stays."""
+        try:
+            yield
+        except Exception as e:
+            what = self.directory / str(step)
+            kept = latest_complete_step(self.directory)
+            code = re.search(r"os_error_code='(\d+)'", str(e))  # tensorstore's errors
+            if not isinstance(e, OSError) and code:
+                e = OSError(int(code[1]), os.strerror(int(code[1])))
+            if isinstance(e, OSError):
+                raise write_error(e, what, kept) from None
+            raise RunStopped(
+                f"saving {what} failed: {_first_line(e)} (last complete checkpoint: {kept})"
+            ) from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0][:300] if text else "") or type(e).__name__
 
 
 def restore(directory: Path, step: int | None, abstract_state) -> tuple[Any, dict[str, Any]]:
@@ -122,10 +186,13 @@ def restore(directory: Path, step: int | None, abstract_state) -> tuple[Any, dic
     return state, dict(restored.data or {})
 
 
-def restore_params(path: str | Path, abstract_params) -> tuple[Any, int]:
-    """Only the params of a run directory, a checkpoints directory or one step's directory."""
+def restore_params(
+    path: str | Path, abstract_params, field: str = "checkpoint.load_params_from"
+) -> tuple[Any, int]:
+    """Only the params of a run directory, a checkpoints directory or one step's directory;
+    errors name `field`, the setting that pointed here."""
     directory, step = resolve(path)
-    return _restore_params(directory, step, abstract_params, "checkpoint.load_params_from")
+    return _restore_params(directory, step, abstract_params, field)
 
 
 def restore_run_params(

@@ -43,8 +43,12 @@ def _positive_float(text: str) -> float:
 
 def _add_config_args(p: argparse.ArgumentParser, *, optional: bool = False) -> None:
     p.add_argument("config", nargs="?" if optional else None, help="YAML config file")
+    # default=[]: argparse would otherwise list an empty `overrides` as a missing argument.
     p.add_argument(
-        "overrides", nargs="*", help="dotted overrides, e.g. loss.z_loss_multiplier=1e-4"
+        "overrides",
+        nargs="*",
+        default=[],
+        help="dotted overrides, e.g. loss.z_loss_multiplier=1e-4",
     )
 
 
@@ -372,6 +376,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command in ("train", "distill"):
+            from kiln.interrupt import exit_on_signals
+
+            # Until the loop takes over the signals, start-up stops at once, with one line.
+            with exit_on_signals():
+                return args.func(args)
         return args.func(args)
     except (KilnError, RunStopped) as e:
         if os.environ.get("KILN_DEBUG") == "1":

@@ -387,6 +387,8 @@ def _field_line(err: Mapping[str, Any]) -> str:
         return _unknown_key(err["loc"])
     loc = ".".join(str(p) for p in err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
+    if msg.startswith("unknown key "):  # a key inside a dict field (mesh.rules) names itself
+        return msg
     return f"{loc}: got {_short(err.get('input'))}; {msg}{_describe_allowed(err)}"
 
 

@@ -138,7 +138,7 @@ def load_teacher(config: Config, mesh) -> Teacher:
     """The teacher's parameters, restored from its latest checkpoint into shardings on `mesh`."""
     teacher_cfg, run_dir, step = read_teacher_config(config)
     abstract = abstract_teacher(config, mesh, teacher_cfg, run_dir, step)
-    params, _ = restore_params(run_dir, abstract.params)
+    params, _ = restore_params(run_dir, abstract.params, "distillation.teacher_run_dir")
     return dataclasses.replace(abstract, params=params)
 
 

@@ -1,4 +1,6 @@
-"""The one exception type a user can act on: the CLI prints it as one line and exits 2."""
+"""The exceptions a user can act on: the CLI prints them as one line each (exit 2 or 1)."""
+
+import errno
 
 
 class KilnError(Exception):
@@ -7,3 +9,24 @@ class KilnError(Exception):
 
 class RunStopped(Exception):
     """A run that cannot go on (e.g. too many non-finite steps): the CLI prints it and exits 1."""
+
+
+def write_error(e: OSError, path: object, kept: int | str | None = "") -> RunStopped:
+    """A failed write to a run's files as one line; a full disk (or quota) says so.
+
+    `kept`: the step of the last complete checkpoint, None if there is none ("" = not known).
+    """
+    resume = "resume from the last complete checkpoint"
+    if kept is None:
+        resume = "start over (there is no complete checkpoint yet)"
+    elif kept != "":
+        resume += f" (step {kept})"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return RunStopped(
+            f"no space left on device writing {path}; nothing half-written was kept: free "
+            f"space, then run the same command again to {resume}"
+        )
+    return RunStopped(
+        f"cannot write {path}: {e.strerror or e}; nothing half-written was kept: fix the "
+        f"directory, then run the same command again to {resume}"
+    )

@@ -363,7 +363,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     abstract = abstract_state(config.model)
     target = abstract_like(abstract, jax.tree.map(lambda _: cpu, abstract))
-    params, _ = restore_params(checkpoints / str(step), target)
+    params, _ = restore_params(checkpoints / str(step), target, "export-hf")
     tensors = kiln_to_hf(config.model, jax.device_get(nnx.to_pure_dict(params)))
 
     out.mkdir(parents=True, exist_ok=True)
@@ -393,6 +393,10 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> str:
         hf = json.loads(config_path.read_text())
     except ValueError as e:
         raise KilnError(f"{config_path}: invalid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise KilnError(
+            f"{config_path}: got a JSON {type(hf).__name__}; allowed: an object of model fields"
+        )
     _empty_dir(out, "--out")
     tensors = read_hf_tensors(hf_dir)
     model = model_section(hf, config_path, _param_dtype(tensors))

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sys
+from contextlib import suppress
 from pathlib import Path
 
 import jax
@@ -13,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from kiln.config import Config
+from kiln.errors import write_error
 
 # Dense bf16 peak TFLOP/s per device, by the start of `jax.Device.device_kind`.
 PEAK_TFLOPS = {
@@ -78,9 +80,14 @@ class MetricsLogger:
         # A resumed run repeats the steps after its checkpoint: what the interrupted run logged
         # for them is dropped, so each step is recorded once (TensorBoard: events from
         # purge_step on are hidden when read).
-        dropped = drop_rows_after(run_dir / "metrics.jsonl", start_step)
-        self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
-        self.jsonl = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        self.jsonl_path = run_dir / "metrics.jsonl"
+        try:
+            dropped = drop_rows_after(self.jsonl_path, start_step)
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
+            # Unbuffered: each row is one write of whole bytes, undone if the write fails.
+            self.jsonl = open(self.jsonl_path, "ab", buffering=0)  # noqa: SIM115 - see close()
+        except OSError as e:
+            raise write_error(e, run_dir) from None
         peak, source = peak_tflops(config)
         self.console.print(
             f"kiln: run directory {run_dir}; {self.total} steps; "
@@ -118,11 +125,13 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.tokens_per_sec = values.get("perf/tokens_per_sec", self.tokens_per_sec)
-        for tag, value in values.items():
-            self.tb.add_scalar(tag, value, step)
-        self.tb.flush()
-        self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
-        self.jsonl.flush()
+        append_line(self.jsonl, json.dumps({"step": step, **values}).encode(), self.jsonl_path)
+        try:
+            for tag, value in values.items():
+                self.tb.add_scalar(tag, value, step)
+            self.tb.flush()
+        except OSError as e:
+            raise write_error(e, self.jsonl_path.parent / "tensorboard") from None
         if not self.interactive:
             shown = [f"{_short_tag(k)} {_number(values[k])}" for k in _CONSOLE if k in values]
             self.console.print(f"step {step}/{self.total}  " + "  ".join(shown), highlight=False)
@@ -149,6 +158,20 @@ class MetricsLogger:
         self.jsonl.close()
 
 
+def append_line(fh, line: bytes, path: Path) -> None:
+    """Append `line` and a newline to the unbuffered file `fh`, whole or not at all: a failed
+    write (a full disk) is cut back off, so no torn row is left for a resume to glue onto."""
+    start = fh.seek(0, os.SEEK_END)
+    view = memoryview(line + b"\n")
+    try:
+        while view:
+            view = view[fh.write(view) :]
+    except OSError as e:
+        with suppress(OSError):  # else the torn tail stays; drop_rows_after removes it later
+            os.ftruncate(fh.fileno(), start)
+        raise write_error(e, path) from None
+
+
 def drop_rows_after(path: Path, step: int) -> int:
     """Keep the rows of a metrics.jsonl up to `step`, replacing the file atomically; returns how
     many rows were dropped: later steps, and a torn (unterminated) or unreadable line."""
@@ -161,10 +184,14 @@ def drop_rows_after(path: Path, step: int) -> int:
     dropped = len(complete) - len(kept) + bool(torn)
     if dropped:
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as fh:
-            fh.writelines(line + b"\n" for line in kept)
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            with open(tmp, "wb") as fh:
+                fh.writelines(line + b"\n" for line in kept)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError:
+            tmp.unlink(missing_ok=True)  # metrics.jsonl itself is untouched
+            raise
         os.replace(tmp, path)
     return dropped
 

@@ -28,11 +28,13 @@ from kiln.checkpoint import (
     restore_params,
 )
 from kiln.config import Config, read_run_config
-from kiln.errors import KilnError, RunStopped
+from kiln.errors import KilnError, RunStopped, write_error
 from kiln.evaluation.scoring import Evaluator, load_tasks
 from kiln.evaluation.tasks import parse_tasks
 from kiln.metrics import MetricsLogger, perf_metrics
+from kiln.paths import check_output_paths
 from kiln.profiling import ProfileWindow, cache_events, compilation_cache_for
+from kiln.runlock import RunLock
 
 # Sections and fields a resumed run may not change: they define the model and the token stream.
 FROZEN_ON_RESUME = (
@@ -82,8 +84,9 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def open_run_dir(run_dir: Path, config: Config) -> bool:
-    """Write the run directory and its config.yaml on process 0; returns whether this is process 0.
+def open_run_dir(run_dir: Path, config: Config, lock: RunLock) -> tuple[bool, str | None]:
+    """Write the run directory and its config.yaml on process 0, which holds the run's lock;
+    returns whether this is process 0, and a note if a dead process's lock was taken over.
 
     With several processes, nothing is written until every one of them has validated its config,
     data and checkpoint (and has read the old config.yaml, which process 0 now replaces).
@@ -91,10 +94,15 @@ def open_run_dir(run_dir: Path, config: Config) -> bool:
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("kiln: every process validated the run")
     is_main = jax.process_index() == 0
+    note = None
     if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(config.to_yaml())
-    return is_main
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            note = lock.acquire()  # a no-op if taken at start-up (the directory existed then)
+            (run_dir / "config.yaml").write_text(config.to_yaml())
+        except OSError as e:
+            raise write_error(e, run_dir) from None
+    return is_main, note
 
 
 def resume_notes(config: Config) -> list[str]:
@@ -128,6 +136,7 @@ class PreparedRun:
     batches: Iterator
     notes: list[str]
     started: float  # time.perf_counter() when preparation began
+    lock: RunLock  # held by process 0 (taken in `prepare_run` or, for a new run, `run_loop`)
     eval_tasks: list = field(default_factory=list)  # train.eval_tasks, read and tokenized
 
 
@@ -158,13 +167,29 @@ def prepare_run(
     `checkpoint.load_params_from`'s parameters (those the objective adds to the model, e.g. a
     distillation projection, stay fresh).
     """
-    from kiln.data import make_datasets
     from kiln.distributed import initialize
+
+    started = time.perf_counter()
+    check_output_paths(config)
+    initialize(config)  # before any device is touched
+    lock = RunLock(config.run_dir, command)
+    # An existing run is locked before its checkpoints are read; a new one when it is written.
+    taken = lock.acquire() if jax.process_index() == 0 and config.run_dir.is_dir() else None
+    try:
+        run = _prepare(config, build, command, check, lock, started)
+    except BaseException:
+        lock.release()
+        raise
+    if taken:
+        run.notes.insert(0, taken)
+    return run
+
+
+def _prepare(config, build, command, check, lock, started) -> PreparedRun:
+    from kiln.data import make_datasets
     from kiln.mesh import make_mesh
     from kiln.model.attention import check as check_attention
 
-    started = time.perf_counter()
-    initialize(config)  # before any device is touched
     mesh = make_mesh(config)
     check_attention(config.model.attention, mesh.devices.flat[0].platform, config.model.dtype)
     if check is not None:
@@ -189,46 +214,83 @@ def prepare_run(
         notes.insert(0, f"parameters from {source} (step {step})")
     notes += built_notes
     return PreparedRun(
-        config, command, mesh, objective, state, datasets, batches, notes, started, eval_tasks
+        config,
+        command,
+        mesh,
+        objective,
+        state,
+        datasets,
+        batches,
+        notes,
+        started,
+        lock,
+        eval_tasks,
     )
 
 
 def run_loop(run: PreparedRun):
     """Write the run directory (everything is validated by now), then loop, log and save."""
     config, mesh = run.config, run.mesh
-    is_main = open_run_dir(config.run_dir, config)
-    ckpt = Checkpointer(config.run_dir, config.checkpoint)
-    logger = MetricsLogger(config.run_dir, config, enabled=is_main, start_step=int(run.state.step))
-    for note in run.notes:
-        logger.info(note)
-
-    eval_fn = None
-    if config.train.eval_every_steps:
-        eval_step = train.make_eval_step(config, mesh)
-        eval_batches = run.datasets.eval_batches(config.train.eval_batches)
-        tasks = Evaluator(config, mesh, run.eval_tasks) if run.eval_tasks else None
-
-        def eval_fn(state):
-            held_out = train.evaluate(eval_step, state, eval_batches, mesh, config)
-            return held_out if tasks is None else {**held_out, **tasks.metrics(state)}
-
-    loop = Loop(
-        config=config,
-        command=run.command,
-        step_fn=train.make_step(run.objective, train.shardings_of(run.state)),
-        place=lambda batch: train.place_batch(batch, mesh, config),
-        batches=run.batches,
-        ckpt=ckpt,
-        logger=logger,
-        flops_per_token=run.objective.flops_per_token(),
-        evaluate=eval_fn,
-        started=run.started,
-    )
     try:
-        return loop.run(run.state)
+        is_main, taken = open_run_dir(config.run_dir, config, run.lock)
+        ckpt = Checkpointer(config.run_dir, config.checkpoint)
+    except BaseException as e:
+        run.lock.release()
+        if isinstance(e, OSError):
+            raise write_error(e, config.run_dir / "checkpoints") from None
+        raise
+    try:
+        logger = MetricsLogger(
+            config.run_dir, config, enabled=is_main, start_step=int(run.state.step)
+        )
+    except BaseException:
+        _close_all((ckpt.close, run.lock.release), failing=True)
+        raise
+    failing = True
+    try:
+        for note in ([taken] if taken else []) + run.notes:
+            logger.info(note)
+
+        eval_fn = None
+        if config.train.eval_every_steps:
+            eval_step = train.make_eval_step(config, mesh)
+            eval_batches = run.datasets.eval_batches(config.train.eval_batches)
+            tasks = Evaluator(config, mesh, run.eval_tasks) if run.eval_tasks else None
+
+            def eval_fn(state):
+                held_out = train.evaluate(eval_step, state, eval_batches, mesh, config)
+                return held_out if tasks is None else {**held_out, **tasks.metrics(state)}
+
+        loop = Loop(
+            config=config,
+            command=run.command,
+            step_fn=train.make_step(run.objective, train.shardings_of(run.state)),
+            place=lambda batch: train.place_batch(batch, mesh, config),
+            batches=run.batches,
+            ckpt=ckpt,
+            logger=logger,
+            flops_per_token=run.objective.flops_per_token(),
+            evaluate=eval_fn,
+            started=run.started,
+        )
+        state = loop.run(run.state)
+        failing = False
+        return state
     finally:
-        ckpt.close()
-        logger.close()
+        _close_all((ckpt.close, logger.close, run.lock.release), failing=failing)
+
+
+def _close_all(closers, *, failing: bool) -> None:
+    """Call each closer; while an error is on its way out, a closer's own error (e.g. the disk
+    that failed the run failing the last flush too) must not replace it."""
+    first = None
+    for close in closers:
+        try:
+            close()
+        except Exception as e:
+            first = first or e
+    if first is not None and not failing:
+        raise first
 
 
 def checkpoint_tree(state) -> dict[str, Any]:
@@ -331,6 +393,7 @@ class Loop:
                 profile.before(step, state)
                 state, metrics = self.step_fn(state, self.place(next(self.batches)))
                 profile.after(step, (state, metrics))
+                self.ckpt.check()  # a failed background save stops the run now, not later
                 if pending is not None:
                     skips = skips + 1 if self._finish(*pending, clock) else 0
                     if skips >= cfg.train.max_consecutive_skips:

@@ -63,6 +63,16 @@ def make_datasets(config: Any) -> Datasets:
         corpus = open_corpus(dirs, tokenizer, config.model.vocab_size)
     else:
         files = resolve_inputs(d.paths)
+        # A FIFO or device would block or never end, and its (size, mtime) cannot key the
+        # cache (`kiln prepare --input` streams one once, e.g. /dev/stdin).
+        for f in files:
+            if not f.is_file():
+                raise KilnError(
+                    f"data.paths: {str(f)!r} is not a regular file (a FIFO, socket or device); "
+                    "allowed: files, directories, globs, stdlib:GLOB"
+                )
+        if not any(f.stat().st_size for f in files):
+            raise KilnError(f"data.paths: {d.paths} hold no text (every input file is empty)")
         cache = cache_dir_for(config, files, tokenizer)
         prepare(
             files,
