@@ -698,3 +698,30 @@ def test_cli_train_on_out_of_range_shards_exits_2_before_writing(tmp_path, corpu
         "vocabulary; re-run kiln prepare with data.tokenizer)"
     ]
     assert not runs.exists()
+
+
+def test_cli_train_on_shards_damaged_after_prepare_trains_no_step(tmp_path, corpus):
+    out = tmp_path / "shards"
+    prepare(sorted(tmp_path.glob("*.txt")), "text", "text", load_tokenizer("byte"), out)
+    flip_token(out / "shard-00000.bin", 3, 4000)  # right byte count; the manifest says max 257
+    model = {"vocab_size": 384, "d_model": 16, "num_layers": 1, "num_heads": 2, "d_ff": 32}
+    raw = {
+        "data": {"source": "tokens", "paths": [str(out)], "seq_len": 16},
+        "model": {**model, "max_seq_len": 16},
+        "train": {"global_batch_size": 8, "steps": 3},  # 8 windows: every batch holds token 3
+        "optim": {"warmup_steps": 0},
+    }
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps(raw))  # JSON is YAML
+    runs = tmp_path / "runs"
+    run = kiln("train", config, f"train.output_dir={runs}")
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+    assert [line for line in run.stderr.splitlines() if line.startswith("kiln: error:")] == [
+        f"kiln: error: {out}/shard-00000.bin: holds token id 4000, but model.vocab_size is "
+        "384; allowed: ids below it (the shard is damaged or was prepared for another "
+        "vocabulary; re-run kiln prepare with data.tokenizer)"
+    ]
+    metrics = runs / "tiny" / "metrics.jsonl"
+    assert not metrics.exists() or not metrics.read_text().strip()  # not one step trained
+    assert not list((runs / "tiny" / "checkpoints").glob("[0-9]*"))

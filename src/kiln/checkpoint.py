@@ -301,12 +301,16 @@ def restore_newest_intact(
 
 
 def restore_params(
-    path: str | Path, abstract_params, *, what: str, checksums: bool = True, fallback: bool = True
+    path: str | Path,
+    abstract_params,
+    *,
+    what: str = "checkpoint.load_params_from",
+    checksums: bool = True,
 ) -> tuple[Any, int, list[str]]:
     """(params, step, notes) of a run directory, a checkpoints directory or one step's directory.
 
     A named step must be intact; otherwise the newest intact step is used, with a note for each
-    damaged newer one when `fallback` (else the latest must be intact).
+    damaged newer one.
     """
     directory, step = resolve(path)
     mgr = _manager(directory, None, read_only=True)
@@ -315,8 +319,6 @@ def restore_params(
         candidates = [step] if step is not None else complete_steps(directory)
         if not candidates:
             raise KilnError(f"{what}: no complete checkpoint in {directory}")
-        if not fallback:
-            candidates = candidates[:1]
         for s in candidates:
             try:
                 params = _restore_params_step(mgr, directory, s, abstract_params, checksums, what)
