@@ -60,7 +60,7 @@ def make_datasets(config: Any) -> Datasets:
             raise KilnError(
                 "data.paths: empty; source=tokens needs `kiln prepare` output directories"
             )
-        corpus = open_corpus(dirs, tokenizer, config.model.vocab_size)
+        corpus = open_corpus(dirs, tokenizer, config.model.vocab_size, verify=d.verify_shards)
         identity = [read_manifest(d)["shards"] for d in dirs]
     else:
         files = resolve_inputs(d.paths)
@@ -74,7 +74,9 @@ def make_datasets(config: Any) -> Datasets:
             progress=sys.stderr.isatty(),
             what="data.cache_dir",
         )
-        corpus = open_corpus([cache], tokenizer, config.model.vocab_size, what="data.cache_dir")
+        corpus = open_corpus(
+            [cache], tokenizer, config.model.vocab_size, "data.cache_dir", verify=d.verify_shards
+        )
         identity = [(f["path"], f["size"]) for f in input_identity(files)]
     train_docs, eval_docs = split_documents(corpus.num_documents, d.eval_fraction)
     ids = (d.seq_len, tokenizer.eos_id, tokenizer.pad_id)
