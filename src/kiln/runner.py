@@ -279,8 +279,8 @@ def skip_cause(state) -> str:
     bad = non_finite_leaf(state.params)
     if bad is not None:
         return (
-            f"likely cause: the parameters hold non-finite values ({bad}), so the checkpoint or "
-            "checkpoint.load_params_from source they came from"
+            f"likely cause: the parameters hold non-finite values ({bad}): the checkpoint or "
+            "checkpoint.load_params_from source this run started from"
         )
     return (
         "likely cause: the batches or the numerics (the parameters are finite, and token ids "
