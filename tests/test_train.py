@@ -302,7 +302,7 @@ def test_a_run_whose_every_step_is_skipped_fails(tmp_path, monkeypatch):
     )
     # Shorter than the consecutive-skip limit, yet nothing was trained: not a success, and the
     # parameters are finite, so the batches are named.
-    with pytest.raises(RunStopped, match="every step of this run.*likely cause: the batches"):
+    with pytest.raises(RunStopped, match=r"every step of this run.*likely cause: the batches"):
         train.run(config)
     assert not list((config.run_dir / "checkpoints").glob("[0-9]*"))
 
