@@ -247,6 +247,7 @@ class NanData:
 
     def __init__(self, real):
         self.real = real
+        self.inputs = real.inputs
 
     def train_iterator(self):
         inner = self.real.train_iterator()
