@@ -1,5 +1,6 @@
 """What checkpoints cost a run: step time with async saves every 5 steps vs none, and
-save/restore seconds per GB of train state. Prints JSON.
+save/restore seconds per GB of train state, with the cost of the checksum manifest at save and
+its verification at restore. Prints JSON.
 
     python benchmarks/checkpoint_overhead.py [--steps 30] [--every 5]
 """
@@ -7,15 +8,18 @@ save/restore seconds per GB of train state. Prints JSON.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import statistics
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import jax
 
-from kiln import train
+from kiln import checksums, train
 from kiln.checkpoint import Checkpointer, abstract_like, restore
 from kiln.config import CheckpointConfig, config_from_dict
 from kiln.runner import checkpoint_tree
@@ -87,14 +91,32 @@ def main() -> None:
         sync_ckpt.wait()
         save_s = time.perf_counter() - t0
         sync_ckpt.close()
+        directory = Path(tmp) / "sync" / "checkpoints"
+        step_dir = directory / str(int(state.step))
+        files_gb = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file()) / 1e9
+        # The manifest again (the save above wrote it once): its cost alone, and the check.
         t0 = time.perf_counter()
-        restored, _ = restore(
-            Path(tmp) / "sync" / "checkpoints",
-            int(state.step),
-            abstract_like(checkpoint_tree(state)),
-        )
-        jax.block_until_ready(restored)
-        restore_s = time.perf_counter() - t0
+        checksums.write_manifest(step_dir)
+        manifest_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        checksums.verify(step_dir)
+        verify_s = time.perf_counter() - t0
+        restore_s = {}
+        for verify in (False, True, False, True):  # alternated: both see the same page cache
+            t0 = time.perf_counter()
+            restored, _ = restore(
+                directory, int(state.step), abstract_like(checkpoint_tree(state)), checksums=verify
+            )
+            jax.block_until_ready(restored)
+            restore_s.setdefault(verify, []).append(time.perf_counter() - t0)
+
+    # Checksums of 256 MB in memory, one core: the rate the manifest could reach without disks.
+    block = os.urandom(256 << 20)
+    rates = {}
+    for name, fn in (("crc32", zlib.crc32), ("blake2b", lambda b: hashlib.blake2b(b).digest())):
+        t0 = time.perf_counter()
+        fn(block)
+        rates[f"{name}_gb_per_second"] = round(len(block) / (time.perf_counter() - t0) / 1e9, 2)
 
     gb = state_bytes / 1e9
     plain_s, saving_s = statistics.median(plain), statistics.median(saving)
@@ -112,8 +134,13 @@ def main() -> None:
                 "median_ratio": round(saving_s / plain_s, 4),
                 "mean_ratio": round(statistics.mean(saving) / statistics.mean(plain), 4),
                 "async_save_call_blocking_seconds": round(statistics.median(blocking), 4),
+                "checkpoint_files_gb": round(files_gb, 4),
                 "save_seconds_per_gb": round(save_s / gb, 3),
-                "restore_seconds_per_gb": round(restore_s / gb, 3),
+                "of_which_manifest_seconds_per_gb": round(manifest_s / files_gb, 3),
+                "restore_seconds_per_gb_no_checksums": round(min(restore_s[False]) / gb, 3),
+                "restore_seconds_per_gb": round(min(restore_s[True]) / gb, 3),
+                "of_which_verify_seconds_per_gb": round(verify_s / files_gb, 3),
+                **rates,
             },
             indent=2,
         )

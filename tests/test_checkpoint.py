@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import kiln, start_kiln, write_config
+from conftest import assert_user_error, kiln, start_kiln, write_config
 from kiln import train
 from kiln.checkpoint import latest_complete_step, restore
 from kiln.config import load_config
@@ -188,6 +189,48 @@ def test_incompatible_resume_is_refused_and_changes_nothing(tmp_path, corpus):
     proc = kiln_train(config, "train.steps=6", "model.d_model=64", check=False)
     assert proc.returncode == 2, proc.stderr
     assert "model.d_model" in proc.stderr and "Traceback" not in proc.stderr
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+
+
+def test_damaged_latest_checkpoint_falls_back_and_resumes_exactly(tmp_path, corpus, straight):
+    _, want_losses, want_params = straight
+    config = write_run_config(tmp_path, corpus)
+    kiln_train(config, "train.steps=6")  # checkpoints 3 and 6
+    run_dir = tmp_path / "runs" / "r"
+    step_6 = run_dir / "checkpoints" / "6"
+    array_file = max((p for p in step_6.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(array_file.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit: orbax alone loads this without a word
+    array_file.write_bytes(bytes(data))
+    proc = kiln_train(config)
+    assert "resuming from step 3" in proc.stderr, proc.stderr[-3000:]
+    skipped = [line for line in proc.stderr.splitlines() if "skipped" in line]
+    assert len(skipped) == 1, proc.stderr[-3000:]
+    assert "checkpoint step 6 skipped, it is damaged: state/" in skipped[0]
+    assert "does not match its checksum" in skipped[0]
+    assert (run_dir / "damaged-checkpoints" / "6").is_dir()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13))  # one row per step, in order
+    got = losses(run_dir)
+    assert [got[s] for s in range(1, 13)] == [want_losses[s] for s in range(1, 13)]
+    assert_bitwise(final_params(config), want_params)
+
+
+def test_resume_on_other_inputs_is_refused(tmp_path, corpus):
+    own = tmp_path / "corpus"
+    shutil.copytree(corpus, own)
+    config = write_run_config(tmp_path, own)
+    kiln_train(config, "train.steps=3")
+    run_dir = tmp_path / "runs" / "r"
+    assert json.loads((run_dir / "inputs.json").read_text())["split"]["eval_fraction"] == 0.01
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    proc = kiln_train(config, "train.steps=6", "data.eval_fraction=0.2", check=False)
+    assert_user_error(proc, "data.eval_fraction: the run in", "0.01", "0.2")
+    for path in sorted(own.glob("*.txt"))[::2]:  # half of the input files, cut in half
+        path.write_text(path.read_text()[: path.stat().st_size // 2])
+    proc = kiln_train(config, "train.steps=6", check=False)
+    assert_user_error(proc, "data.paths: the corpus of this run changed since it started (")
+    assert "tokens " in proc.stderr
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
 
 

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -642,6 +643,9 @@ def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path, corpus):
     # The recorded maximum is the shard's own (numpy reference), here EOS.
     assert manifest["max_token_id"] == int(np.fromfile(out / "shard-00000.bin", np.uint16).max())
     assert manifest["shards"][0]["max_token_id"] == EOS
+    for suffix in ("bin", "idx"):  # checksums of the files as written (zlib over whole files)
+        data = (out / f"shard-00000.{suffix}").read_bytes()
+        assert manifest["shards"][0][f"{suffix}_crc32"] == f"{zlib.crc32(data):08x}"
     config = cfg(tmp_path, source="tokens", paths=[str(out)])
     bad = r"shard-00000\.bin: holds token id {}, but model\.vocab_size is 384"
 
@@ -652,8 +656,9 @@ def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path, corpus):
     with pytest.raises(KilnError, match=bad.format(384)):
         make_datasets(config)
 
-    # A manifest of an older kiln (no recorded maximum): the shard is scanned at open.
+    # A manifest of an older kiln (no recorded maximum or checksums): the shard is scanned at open.
     del entry["shards"][0]["max_token_id"], entry["max_token_id"]
+    del entry["shards"][0]["bin_crc32"], entry["shards"][0]["idx_crc32"]
     (out / "manifest.json").write_text(json.dumps(entry))
     assert make_datasets(config).train.num_tokens == 125
     flip_token(out / "shard-00000.bin", 40, 0xFFFF)
@@ -684,7 +689,8 @@ def test_cli_train_on_out_of_range_shards_exits_2_before_writing(tmp_path, corpu
     prepare(sorted(tmp_path.glob("*.txt")), "text", "text", load_tokenizer("byte"), out)
     flip_token(out / "shard-00000.bin", 3, 4000)
     entry = json.loads((out / "manifest.json").read_text())
-    del entry["shards"][0]["max_token_id"]
+    for key in ("max_token_id", "bin_crc32", "idx_crc32"):  # a manifest of an older kiln
+        del entry["shards"][0][key]
     (out / "manifest.json").write_text(json.dumps(entry))
     config = tmp_path / "c.yaml"
     raw = {"data": {"source": "tokens", "paths": [str(out)]}, "model": {"vocab_size": 384}}
@@ -698,3 +704,35 @@ def test_cli_train_on_out_of_range_shards_exits_2_before_writing(tmp_path, corpu
         "vocabulary; re-run kiln prepare with data.tokenizer)"
     ]
     assert not runs.exists()
+
+
+def test_cli_train_on_shards_damaged_after_prepare_is_refused(tmp_path, corpus):
+    out = tmp_path / "shards"
+    prepare(sorted(tmp_path.glob("*.txt")), "text", "text", load_tokenizer("byte"), out)
+    flip_token(out / "shard-00000.bin", 3, 4000)  # right byte count; the manifest says max 257
+    model = {"vocab_size": 384, "d_model": 16, "num_layers": 1, "num_heads": 2, "d_ff": 32}
+    raw = {
+        "data": {"source": "tokens", "paths": [str(out)], "seq_len": 16},
+        "model": {**model, "max_seq_len": 16},
+        "train": {"global_batch_size": 8, "steps": 3},  # 8 windows: every batch holds token 3
+        "optim": {"warmup_steps": 0},
+    }
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps(raw))  # JSON is YAML
+    runs = tmp_path / "runs"
+    # Refused at open: the shard's bytes do not have the checksum kiln prepare recorded.
+    run = kiln("train", config, f"train.output_dir={runs}")
+    assert_user_error(run, f"{out}/shard-00000.bin: its bytes do not match the CRC-32 in ")
+    assert not runs.exists()
+    # Not checked at open (data.verify_shards: false): the batch holding the id is refused.
+    run = kiln("train", config, f"train.output_dir={runs}", "data.verify_shards=false")
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+    assert [line for line in run.stderr.splitlines() if line.startswith("kiln: error:")] == [
+        f"kiln: error: {out}/shard-00000.bin: holds token id 4000, but model.vocab_size is "
+        "384; allowed: ids below it (the shard is damaged or was prepared for another "
+        "vocabulary; re-run kiln prepare with data.tokenizer)"
+    ]
+    metrics = runs / "tiny" / "metrics.jsonl"
+    assert not metrics.exists() or not metrics.read_text().strip()  # not one step trained
+    assert not list((runs / "tiny" / "checkpoints").glob("[0-9]*"))

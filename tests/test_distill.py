@@ -341,7 +341,7 @@ def test_checkpoint_of_the_earlier_student_layout_restores_into_the_student(tmp_
         np.testing.assert_array_equal(got, want)  # bitwise
     # `kiln train checkpoint.load_params_from=<distill run>` reads it as a plain model.
     plain = train.init_state(config, mesh)
-    params, step = restore_params(tmp_path, plain.params)
+    params, step, _ = restore_params(tmp_path, plain.params)
     want = flat(old_state.params)
     assert step == 3 and flat(params).keys() == want.keys() - {"distill_projection/w"}
     for key, value in flat(params).items():

@@ -168,7 +168,7 @@ def test_import_matches_transformers_and_round_trips_bitwise(tmp_path, hf_model)
     config = load_config(run_dir / "config.yaml")
     assert (config.train.output_dir, config.train.run_name) == (str(run_dir.parent), "imported")
     state = init_state(config)
-    params, step = restore_params(run_dir, state.params)
+    params, step, _ = restore_params(run_dir, state.params)
     assert step == 0
     inputs = tokens(1)
     np.testing.assert_allclose(

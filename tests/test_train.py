@@ -247,6 +247,7 @@ class NanData:
 
     def __init__(self, real):
         self.real = real
+        self.inputs = real.inputs
 
     def train_iterator(self):
         inner = self.real.train_iterator()
@@ -300,8 +301,9 @@ def test_a_run_whose_every_step_is_skipped_fails(tmp_path, monkeypatch):
         data={"source": "synthetic"},
         model={"vocab_size": 384},
     )
-    # Shorter than the consecutive-skip limit, yet nothing was trained: not a success.
-    with pytest.raises(RunStopped, match="every step of this run"):
+    # Shorter than the consecutive-skip limit, yet nothing was trained: not a success, and the
+    # parameters are finite, so the batches are named.
+    with pytest.raises(RunStopped, match=r"every step of this run.*likely cause: the batches"):
         train.run(config)
     assert not list((config.run_dir / "checkpoints").glob("[0-9]*"))
 

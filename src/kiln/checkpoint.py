@@ -3,30 +3,40 @@
 A checkpoint is a directory `checkpoints/<step>/` with two items: `state` (a pytree of arrays:
 step, params, optimizer state) and `data` (the data iterator's JSON state). orbax writes into a
 temporary directory and renames it when complete, so a killed save never looks finished;
-leftover temporaries are removed when a manager opens the directory.
+leftover temporaries are removed when a manager opens the directory. Once orbax has committed a
+step, process 0 writes its manifest of checksums (`kiln.checksums`); a restore checks it first,
+and a damaged checkpoint is reported as damage, never as a model that does not match.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
+from kiln.checksums import CheckpointDamaged, has_manifest, step_files, verify, write_manifest
 from kiln.config import CheckpointConfig, Config, read_run_config
 from kiln.errors import KilnError, RunStopped, write_error
 from kiln.mesh import make_mesh, sharded_abstract
 from kiln.model import LanguageModel, build_model
+
+# Key of orbax's per-step custom metadata: the step was saved by a kiln that writes manifests,
+# so a step without one is a save that did not finish (not a checkpoint from before them).
+SEALED = "kiln_manifest"
 
 
 class _QuietOrbax(logging.Filter):
@@ -84,13 +94,17 @@ def abstract_like(tree, shardings=None):
 
 
 class Checkpointer:
-    """Saves and restores a run's state and data-iterator state under `run_dir/checkpoints`."""
+    """Saves a run's state and data-iterator state under `run_dir/checkpoints`, each step sealed
+    by a manifest of checksums once orbax has committed it (in the background when async)."""
 
     def __init__(self, run_dir: Path, cfg: CheckpointConfig):
         self.directory = Path(run_dir).absolute() / "checkpoints"
         self.cfg = cfg
         self._mgr = _manager(self.directory, cfg)
         self._pending: int | None = None  # the step of the latest save started
+        self._sealer: threading.Thread | None = None
+        self._seal_error: BaseException | None = None
+        self.sealed_bytes = 0  # of the last manifest, for benchmarks
 
     def latest_step(self) -> int | None:
         return self._mgr.latest_step()
@@ -107,6 +121,7 @@ class Checkpointer:
         if step in self._mgr.all_steps():
             return
         self.check()
+        self._join_sealer()
         with self._failures(step):
             # A probe, so that a read-only or vanished directory stops the run here and now.
             os.rmdir(tempfile.mkdtemp(prefix=".kiln-probe-", dir=self.directory))
@@ -114,19 +129,53 @@ class Checkpointer:
                 state=ocp.args.StandardSave(state),
                 data=ocp.args.JsonSave(dict(data_state or {})),
             )
-            self._mgr.save(step, args=args, force=True)
+            self._mgr.save(step, args=args, force=True, custom_metadata={SEALED: 1})
         self._pending = step
+        if jax.process_index() != 0:
+            return
+        if self.cfg.async_save:
+            self._sealer = threading.Thread(
+                target=self._seal_in_background, args=(step,), name="kiln-manifest", daemon=True
+            )
+            self._sealer.start()
+        else:
+            with self._failures(step):
+                self._seal(step)
+
+    def _seal(self, step: int) -> None:
+        # orbax renames the step directory when every process has written its files; its
+        # post-finalization callback runs before that rename, so kiln waits for the save instead.
+        self._mgr.wait_until_finished()
+        self.sealed_bytes = write_manifest(self.directory / str(step))
+
+    def _seal_in_background(self, step: int) -> None:
+        try:
+            self._seal(step)
+        except BaseException as e:  # re-raised in the main thread by _join_sealer
+            self._seal_error = e
+
+    def _join_sealer(self) -> None:
+        if self._sealer is not None:
+            self._sealer.join()
+            self._sealer = None
+        if self._seal_error is not None:
+            error, self._seal_error = self._seal_error, None
+            with self._failures(self._pending):
+                raise error
 
     def check(self) -> None:
         """RunStopped if a background save has failed (cheap: called after every step)."""
         if self._pending is not None:
             with self._failures(self._pending):
                 self._mgr.check_for_errors()
+            if self._seal_error is not None:
+                self._join_sealer()
 
     def wait(self) -> None:
         with self._failures(self._pending):
             self._mgr.wait_until_finished()
             self._mgr.check_for_errors()
+        self._join_sealer()
 
     def close(self) -> None:
         try:
@@ -148,112 +197,269 @@ class Checkpointer:
             if isinstance(e, OSError):
                 raise write_error(e, what, kept) from None
             raise RunStopped(
-                f"saving {what} failed: {_first_line(e)} (last complete checkpoint: {kept})"
+                f"saving {what} failed: {_first(e)} (last complete checkpoint: {kept})"
             ) from None
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0][:300] if text else "") or type(e).__name__
+def complete_steps(directory: Path) -> list[int]:
+    """Steps orbax finished in `directory`, newest first, without a save that never sealed."""
+    directory = Path(directory).absolute()
+    if not directory.is_dir():
+        return []
+    mgr = _manager(directory, None, read_only=True)
+    try:
+        steps = sorted(mgr.all_steps(), reverse=True)
+        return [s for s in steps if has_manifest(directory / str(s)) or not _sealed(mgr, s)]
+    finally:
+        mgr.close()
 
 
-def restore(directory: Path, step: int | None, abstract_state) -> tuple[Any, dict[str, Any]]:
+def latest_complete_step(directory: Path) -> int | None:
+    """Newest finished checkpoint in `directory` (None if there is none); creates nothing."""
+    steps = complete_steps(directory)
+    return steps[0] if steps else None
+
+
+def _sealed(mgr, step: int) -> bool:
+    """Whether the step was saved to get a manifest (unreadable metadata: assume not)."""
+    try:
+        return SEALED in (mgr.metadata(step).custom_metadata or {})
+    except Exception:  # a damaged _CHECKPOINT_METADATA: the checks of the step's files decide
+        return False
+
+
+def check_files(mgr, directory: Path, step: int, *, checksums: bool) -> bool:
+    """CheckpointDamaged if step's files are not as written; returns whether a manifest vouched."""
+    step_dir = directory / str(step)
+    if has_manifest(step_dir):
+        verify(step_dir, checksums=checksums)
+        manifest = True
+    elif _sealed(mgr, step):
+        raise CheckpointDamaged("its save did not finish (no kiln_manifest.json, written last)")
+    elif not step_files(step_dir):
+        raise CheckpointDamaged("the step directory is empty")
+    else:
+        manifest = False  # saved before manifests: checked by structure, then finite values
+    data = step_dir / "data" / "metadata"
+    try:
+        json.loads(data.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointDamaged(f"data/metadata is missing or not JSON ({_first(e)})") from None
+    return manifest
+
+
+def _array_shapes(directory: Path, step: int) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every array of a step's `state`, from orbax's metadata."""
+    try:
+        tree = ocp.StandardCheckpointHandler().metadata(directory / str(step) / "state").tree
+        return {m.name: tuple(m.shape) for m in jax.tree.leaves(tree)}
+    except Exception as e:  # orbax raises many types for a missing or garbled _METADATA
+        raise CheckpointDamaged(f"state/_METADATA is missing or unreadable ({_first(e)})") from None
+
+
+def _leaf_names(tree) -> list[str]:
+    """orbax's names of a pytree's leaves: the keys of their paths, joined by dots."""
+    names = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        keys = (next(str(getattr(k, a)) for a in ("key", "idx", "name") if hasattr(k, a)) for k in path)  # fmt: skip
+        names.append(".".join(keys))
+    return names
+
+
+def _check_shapes(saved: dict[str, tuple[int, ...]], abstract, prefix: str = "") -> None:
+    """KilnError naming the first array of `abstract` (under `prefix`) the checkpoint lacks."""
+    for name, leaf in zip(_leaf_names(abstract), jax.tree.leaves(abstract), strict=True):
+        name = prefix + name
+        if name not in saved:
+            raise KilnError(f"has no array {name}")
+        if saved[name] != tuple(leaf.shape):
+            raise KilnError(f"{name} has shape {saved[name]}, this model {tuple(leaf.shape)}")
+
+
+def _first(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:300]
+
+
+def non_finite_leaf(tree) -> str | None:
+    """Name of the first floating-point leaf holding a NaN or an infinity, if any."""
+    for name, leaf in zip(_leaf_names(tree), jax.tree.leaves(tree), strict=True):
+        if jnp.issubdtype(leaf.dtype, jnp.floating) and not bool(jnp.isfinite(leaf).all()):
+            return name
+    return None
+
+
+def _restore_step(mgr, directory: Path, step: int, abstract, *, checksums: bool):
+    """(state tree, data state) of one step, checked; CheckpointDamaged or KilnError if not."""
+    vouched = check_files(mgr, directory, step, checksums=checksums)
+    try:
+        _check_shapes(_array_shapes(directory, step), abstract)
+    except CheckpointDamaged:
+        raise
+    except KilnError as e:
+        raise KilnError(
+            f"checkpoint {directory / str(step)} does not match this model: {e}"
+        ) from None
+    try:
+        restored = mgr.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()
+            ),
+        )
+    except Exception as e:  # files vouched for (or structure matched) but unreadable: damage
+        raise CheckpointDamaged(f"its arrays could not be read ({_first(e)})") from None
+    state = jax.tree.unflatten(jax.tree.structure(abstract), jax.tree.leaves(restored.state))
+    if not vouched and (bad := non_finite_leaf(state)):
+        raise CheckpointDamaged(f"{bad} holds non-finite values")
+    return state, dict(restored.data or {})
+
+
+def damaged(directory: Path, step: int, reason: str) -> KilnError:
+    """The error for a damaged checkpoint that has no fallback."""
+    return CheckpointDamaged(f"checkpoint {Path(directory) / str(step)} is damaged: {reason}")
+
+
+def restore(
+    directory: Path, step: int | None, abstract_state, *, checksums: bool = True
+) -> tuple[Any, dict[str, Any]]:
     """Read checkpoint `step` (None = latest) of `directory` into `abstract_state`'s shardings."""
     directory = Path(directory).absolute()
     if not directory.is_dir():
         raise KilnError(f"checkpoint directory not found: {directory}")
+    step = latest_complete_step(directory) if step is None else step
+    if step is None:
+        raise KilnError(f"no complete checkpoint in {directory}")
     mgr = _manager(directory, None, read_only=True)
     try:
-        step = mgr.latest_step() if step is None else step
-        if step is None:
-            raise KilnError(f"no complete checkpoint in {directory}")
-        try:
-            restored = mgr.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
-                ),
-            )
-        except (ValueError, KeyError, TypeError) as e:
-            raise KilnError(
-                f"checkpoint {directory / str(step)} does not match this model: "
-                f"{str(e).splitlines()[0][:300]}"
-            ) from None
+        return _restore_step(mgr, directory, step, abstract_state, checksums=checksums)
+    except CheckpointDamaged as e:
+        raise damaged(directory, step, str(e)) from None
     finally:
         mgr.close()
-    leaves = jax.tree.leaves(restored.state)
-    state = jax.tree.unflatten(jax.tree.structure(abstract_state), leaves)
-    return state, dict(restored.data or {})
+
+
+def restore_newest_intact(
+    directory: Path, abstract_state, *, checksums: bool, skipped: Callable[[int, str], None]
+) -> tuple[int, Any, dict[str, Any]] | None:
+    """(step, state, data state) of the newest intact checkpoint, None if there is none at all;
+    `skipped(step, reason)` is told of each damaged newer one. KilnError if all are damaged."""
+    directory = Path(directory).absolute()
+    if not directory.is_dir():
+        return None
+    mgr = _manager(directory, None, read_only=True)
+    try:
+        steps = sorted(mgr.all_steps(), reverse=True)
+        reasons = []
+        for step in steps:
+            try:
+                state, data = _restore_step(
+                    mgr, directory, step, abstract_state, checksums=checksums
+                )
+            except CheckpointDamaged as e:
+                skipped(step, str(e))
+                reasons.append(f"step {step}: {e}")
+                continue
+            return step, state, data
+    finally:
+        mgr.close()
+    if not steps:
+        return None
+    raise CheckpointDamaged(f"no intact checkpoint in {directory}: {'; '.join(reasons)}")
 
 
 def restore_params(
-    path: str | Path, abstract_params, field: str = "checkpoint.load_params_from"
-) -> tuple[Any, int]:
-    """Only the params of a run directory, a checkpoints directory or one step's directory;
-    errors name `field`, the setting that pointed here."""
+    path: str | Path,
+    abstract_params,
+    *,
+    what: str = "checkpoint.load_params_from",
+    checksums: bool = True,
+) -> tuple[Any, int, list[str]]:
+    """(params, step, notes) of a run directory, a checkpoints directory or one step's directory.
+
+    A named step must be intact; otherwise the newest intact step is used, with a note for each
+    damaged newer one.
+    """
     directory, step = resolve(path)
-    return _restore_params(directory, step, abstract_params, field)
+    return _restore_params(directory, step, abstract_params, what, checksums)
 
 
 def restore_run_params(
     run_dir: str | Path, abstract_params, step: int | None = None, *, context: str
 ) -> tuple[Any, int]:
-    """(params, step) of checkpoint `step` (None = latest) of a run directory, nothing else.
+    """(params, step) of checkpoint `step` (None = the newest intact) of a run directory, nothing
+    else; a damaged newer checkpoint skipped is said on stderr.
 
     Errors are KilnErrors starting with `context` (e.g. "kiln generate"): no checkpoint, or
     no checkpoint `step` (naming the steps there are).
     """
     directory = Path(run_dir).expanduser().absolute() / "checkpoints"
-    mgr = _manager(directory, None, read_only=True) if directory.is_dir() else None
-    try:
-        steps = sorted(mgr.all_steps()) if mgr is not None else []
-    finally:
-        if mgr is not None:
-            mgr.close()
-    if mgr is None:
+    if not directory.is_dir():
         raise KilnError(
             f"{context}: no complete checkpoint in {run_dir}: it has no checkpoints/ directory"
         )
+    steps = sorted(complete_steps(directory))
     if not steps:
         raise KilnError(f"{context}: no complete checkpoint in {directory}")
     if step is not None and step not in steps:
         raise KilnError(
             f"{context}: --step {step}: no such checkpoint in {directory}; there are {steps}"
         )
-    return _restore_params(directory, steps[-1] if step is None else step, abstract_params, context)
+    params, step, notes = _restore_params(directory, step, abstract_params, context, True)
+    for note in notes:
+        print(f"kiln: {note}", file=sys.stderr)
+    return params, step
 
 
-def _restore_params(directory: Path, step: int | None, abstract_params, context: str):
+def _restore_params(directory: Path, step: int | None, abstract_params, what: str, checksums: bool):
     mgr = _manager(directory, None, read_only=True)
+    notes = []
     try:
-        step = mgr.latest_step() if step is None else step
-        if step is None:
-            raise KilnError(f"{context}: no complete checkpoint in {directory}")
-        item = {"params": abstract_params}
-        restore_args = jax.tree.map(
-            lambda a: ocp.ArrayRestoreArgs(
-                sharding=a.sharding, global_shape=a.shape, dtype=a.dtype
-            ),
-            item,
-        )
-        try:
-            restored = mgr.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.PyTreeRestore(
-                        item=item, restore_args=restore_args, partial_restore=True
-                    )
-                ),
-            )
-        except (ValueError, KeyError, TypeError) as e:
-            raise KilnError(
-                f"{context}: {directory / str(step)} does not match this model: "
-                f"{str(e).splitlines()[0][:300]}"
-            ) from None
+        candidates = [step] if step is not None else complete_steps(directory)
+        if not candidates:
+            raise KilnError(f"{what}: no complete checkpoint in {directory}")
+        for s in candidates:
+            try:
+                params = _restore_params_step(mgr, directory, s, abstract_params, checksums, what)
+            except CheckpointDamaged as e:
+                if s == candidates[-1]:
+                    raise KilnError(f"{what}: {damaged(directory, s, str(e))}") from None
+                notes.append(f"{what}: checkpoint step {s} skipped, it is damaged: {e}")
+                continue
+            return params, s, notes
     finally:
         mgr.close()
+    raise AssertionError("unreachable: the last candidate returns or raises")
+
+
+def _restore_params_step(mgr, directory: Path, step: int, abstract_params, checksums, what):
+    vouched = check_files(mgr, directory, step, checksums=checksums)
+    try:
+        _check_shapes(_array_shapes(directory, step), abstract_params, prefix="params.")
+    except CheckpointDamaged:
+        raise
+    except KilnError as e:
+        raise KilnError(f"{what}: {directory / str(step)} does not match this model: {e}") from None
+    item = {"params": abstract_params}
+    restore_args = jax.tree.map(
+        lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype),
+        item,
+    )
+    try:
+        restored = mgr.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    item=item, restore_args=restore_args, partial_restore=True
+                )
+            ),
+        )
+    except Exception as e:
+        raise CheckpointDamaged(f"its arrays could not be read ({_first(e)})") from None
     leaves = jax.tree.leaves(restored.state["params"])
-    return jax.tree.unflatten(jax.tree.structure(abstract_params), leaves), step
+    params = jax.tree.unflatten(jax.tree.structure(abstract_params), leaves)
+    if not vouched and (bad := non_finite_leaf(params)):
+        raise CheckpointDamaged(f"params.{bad} holds non-finite values")
+    return params
 
 
 class RunModel(NamedTuple):
@@ -288,20 +494,26 @@ def resolve(path: str | Path) -> tuple[Path, int | None]:
     path = Path(path).expanduser().absolute()
     if (path / "checkpoints").is_dir():
         return path / "checkpoints", None
-    if path.name.isdigit() and (path / "state").is_dir():
+    if path.name.isdigit() and ((path / "state").is_dir() or path.parent.name == "checkpoints"):
         return path.parent, int(path.name)
     if path.is_dir():
         return path, None
     raise KilnError(f"checkpoint path not found: {path}")
 
 
-def latest_complete_step(directory: Path) -> int | None:
-    """Newest finished checkpoint in `directory` (None if there is none); creates nothing."""
-    directory = Path(directory).absolute()
-    if not directory.is_dir():
-        return None
-    mgr = _manager(directory, None, read_only=True)
-    try:
-        return mgr.latest_step()
-    finally:
-        mgr.close()
+def set_aside(directory: Path, steps: list[int]) -> list[Path]:
+    """Move damaged step directories out of `directory` (to `../damaged-checkpoints/`), so that
+    the run saves those steps anew; returns where they went."""
+    moved = []
+    for step in steps:
+        src = Path(directory) / str(step)
+        if not src.exists():
+            continue
+        dest_root = Path(directory).parent / "damaged-checkpoints"
+        dest_root.mkdir(exist_ok=True)
+        dest, n = dest_root / str(step), 1
+        while dest.exists():
+            dest, n = dest_root / f"{step}.{n}", n + 1
+        os.replace(src, dest)
+        moved.append(dest)
+    return moved

@@ -42,8 +42,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from kiln import losses, train
-from kiln.checkpoint import latest_complete_step, restore_params
+from kiln import losses, pinned, train
+from kiln.checkpoint import complete_steps, restore_params
 from kiln.config import Config, DistillationConfig, read_run_config
 from kiln.errors import KilnError
 from kiln.mesh import sharded_abstract, sharded_init
@@ -78,13 +78,18 @@ class Teacher:
     graphdef: nnx.GraphDef
     params: nnx.State
     rest: nnx.State
+    notes: tuple[str, ...] = ()  # damaged teacher checkpoints skipped
 
     def model(self, params: nnx.State | None = None) -> LanguageModel:
         return nnx.merge(self.graphdef, self.params if params is None else params, self.rest)
 
 
 def read_teacher_config(config: Config) -> tuple[Config, Path, int]:
-    """(teacher config, run directory, latest step), checked against the student; KilnError if not."""
+    """(teacher config, run directory, step), checked against the student; KilnError if not.
+
+    The step is the teacher's latest for a new student run, and the one the run started with
+    (pinned in its inputs.json) for a resumed one.
+    """
     given = config.distillation.teacher_run_dir
     field = "distillation.teacher_run_dir"
     if not given:
@@ -94,10 +99,18 @@ def read_teacher_config(config: Config) -> tuple[Config, Path, int]:
         raise KilnError(f"{field}: {run_dir} is not a directory; train the teacher first")
     teacher = read_run_config(run_dir, field)
     check_teacher(config, teacher, run_dir)
-    step = latest_complete_step(run_dir / "checkpoints")
-    if step is None:
+    steps = complete_steps(run_dir / "checkpoints")
+    if not steps:
         raise KilnError(f"{field}: no complete checkpoint in {run_dir / 'checkpoints'}")
-    return teacher, run_dir, step
+    step = pinned.teacher_step(config)
+    if step is not None and step not in steps:
+        raise KilnError(
+            f"{field}: this run was started with the teacher's step {step}, which is no longer "
+            f"in {run_dir / 'checkpoints'} (it has {sorted(steps)}); a resumed student keeps its "
+            "teacher step (keep it in the teacher run with checkpoint.keep_every, or start a new "
+            "train.run_name)"
+        )
+    return teacher, run_dir, steps[0] if step is None else step
 
 
 def check_teacher(config: Config, teacher: Config, run_dir: Path) -> None:
@@ -138,8 +151,13 @@ def load_teacher(config: Config, mesh) -> Teacher:
     """The teacher's parameters, restored from its latest checkpoint into shardings on `mesh`."""
     teacher_cfg, run_dir, step = read_teacher_config(config)
     abstract = abstract_teacher(config, mesh, teacher_cfg, run_dir, step)
-    params, _ = restore_params(run_dir, abstract.params, "distillation.teacher_run_dir")
-    return dataclasses.replace(abstract, params=params)
+    # A pinned step must be intact; a new run falls back from a damaged latest (with a note).
+    source = run_dir if pinned.teacher_step(config) is None else run_dir / "checkpoints" / str(step)
+    params, step, notes = restore_params(
+        source, abstract.params, what="distillation.teacher_run_dir",
+        checksums=config.checkpoint.verify,
+    )  # fmt: skip
+    return dataclasses.replace(abstract, params=params, step=step, notes=tuple(notes))
 
 
 def abstract_teacher(
@@ -215,6 +233,8 @@ class DistillObjective(Objective):
     knobs: dict[str, jax.Array] | None = None  # alpha, temperature, beta at the step
     teacher_config: Config = struct.field(pytree_node=False, default=None)
     teacher_graphdef: nnx.GraphDef = struct.field(pytree_node=False, default=None)
+    teacher_run: str = struct.field(pytree_node=False, default=None)
+    teacher_step: int = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def create(cls, config: Config, mesh, teacher: Teacher) -> DistillObjective:
@@ -225,7 +245,13 @@ class DistillObjective(Objective):
             teacher_rest=teacher.rest,
             teacher_config=teacher.config,
             teacher_graphdef=teacher.graphdef,
+            teacher_run=str(Path(teacher.run_dir).absolute()),
+            teacher_step=teacher.step,
         )
+
+    def pinned_inputs(self) -> dict:
+        """The teacher's run and step: a resumed student keeps them."""
+        return {"teacher": {"run_dir": self.teacher_run, "step": self.teacher_step}}
 
     @property
     def needs_global_sums(self) -> bool:
@@ -375,7 +401,7 @@ def _distillation(config: Config, mesh) -> tuple[DistillObjective, TrainState, l
     teacher = load_teacher(config, mesh)
     state = init_student(config, mesh, teacher.config)
     note = f"teacher {teacher.run_dir} (step {teacher.step})"
-    return DistillObjective.create(config, mesh, teacher), state, [note]
+    return DistillObjective.create(config, mesh, teacher), state, [*teacher.notes, note]
 
 
 def abstract_distillation(config: Config, mesh) -> tuple[DistillObjective, TrainState]:

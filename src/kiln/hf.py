@@ -356,14 +356,17 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
         raise KilnError(f"{run_dir}: no complete checkpoint in {checkpoints}")
     if step is not None and step not in steps:
         raise KilnError(f"--step: no checkpoint {step} in {checkpoints}; available: {steps}")
-    step = steps[-1] if step is None else step
     _empty_dir(out, "--out")
 
     # Whole parameters on the host CPU: export runs anywhere, whatever mesh trained the model.
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     abstract = abstract_state(config.model)
     target = abstract_like(abstract, jax.tree.map(lambda _: cpu, abstract))
-    params, _ = restore_params(checkpoints / str(step), target, "export-hf")
+    # The newest intact checkpoint, or exactly --step: verified against its manifest.
+    source = checkpoints if step is None else checkpoints / str(step)
+    params, step, skipped = restore_params(
+        source, target, what="export-hf", checksums=config.checkpoint.verify
+    )
     tensors = kiln_to_hf(config.model, jax.device_get(nnx.to_pure_dict(params)))
 
     out.mkdir(parents=True, exist_ok=True)
@@ -372,7 +375,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     written = ["config.json", WEIGHTS]
     if note is None:
         written += _copy_tokenizer(config.data.tokenizer, out)
-    lines = [f"exported {run_dir} step {step} to {out}: {', '.join(written)}"]
+    lines = [*skipped, f"exported {run_dir} step {step} to {out}: {', '.join(written)}"]
     if note is None and config.data.tokenizer == "byte":
         lines.append(
             "note: the run uses kiln's byte tokenizer (ids 0-255 = bytes, bos 256, eos 257), "

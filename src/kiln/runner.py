@@ -19,13 +19,16 @@ import jax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from kiln import train
+from kiln import pinned, train
 from kiln.checkpoint import (
     Checkpointer,
     abstract_like,
     latest_complete_step,
+    non_finite_leaf,
     restore,
+    restore_newest_intact,
     restore_params,
+    set_aside,
 )
 from kiln.config import Config, read_run_config
 from kiln.errors import KilnError, RunStopped, write_error
@@ -46,7 +49,9 @@ FROZEN_ON_RESUME = (
     "data.tokenizer",
     "data.seq_len",
     "data.seed",
+    "data.eval_fraction",
     "train.global_batch_size",
+    "distillation.teacher_run_dir",
 )
 
 
@@ -111,16 +116,30 @@ def resume_notes(config: Config) -> list[str]:
     return [f"changed on resume: {c}" for c in resume_changes(previous, config)] if previous else []
 
 
-def restore_latest(config: Config, state, batches) -> tuple[Any, str | None]:
-    """`state` and the data iterator from the run's latest complete checkpoint, if there is one."""
+def restore_latest(config: Config, state, batches) -> tuple[Any, list[str], list[int]]:
+    """`state` and the data iterator from the run's newest intact checkpoint, if there is one;
+    also a note per damaged newer checkpoint skipped, and their steps (set aside by run_loop)."""
     directory = config.run_dir / "checkpoints"
-    latest = latest_complete_step(directory)
-    if latest is None:
-        return state, None
-    state, data_state = restore_state(directory, latest, state)
+    notes, skipped = [], []
+
+    def skip(step: int, reason: str) -> None:
+        skipped.append(step)
+        notes.append(
+            f"checkpoint step {step} skipped, it is damaged: {reason}; "
+            f"moved to {config.run_dir / 'damaged-checkpoints'}"
+        )
+
+    abstract = abstract_like(checkpoint_tree(state))
+    found = restore_newest_intact(
+        directory, abstract, checksums=config.checkpoint.verify, skipped=skip
+    )
+    if found is None:
+        return state, notes, skipped
+    step, tree, data_state = found
+    state = state.replace(**tree)
     if data_state:  # empty for a checkpoint of `kiln import-hf`: data from the start
         batches.set_state(data_state)
-    return state, f"resuming from step {latest} ({directory / str(latest)})"
+    return state, [f"resuming from step {step} ({directory / str(step)})", *notes], skipped
 
 
 @dataclass
@@ -138,6 +157,8 @@ class PreparedRun:
     started: float  # time.perf_counter() when preparation began
     lock: RunLock  # held by process 0 (taken in `prepare_run` or, for a new run, `run_loop`)
     eval_tasks: list = field(default_factory=list)  # train.eval_tasks, read and tokenized
+    damaged: list[int] = field(default_factory=list)  # steps to set aside
+    inputs: dict[str, Any] = field(default_factory=dict)  # pinned in inputs.json
 
 
 def execute(
@@ -200,18 +221,21 @@ def _prepare(config, build, command, check, lock, started) -> PreparedRun:
         specs = parse_tasks(config.train.eval_tasks)
         eval_tasks = load_tasks(specs, config, datasets.tokenizer)
     notes = resume_notes(config)
+    pinned.check_data(config, datasets.inputs)
     objective, state, built_notes = build(config, mesh)
     batches = datasets.train_iterator()
-    state, resumed = restore_latest(config, state, batches)
+    state, resumed, damaged = restore_latest(config, state, batches)
     source = config.checkpoint.load_params_from
     if resumed:
-        notes.insert(0, resumed)
+        notes[:0] = resumed
     elif source:
         keep = objective.extra_param_keys
         target = nnx.State({k: v for k, v in state.params.items() if k not in keep})
-        params, step = restore_params(source, target)
+        params, step, skipped = restore_params(
+            source, target, what="checkpoint.load_params_from", checksums=config.checkpoint.verify
+        )
         state = state.replace(params=nnx.State.merge(state.params, params))
-        notes.insert(0, f"parameters from {source} (step {step})")
+        notes[:0] = [f"parameters from {source} (step {step})", *skipped]
     notes += built_notes
     return PreparedRun(
         config,
@@ -225,6 +249,8 @@ def _prepare(config, build, command, check, lock, started) -> PreparedRun:
         started,
         lock,
         eval_tasks,
+        damaged,
+        {**datasets.inputs, **objective.pinned_inputs()},
     )
 
 
@@ -233,6 +259,13 @@ def run_loop(run: PreparedRun):
     config, mesh = run.config, run.mesh
     try:
         is_main, taken = open_run_dir(config.run_dir, config, run.lock)
+        if is_main:
+            pinned.write(config.run_dir, run.inputs)
+        if run.damaged:
+            if is_main:
+                set_aside(config.run_dir / "checkpoints", run.damaged)
+            if jax.process_count() > 1:  # no process opens its checkpoint manager before the move
+                multihost_utils.sync_global_devices("kiln: damaged checkpoints set aside")
         ckpt = Checkpointer(config.run_dir, config.checkpoint)
     except BaseException as e:
         run.lock.release()
@@ -302,6 +335,21 @@ def restore_state(directory: Path, step: int, state):
     """`state` with its arrays replaced by checkpoint `step`, in `state`'s shardings."""
     tree, data_state = restore(directory, step, abstract_like(checkpoint_tree(state)))
     return state.replace(**tree), data_state
+
+
+def skip_cause(state) -> str:
+    """The likely cause of a run whose every step was skipped, for its error line."""
+    bad = non_finite_leaf(state.params)
+    if bad is not None:
+        return (
+            f"likely cause: the parameters hold non-finite values ({bad}): the checkpoint or "
+            "checkpoint.load_params_from source this run started from"
+        )
+    return (
+        "likely cause: the batches or the numerics (the parameters are finite, and token ids "
+        "are checked against model.vocab_size as they are read): check that data.paths gives "
+        "batches with tokens to predict, then model.dtype and the loss settings"
+    )
 
 
 @contextmanager
@@ -423,7 +471,7 @@ class Loop:
         if trained > 0 and skips == trained:
             raise RunStopped(
                 f"every step of this run ({first}..{cfg.train.steps}) had a non-finite loss or "
-                "gradient and was skipped; nothing was trained or saved"
+                f"gradient and was skipped; nothing was trained or saved; {skip_cause(state)}"
             )
         self._save(state)
         self.ckpt.wait()

@@ -137,6 +137,10 @@ class Objective(struct.PyTreeNode):
     def finalize(self, sums: Sums) -> tuple[jax.Array, dict[str, jax.Array]]:
         raise NotImplementedError
 
+    def pinned_inputs(self) -> dict[str, Any]:
+        """Inputs beyond the data that a resumed run must keep (recorded in inputs.json)."""
+        return {}
+
     def flops_per_token(self) -> float:
         """Training FLOPs per token of one step, for perf/mfu."""
         return flops_per_token(self.config.model, self.config.data.seq_len)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kiln.data.corpus import open_corpus, split_documents
+from kiln.data.corpus import open_corpus, read_manifest, split_documents
 from kiln.data.pipeline import Batch, Datasets, StreamWindows, SyntheticWindows
 from kiln.data.prepare import prepare
 from kiln.data.sources import input_identity, resolve_inputs
@@ -60,7 +60,8 @@ def make_datasets(config: Any) -> Datasets:
             raise KilnError(
                 "data.paths: empty; source=tokens needs `kiln prepare` output directories"
             )
-        corpus = open_corpus(dirs, tokenizer, config.model.vocab_size)
+        corpus = open_corpus(dirs, tokenizer, config.model.vocab_size, verify=d.verify_shards)
+        identity = [read_manifest(d)["shards"] for d in dirs]
     else:
         files = resolve_inputs(d.paths)
         # A FIFO or device would block or never end, and its (size, mtime) cannot key the
@@ -83,7 +84,10 @@ def make_datasets(config: Any) -> Datasets:
             progress=sys.stderr.isatty(),
             what="data.cache_dir",
         )
-        corpus = open_corpus([cache], tokenizer, config.model.vocab_size, what="data.cache_dir")
+        corpus = open_corpus(
+            [cache], tokenizer, config.model.vocab_size, "data.cache_dir", verify=d.verify_shards
+        )
+        identity = [(f["path"], f["size"]) for f in input_identity(files)]
     train_docs, eval_docs = split_documents(corpus.num_documents, d.eval_fraction)
     ids = (d.seq_len, tokenizer.eos_id, tokenizer.pad_id)
     train = StreamWindows(corpus, train_docs, *ids, vocab_size=config.model.vocab_size)
@@ -97,7 +101,21 @@ def make_datasets(config: Any) -> Datasets:
             f"data.eval_fraction: {d.eval_fraction} holds out no tokens of the "
             f"{corpus.num_documents} documents; raise it or set train.eval_every_steps: 0"
         )
-    return Datasets(tokenizer, train, held_out, **common)
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    inputs = {
+        "corpus": {
+            "files": len(identity) if d.source != "tokens" else sum(map(len, identity)),
+            "digest": digest,
+            "documents": corpus.num_documents,
+            "tokens": corpus.num_tokens,
+        },
+        "split": {
+            "eval_fraction": d.eval_fraction,
+            "train_documents": train.num_documents,
+            "eval_documents": held_out.num_documents,
+        },
+    }
+    return Datasets(tokenizer, train, held_out, inputs=inputs, **common)
 
 
 def cache_dir_for(config: Any, files: list[Path], tokenizer: Tokenizer) -> Path:

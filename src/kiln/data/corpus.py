@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.checksums import crc32_of
 from kiln.data.prepare import MANIFEST, MANIFEST_VERSION
 from kiln.data.tokenizers import Tokenizer
 from kiln.errors import KilnError
@@ -39,10 +40,16 @@ class Corpus:
 
 
 def open_corpus(
-    dirs: Sequence[Path], tokenizer: Tokenizer, vocab_size: int, what: str = "data.paths"
+    dirs: Sequence[Path],
+    tokenizer: Tokenizer,
+    vocab_size: int,
+    what: str = "data.paths",
+    *,
+    verify: bool = True,
 ) -> Corpus:
-    """Open one or more `kiln prepare` outputs as one corpus; checks they match `tokenizer` and
-    that every token id is below `vocab_size` (model.vocab_size)."""
+    """Open one or more `kiln prepare` outputs as one corpus; checks they match `tokenizer`,
+    that every token id is below `vocab_size` (model.vocab_size) and, with `verify`, that each
+    shard's bytes have the CRC-32 its manifest records (manifests before checksums: sizes only)."""
     shards: list[np.ndarray] = []
     paths: list[Path] = []
     doc_shard, doc_start, doc_len = [], [], []
@@ -51,7 +58,7 @@ def open_corpus(
         _check_tokenizer(Path(d) / MANIFEST, manifest, tokenizer)
         dtype = np.dtype(manifest["dtype"])
         for entry in manifest["shards"]:
-            tokens, offsets = _open_shard(Path(d), entry, dtype)
+            tokens, offsets = _open_shard(Path(d), entry, dtype, verify)
             paths.append(Path(d) / f"{entry['name']}.bin")
             _check_ids(paths[-1], tokens, entry, vocab_size)
             n = len(offsets) - 1
@@ -99,7 +106,9 @@ def _check_tokenizer(path: Path, manifest: dict[str, Any], tokenizer: Tokenizer)
         )
 
 
-def _open_shard(d: Path, entry: dict[str, Any], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+def _open_shard(
+    d: Path, entry: dict[str, Any], dtype: np.dtype, verify: bool
+) -> tuple[np.ndarray, np.ndarray]:
     bin_path, idx_path = d / f"{entry['name']}.bin", d / f"{entry['name']}.idx"
     n_tok, n_doc = int(entry["num_tokens"]), int(entry["num_documents"])
     for path, expect in ((bin_path, n_tok * dtype.itemsize), (idx_path, (n_doc + 1) * 8)):
@@ -110,6 +119,12 @@ def _open_shard(d: Path, entry: dict[str, Any], dtype: np.dtype) -> tuple[np.nda
         if size != expect:
             raise KilnError(
                 f"{path}: {size} bytes, the manifest says {expect}; the shard is damaged, re-run kiln prepare"
+            )
+        want = entry.get(f"{path.suffix[1:]}_crc32")
+        if verify and want is not None and f"{crc32_of(path):08x}" != want:
+            raise KilnError(
+                f"{path}: its bytes do not match the CRC-32 in {d / MANIFEST}; the shard is "
+                "damaged, re-run kiln prepare"
             )
     offsets = np.fromfile(idx_path, np.int64)
     if offsets[0] != 0 or offsets[-1] != n_tok or np.any(np.diff(offsets) <= 0):

@@ -142,6 +142,7 @@ class Datasets:
         seed: int,
         prefetch_batches: int,
         entropy_rate: float | None = None,
+        inputs: dict[str, Any] | None = None,
     ):
         self.tokenizer, self.train, self.eval = tokenizer, train, eval_
         self.global_batch_size = global_batch_size
@@ -151,6 +152,8 @@ class Datasets:
         self.seq_len = train.seq_len
         # Nats per token a perfect model reaches on the synthetic source; None for real data.
         self.entropy_rate = entropy_rate
+        # What the stream depends on beyond the config (corpus, split), pinned by a run.
+        self.inputs = inputs or {}
 
     def train_iterator(self) -> Iterator[Batch]:
         """Endless batches of this process; the iterator has get_state() / set_state(state)."""

@@ -21,6 +21,7 @@ import shutil
 import socket
 import sys
 import time
+import zlib
 from collections.abc import Sequence
 from concurrent.futures import as_completed
 from pathlib import Path
@@ -225,6 +226,9 @@ def _tokenize_task(task: Task, field: str, spec: str, staging: str, name: str) -
     offsets.tofile(Path(staging) / f"{name}.idx")
     return {
         "name": name,
+        # Checked when the shard is opened: bytes damaged after prepare are refused.
+        "bin_crc32": f"{zlib.crc32(tokens):08x}",
+        "idx_crc32": f"{zlib.crc32(offsets):08x}",
         "max_token_id": int(tokens.max()) if len(tokens) else -1,
         "num_tokens": int(offsets[-1]),
         "num_documents": len(encoded),

@@ -41,6 +41,11 @@ class DataConfig(Section):
         allow_inf_nan=False,
         description="Fraction of documents held out for evaluation.",
     )
+    verify_shards: bool = Field(
+        True,
+        description="At start-up, check every token shard against the CRC-32 kiln prepare "
+        "recorded (reads the whole corpus once; false: sizes and recorded maximum id only).",
+    )
     cache_dir: str | None = Field(
         None, description="Where raw sources are tokenized to; null = {train.output_dir}/.cache."
     )

@@ -204,6 +204,11 @@ class CheckpointConfig(Section):
     async_save: bool = Field(
         True, description="Write checkpoints in the background while training goes on."
     )
+    verify: bool = Field(
+        True,
+        description="At restore, check every file of a checkpoint against the CRC-32 recorded "
+        "when it was saved (false: only that each file is there with its size).",
+    )
     load_params_from: str | None = Field(
         None,
         description="Initialise parameters (only) from this run directory or checkpoint; the optimizer starts fresh.",
