@@ -127,7 +127,7 @@ def trained_model(run_dir: Path, raw: dict):
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     abstract = abstract_state(config.model)
     target = abstract_like(abstract, jax.tree.map(lambda _: cpu, abstract))
-    params, _ = restore_params(run_dir / "checkpoints" / "2", target)
+    params, _, _ = restore_params(run_dir / "checkpoints" / "2", target)
     model = build_model(config.model, rngs=nnx.Rngs(0))
     nnx.update(model, params)
     return model
