@@ -152,6 +152,10 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, tied):
     text = "the kiln fires clay at high heat"
     hf_tok = AutoTokenizer.from_pretrained(out)
     assert hf_tok.encode(text, add_special_tokens=False) == kiln_tok.encode(text)
+    special = (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.pad_token_id)
+    assert special == (kiln_tok.bos_id, kiln_tok.eos_id, kiln_tok.pad_id)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+    assert len(set(modes.values())) == 1, modes  # safetensors alone would be 0600
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,105 @@
+"""Hugging Face config.json <-> kiln's `model` section (the architecture, not the weights)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import KilnError
+
+
+def hf_config(model_cfg, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
+    """config.json of a LlamaForCausalLM equal to kiln's model; KilnError if HF cannot hold it."""
+    m = model_cfg
+    if m.qk_norm:
+        raise KilnError(
+            "model.qk_norm: true, but Hugging Face Llama has no query/key normalisation; "
+            "only models trained with model.qk_norm=false can be exported"
+        )
+    if m.logit_softcap is not None:
+        raise KilnError(
+            f"model.logit_softcap: {m.logit_softcap}, but Hugging Face Llama has no logit "
+            "soft-capping; only models trained with model.logit_softcap=null can be exported"
+        )
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": m.d_model,
+        "intermediate_size": m.d_ff,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.kv_heads,
+        "head_dim": m.resolved_head_dim,
+        "vocab_size": m.vocab_size,
+        "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        "rope_scaling": None,
+        # transformers >= 5 reads the rotary settings from here.
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "tie_word_embeddings": m.tie_embeddings,
+        "max_position_embeddings": m.max_seq_len,
+        "torch_dtype": m.param_dtype,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": m.init_std,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "use_cache": True,
+    }
+
+
+def _require(hf: Mapping[str, Any], key: str, path: Path):
+    if key not in hf:
+        raise KilnError(f"{path}: field {key!r} is missing; a Llama config.json must set it")
+    return hf[key]
+
+
+def _unsupported(path: Path, field: str, value, allowed: str) -> KilnError:
+    return KilnError(f"{path}: {field} is {value!r}; kiln imports only {allowed}")
+
+
+def model_section(hf: Mapping[str, Any], path: Path, param_dtype: str) -> dict[str, Any]:
+    """kiln's `model` section from a Llama config.json; KilnError naming what kiln cannot hold."""
+    model_type = hf.get("model_type")
+    if model_type != "llama":
+        raise _unsupported(path, "model_type", model_type, "'llama'")
+    arch = hf.get("architectures") or ["LlamaForCausalLM"]
+    if arch != ["LlamaForCausalLM"]:
+        raise _unsupported(path, "architectures", arch, "['LlamaForCausalLM']")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise _unsupported(path, "hidden_act", hf["hidden_act"], "'silu' (SwiGLU)")
+    for field in ("attention_bias", "mlp_bias"):
+        if hf.get(field, False):
+            raise _unsupported(path, field, hf[field], "false (kiln has no biases)")
+    if hf.get("rope_scaling") is not None:
+        raise _unsupported(path, "rope_scaling", hf["rope_scaling"], "null (plain rotary)")
+    theta = hf.get("rope_theta", 10000.0)
+    rope = hf.get("rope_parameters")
+    if rope is not None:
+        extra = sorted(set(rope) - {"rope_type", "rope_theta"})
+        if rope.get("rope_type", "default") != "default" or extra:
+            raise _unsupported(
+                path, "rope_parameters", rope, "rope_type 'default' with rope_theta only"
+            )
+        theta = rope.get("rope_theta", theta)
+    heads = _require(hf, "num_attention_heads", path)
+    d_model = _require(hf, "hidden_size", path)
+    return {
+        "vocab_size": _require(hf, "vocab_size", path),
+        "d_model": d_model,
+        "num_layers": _require(hf, "num_hidden_layers", path),
+        "num_heads": heads,
+        "num_kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim") or d_model // heads,
+        "d_ff": _require(hf, "intermediate_size", path),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "dtype": param_dtype,
+        "param_dtype": param_dtype,
+        "max_seq_len": hf.get("max_position_embeddings", 2048),
+        "rope_theta": float(theta),
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "init_std": float(hf.get("initializer_range", 0.02)),
+    }
