@@ -163,10 +163,18 @@ def hf_model(tmp_path_factory):
     return random_hf_model(tmp_path_factory.mktemp("hf") / "llama")
 
 
-def test_import_matches_transformers_and_round_trips_bitwise(tmp_path, hf_model):
+def test_import_matches_transformers_and_round_trips_bitwise(tmp_path, hf_model, capsys):
     assert (hf_model / "model.safetensors.index.json").is_file()
     run_dir = tmp_path / "runs" / "imported"
     assert main(["import-hf", str(hf_model), "--out", str(run_dir)]) == 0
+
+    # No training data yet: kiln train refuses in one line and leaves the run untouched.
+    files = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    capsys.readouterr()
+    assert main(["train", str(run_dir / "config.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "data.source: 'none'" in err and len(err.strip().splitlines()) == 1, err
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == files
 
     # As checkpoint.load_params_from restores it.
     config = load_config(run_dir / "config.yaml")

@@ -322,6 +322,7 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> str:
     raw = {
         "model": model,
         "data": {
+            "source": "none",  # kiln train refuses it: no silent training on synthetic tokens
             "seq_len": min(256, model["max_seq_len"]),
             "tokenizer": str(out / tokenizer.name) if tokenizer else "byte",
         },
