@@ -24,6 +24,7 @@ from kiln.config import config_from_dict, load_config
 from kiln.data.tokenizers import load_tokenizer
 from kiln.distill import load_teacher
 from kiln.mesh import make_mesh
+from kiln.model.llama import rope_frequencies
 from kiln.runner import checkpoint_tree
 from kiln.train import init_state
 
@@ -213,6 +214,44 @@ def test_import_matches_transformers_and_round_trips_bitwise(tmp_path, hf_model,
     # No tokenizer in the source: the run falls back to kiln's byte tokenizer, not exported.
     assert hf_out["eos_token_id"] == 257
     assert not (out / "tokenizer.json").exists() and not (out / "tokenizer.model").exists()
+
+
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # head_dim 8, theta 500: wavelengths 6.3, 30, 140, 665 -> one kept (< 32/4), one
+    # interpolated, two stretched (> 32/1): every branch of the rescaling is used.
+    "original_max_position_embeddings": 32,
+}
+
+
+def test_llama3_rope_scaling_matches_transformers_and_exports(tmp_path):
+    src = random_hf_model(tmp_path / "llama3", rope_parameters={**LLAMA3, "rope_theta": 500.0})
+    # As Llama 3.1's config.json on the Hub: the legacy rope_scaling key, rope_theta beside it.
+    legacy = edited_copy(src, tmp_path / "legacy", config={"rope_scaling": LLAMA3})
+    raw = json.loads((legacy / "config.json").read_text())
+    raw["rope_theta"] = raw.pop("rope_parameters")["rope_theta"]
+    (legacy / "config.json").write_text(json.dumps(raw))
+    run_dir = tmp_path / "runs" / "llama3"
+    assert main(["import-hf", str(legacy), "--out", str(run_dir)]) == 0
+    config = load_config(run_dir / "config.yaml")
+    assert config.model.rope_scaling.model_dump() == LLAMA3
+    state = init_state(config)
+    params, _ = restore_params(run_dir, state.params)
+    inputs = tokens(2)
+    ours = kiln_logits(state.replace(params=params).model(), inputs)
+    np.testing.assert_allclose(ours, hf_logits(src, inputs), atol=TOL, rtol=0)
+    # The rescaling changes every frequency but the first (kept) one: the test sees it.
+    scaled = rope_frequencies(4, 500.0, tuple(LLAMA3.values())[1:])
+    assert (np.abs(scaled / rope_frequencies(4, 500.0, None) - 1) > 0.4).sum() == 3
+
+    out = tmp_path / "exported"
+    assert main(["export-hf", str(run_dir), "--out", str(out)]) == 0
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["rope_parameters"] == {**LLAMA3, "rope_theta": 500.0}
+    np.testing.assert_allclose(hf_logits(out, inputs), ours, atol=TOL, rtol=0)
 
 
 def test_bfloat16_round_trips_bitwise(tmp_path):

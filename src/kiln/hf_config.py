@@ -22,6 +22,7 @@ def hf_config(model_cfg, bos_id: int | None, eos_id: int | None) -> dict[str, An
             f"model.logit_softcap: {m.logit_softcap}, but Hugging Face Llama has no logit "
             "soft-capping; only models trained with model.logit_softcap=null can be exported"
         )
+    scaling = None if m.rope_scaling is None else m.rope_scaling.model_dump()
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -34,9 +35,9 @@ def hf_config(model_cfg, bos_id: int | None, eos_id: int | None) -> dict[str, An
         "vocab_size": m.vocab_size,
         "rms_norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta,
-        "rope_scaling": None,
-        # transformers >= 5 reads the rotary settings from here.
-        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        # transformers < 5 reads rope_scaling, transformers >= 5 rope_parameters.
+        "rope_scaling": scaling,
+        "rope_parameters": {"rope_type": "default", **(scaling or {}), "rope_theta": m.rope_theta},
         "tie_word_embeddings": m.tie_embeddings,
         "max_position_embeddings": m.max_seq_len,
         "torch_dtype": m.param_dtype,
@@ -74,17 +75,7 @@ def model_section(hf: Mapping[str, Any], path: Path, param_dtype: str) -> dict[s
     for field in ("attention_bias", "mlp_bias"):
         if hf.get(field, False):
             raise _unsupported(path, field, hf[field], "false (kiln has no biases)")
-    if hf.get("rope_scaling") is not None:
-        raise _unsupported(path, "rope_scaling", hf["rope_scaling"], "null (plain rotary)")
-    theta = hf.get("rope_theta", 10000.0)
-    rope = hf.get("rope_parameters")
-    if rope is not None:
-        extra = sorted(set(rope) - {"rope_type", "rope_theta"})
-        if rope.get("rope_type", "default") != "default" or extra:
-            raise _unsupported(
-                path, "rope_parameters", rope, "rope_type 'default' with rope_theta only"
-            )
-        theta = rope.get("rope_theta", theta)
+    theta, scaling = _rope(hf, path)
     heads = _require(hf, "num_attention_heads", path)
     d_model = _require(hf, "hidden_size", path)
     return {
@@ -100,6 +91,31 @@ def model_section(hf: Mapping[str, Any], path: Path, param_dtype: str) -> dict[s
         "param_dtype": param_dtype,
         "max_seq_len": hf.get("max_position_embeddings", 2048),
         "rope_theta": float(theta),
+        "rope_scaling": scaling,
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "init_std": float(hf.get("initializer_range", 0.02)),
     }
+
+
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+ROPE_ALLOWED = (
+    "rope_type 'default' (rope_theta only) or 'llama3' (rope_theta, " + ", ".join(LLAMA3_KEYS) + ")"
+)
+
+
+def _rope(hf: Mapping[str, Any], path: Path) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, kiln's model.rope_scaling) as transformers reads them: the legacy rope_scaling
+    takes precedence over rope_parameters, and rope_theta outside them is the fallback."""
+    field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    rope = dict(hf.get(field) or {})
+    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    if kind == "default" and not rope:
+        return theta, None
+    if kind != "llama3":
+        raise _unsupported(path, field, hf[field], ROPE_ALLOWED)
+    # As transformers: without original_max_position_embeddings, max_position_embeddings.
+    rope.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    if set(rope) != set(LLAMA3_KEYS) or None in rope.values():
+        raise _unsupported(path, field, hf[field], ROPE_ALLOWED)
+    return theta, {"rope_type": "llama3", **rope}
