@@ -1,4 +1,5 @@
-"""Hugging Face Llama checkpoints <-> kiln run directories, from and to local files only.
+"""Hugging Face Llama (and, with qk_norm, Qwen3) checkpoints <-> kiln run directories, from and
+to local files only.
 
 kiln's `llama` family is the Llama architecture: pre-norm RMSNorm blocks, grouped-query
 attention, SwiGLU, rotary embeddings. Both use the rotate-half rotary layout (HF's
@@ -53,6 +54,11 @@ LAYER_TENSORS = (
     ("input_layernorm.weight", ("attn_norm", "scale"), None),
     ("post_attention_layernorm.weight", ("mlp_norm", "scale"), None),
 )
+# Qwen3's per-head query/key RMSNorm weights [H], for models with model.qk_norm.
+QK_NORM_TENSORS = (
+    ("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), None),
+    ("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), None),
+)
 TOP_TENSORS = (
     ("model.embed_tokens.weight", ("embedding",), None),
     ("model.norm.weight", ("final_norm", "scale"), None),
@@ -103,7 +109,7 @@ def _tensor_specs(model_cfg, kiln_shapes: Mapping[str, Any]):
             continue
         specs.append((name, path, None, n_in, tuple(_get(kiln_shapes, path))))
     for i in range(model_cfg.num_layers):
-        for name, path, n_in in LAYER_TENSORS:
+        for name, path, n_in in LAYER_TENSORS + (QK_NORM_TENSORS if model_cfg.qk_norm else ()):
             shape = tuple(_get(kiln_shapes["blocks"], path))[1:]
             specs.append((f"model.layers.{i}.{name}", ("blocks", *path), i, n_in, shape))
     return specs
@@ -131,7 +137,7 @@ def hf_to_kiln(model_cfg, tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
         raise KilnError(
             f"unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all); a Llama model "
             "without biases has only embed_tokens, q/k/v/o_proj, gate/up/down_proj, the norms "
-            "and lm_head"
+            "(q_norm/k_norm for Qwen3) and lm_head"
         )
     layers: dict[tuple[str, ...], list[np.ndarray]] = {}
     out: dict[str, Any] = {}

@@ -1,4 +1,9 @@
-"""Hugging Face config.json <-> kiln's `model` section (the architecture, not the weights)."""
+"""Hugging Face config.json <-> kiln's `model` section (the architecture, not the weights).
+
+kiln's llama family is Hugging Face's Llama; with `model.qk_norm` it is Qwen3 (Llama's
+attention plus an RMSNorm of each query and key head over head_dim, weighted per channel,
+before the rotary embedding), with every layer on full attention (no sliding window).
+"""
 
 from __future__ import annotations
 
@@ -8,24 +13,30 @@ from typing import Any
 
 from kiln.errors import KilnError
 
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
 
 def hf_config(model_cfg, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
-    """config.json of a LlamaForCausalLM equal to kiln's model; KilnError if HF cannot hold it."""
+    """config.json of a LlamaForCausalLM (Qwen3ForCausalLM with qk_norm) equal to kiln's model;
+    KilnError if HF cannot hold it."""
     m = model_cfg
-    if m.qk_norm:
-        raise KilnError(
-            "model.qk_norm: true, but Hugging Face Llama has no query/key normalisation; "
-            "only models trained with model.qk_norm=false can be exported"
-        )
     if m.logit_softcap is not None:
         raise KilnError(
-            f"model.logit_softcap: {m.logit_softcap}, but Hugging Face Llama has no logit "
-            "soft-capping; only models trained with model.logit_softcap=null can be exported"
+            f"model.logit_softcap: {m.logit_softcap}, but Hugging Face Llama and Qwen3 have no "
+            "logit soft-capping; only models trained with model.logit_softcap=null can be exported"
         )
     scaling = None if m.rope_scaling is None else m.rope_scaling.model_dump()
+    model_type = "qwen3" if m.qk_norm else "llama"
+    qwen3 = {
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": m.num_layers,
+        "layer_types": ["full_attention"] * m.num_layers,
+    }
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        **(qwen3 if m.qk_norm else {}),
         "hidden_size": m.d_model,
         "intermediate_size": m.d_ff,
         "num_hidden_layers": m.num_layers,
@@ -54,7 +65,9 @@ def hf_config(model_cfg, bos_id: int | None, eos_id: int | None) -> dict[str, An
 
 def _require(hf: Mapping[str, Any], key: str, path: Path):
     if key not in hf:
-        raise KilnError(f"{path}: field {key!r} is missing; a Llama config.json must set it")
+        raise KilnError(
+            f"{path}: field {key!r} is missing; a Llama or Qwen3 config.json must set it"
+        )
     return hf[key]
 
 
@@ -63,13 +76,22 @@ def _unsupported(path: Path, field: str, value, allowed: str) -> KilnError:
 
 
 def model_section(hf: Mapping[str, Any], path: Path, param_dtype: str) -> dict[str, Any]:
-    """kiln's `model` section from a Llama config.json; KilnError naming what kiln cannot hold."""
+    """kiln's `model` section from a Llama or Qwen3 config.json; KilnError naming what kiln
+    cannot hold."""
     model_type = hf.get("model_type")
-    if model_type != "llama":
-        raise _unsupported(path, "model_type", model_type, "'llama'")
-    arch = hf.get("architectures") or ["LlamaForCausalLM"]
-    if arch != ["LlamaForCausalLM"]:
-        raise _unsupported(path, "architectures", arch, "['LlamaForCausalLM']")
+    if model_type not in ARCHITECTURES:
+        raise _unsupported(path, "model_type", model_type, "'llama' or 'qwen3'")
+    arch = hf.get("architectures") or [ARCHITECTURES[model_type]]
+    if arch != [ARCHITECTURES[model_type]]:
+        raise _unsupported(path, "architectures", arch, f"[{ARCHITECTURES[model_type]!r}]")
+    if model_type == "qwen3":
+        sliding = hf.get("use_sliding_window", False)
+        layer_types = set(hf.get("layer_types") or ["full_attention"])
+        if sliding or layer_types != {"full_attention"}:
+            field, value = (
+                ("use_sliding_window", sliding) if sliding else ("layer_types", layer_types)
+            )
+            raise _unsupported(path, field, value, "full attention in every layer")
     if hf.get("hidden_act", "silu") != "silu":
         raise _unsupported(path, "hidden_act", hf["hidden_act"], "'silu' (SwiGLU)")
     for field in ("attention_bias", "mlp_bias"):
@@ -87,6 +109,7 @@ def model_section(hf: Mapping[str, Any], path: Path, param_dtype: str) -> dict[s
         "head_dim": hf.get("head_dim") or d_model // heads,
         "d_ff": _require(hf, "intermediate_size", path),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "qk_norm": model_type == "qwen3",
         "dtype": param_dtype,
         "param_dtype": param_dtype,
         "max_seq_len": hf.get("max_position_embeddings", 2048),
