@@ -1,4 +1,5 @@
-"""Where metrics go: TensorBoard (tensorboardX), metrics.jsonl, the console; and MFU."""
+"""Where metrics go: TensorBoard (tensorboardX), metrics.jsonl, the console, optionally W&B;
+and MFU."""
 
 from __future__ import annotations
 
@@ -81,6 +82,11 @@ class MetricsLogger:
         dropped = drop_rows_after(run_dir / "metrics.jsonl", start_step)
         self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
         self.jsonl = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        self.wandb = None
+        if config.logging.wandb is not None:
+            from kiln.tracking import WandbMirror
+
+            self.wandb = WandbMirror(run_dir, config)
         peak, source = peak_tflops(config)
         self.console.print(
             f"kiln: run directory {run_dir}; {self.total} steps; "
@@ -123,6 +129,8 @@ class MetricsLogger:
         self.tb.flush()
         self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
         self.jsonl.flush()
+        if self.wandb is not None:
+            self.wandb.log(step, values)
         if not self.interactive:
             shown = [f"{_short_tag(k)} {_number(values[k])}" for k in _CONSOLE if k in values]
             self.console.print(f"step {step}/{self.total}  " + "  ".join(shown), highlight=False)
@@ -147,6 +155,8 @@ class MetricsLogger:
             self.bar.stop()
         self.tb.close()
         self.jsonl.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def drop_rows_after(path: Path, step: int) -> int:

@@ -31,6 +31,7 @@ from kiln.config import Config, read_run_config
 from kiln.errors import KilnError, RunStopped
 from kiln.metrics import MetricsLogger, perf_metrics
 from kiln.profiling import ProfileWindow, cache_events, compilation_cache_for
+from kiln.tracking import check_wandb
 
 # Sections and fields a resumed run may not change: they define the model and the token stream.
 FROZEN_ON_RESUME = (
@@ -164,6 +165,7 @@ def prepare_run(
     initialize(config)  # before any device is touched
     mesh = make_mesh(config)
     check_attention(config.model.attention, mesh.devices.flat[0].platform, config.model.dtype)
+    check_wandb(config)
     if check is not None:
         check(config)
     datasets = make_datasets(config)
