@@ -315,12 +315,17 @@ def test_import_refusals_exit_2_with_one_line(tmp_path, hf_model, edit, message)
     ("config", "drop", "message"),
     [
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, None, "rope_scaling is"),
+        (
+            {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": 1},
+            None,
+            "use_sliding_window is 1; kiln imports only full attention",
+        ),
         ({"attention_bias": True}, None, "attention_bias is True"),
         ({"mlp_bias": True}, None, "mlp_bias is True"),
         ({"num_key_value_heads": 3}, None, "model.num_kv_heads"),
         (None, "model.norm.weight", "missing tensor 'model.norm.weight'"),
     ],
-    ids=["rope_scaling", "attention_bias", "mlp_bias", "kv_heads", "missing"],
+    ids=["rope_scaling", "sliding_window", "attention_bias", "mlp_bias", "kv_heads", "missing"],
 )
 def test_import_refusals_name_the_field(tmp_path, hf_model, capsys, config, drop, message):
     src = edited_copy(hf_model, tmp_path / "edited", config=config, drop=drop)
