@@ -16,7 +16,7 @@ import sentencepiece as spm
 import torch
 from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from kiln.checkpoint import Checkpointer, restore_params
 from kiln.cli import main
@@ -24,6 +24,7 @@ from kiln.config import config_from_dict, load_config
 from kiln.data.tokenizers import load_tokenizer
 from kiln.distill import load_teacher
 from kiln.mesh import make_mesh
+from kiln.model.llama import rope_frequencies
 from kiln.runner import checkpoint_tree
 from kiln.train import init_state
 
@@ -43,8 +44,9 @@ def kiln_logits(model, inputs):
     return np.asarray(model.logits(hidden))
 
 
-def hf_logits(hf_dir, inputs):
-    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+def hf_logits(hf_dir, inputs, architecture="LlamaForCausalLM"):
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    assert type(model).__name__ == architecture
     model.eval()
     with torch.no_grad():
         return model(torch.tensor(inputs)).logits.numpy()
@@ -86,8 +88,8 @@ def kiln_run(tmp_path: Path, *, data=None, **model) -> tuple[Path, object]:
     run_dir = config.run_dir
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(config.to_yaml())
-    if config.model.qk_norm or config.model.logit_softcap:
-        return run_dir, None  # export refuses these before reading any checkpoint
+    if config.model.logit_softcap:
+        return run_dir, None  # export refuses it before reading any checkpoint
     state = init_state(config)
     leaves, treedef = jax.tree.flatten(state.params)
     keys = jax.random.split(jax.random.key(1), len(leaves))
@@ -152,6 +154,10 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, tied):
     text = "the kiln fires clay at high heat"
     hf_tok = AutoTokenizer.from_pretrained(out)
     assert hf_tok.encode(text, add_special_tokens=False) == kiln_tok.encode(text)
+    special = (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.pad_token_id)
+    assert special == (kiln_tok.bos_id, kiln_tok.eos_id, kiln_tok.pad_id)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+    assert len(set(modes.values())) == 1, modes  # safetensors alone would be 0600
 
 
 @pytest.fixture(scope="module")
@@ -159,10 +165,18 @@ def hf_model(tmp_path_factory):
     return random_hf_model(tmp_path_factory.mktemp("hf") / "llama")
 
 
-def test_import_matches_transformers_and_round_trips_bitwise(tmp_path, hf_model):
+def test_import_matches_transformers_and_round_trips_bitwise(tmp_path, hf_model, capsys):
     assert (hf_model / "model.safetensors.index.json").is_file()
     run_dir = tmp_path / "runs" / "imported"
     assert main(["import-hf", str(hf_model), "--out", str(run_dir)]) == 0
+
+    # No training data yet: kiln train refuses in one line and leaves the run untouched.
+    files = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    capsys.readouterr()
+    assert main(["train", str(run_dir / "config.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "data.source: 'none'" in err and len(err.strip().splitlines()) == 1, err
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == files
 
     # As checkpoint.load_params_from restores it.
     config = load_config(run_dir / "config.yaml")
@@ -201,6 +215,44 @@ def test_import_matches_transformers_and_round_trips_bitwise(tmp_path, hf_model)
     # No tokenizer in the source: the run falls back to kiln's byte tokenizer, not exported.
     assert hf_out["eos_token_id"] == 257
     assert not (out / "tokenizer.json").exists() and not (out / "tokenizer.model").exists()
+
+
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # head_dim 8, theta 500: wavelengths 6.3, 30, 140, 665 -> one kept (< 32/4), one
+    # interpolated, two stretched (> 32/1): every branch of the rescaling is used.
+    "original_max_position_embeddings": 32,
+}
+
+
+def test_llama3_rope_scaling_matches_transformers_and_exports(tmp_path):
+    src = random_hf_model(tmp_path / "llama3", rope_parameters={**LLAMA3, "rope_theta": 500.0})
+    # As Llama 3.1's config.json on the Hub: the legacy rope_scaling key, rope_theta beside it.
+    legacy = edited_copy(src, tmp_path / "legacy", config={"rope_scaling": LLAMA3})
+    raw = json.loads((legacy / "config.json").read_text())
+    raw["rope_theta"] = raw.pop("rope_parameters")["rope_theta"]
+    (legacy / "config.json").write_text(json.dumps(raw))
+    run_dir = tmp_path / "runs" / "llama3"
+    assert main(["import-hf", str(legacy), "--out", str(run_dir)]) == 0
+    config = load_config(run_dir / "config.yaml")
+    assert config.model.rope_scaling.model_dump() == LLAMA3
+    state = init_state(config)
+    params, _ = restore_params(run_dir, state.params)
+    inputs = tokens(2)
+    ours = kiln_logits(state.replace(params=params).model(), inputs)
+    np.testing.assert_allclose(ours, hf_logits(src, inputs), atol=TOL, rtol=0)
+    # The rescaling changes every frequency but the first (kept) one: the test sees it.
+    scaled = rope_frequencies(4, 500.0, tuple(LLAMA3.values())[1:])
+    assert (np.abs(scaled / rope_frequencies(4, 500.0, None) - 1) > 0.4).sum() == 3
+
+    out = tmp_path / "exported"
+    assert main(["export-hf", str(run_dir), "--out", str(out)]) == 0
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["rope_parameters"] == {**LLAMA3, "rope_theta": 500.0}
+    np.testing.assert_allclose(hf_logits(out, inputs), ours, atol=TOL, rtol=0)
 
 
 def test_bfloat16_round_trips_bitwise(tmp_path):
@@ -263,12 +315,17 @@ def test_import_refusals_exit_2_with_one_line(tmp_path, hf_model, edit, message)
     ("config", "drop", "message"),
     [
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, None, "rope_scaling is"),
+        (
+            {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": 1},
+            None,
+            "use_sliding_window is 1; kiln imports only full attention",
+        ),
         ({"attention_bias": True}, None, "attention_bias is True"),
         ({"mlp_bias": True}, None, "mlp_bias is True"),
         ({"num_key_value_heads": 3}, None, "model.num_kv_heads"),
         (None, "model.norm.weight", "missing tensor 'model.norm.weight'"),
     ],
-    ids=["rope_scaling", "attention_bias", "mlp_bias", "kv_heads", "missing"],
+    ids=["rope_scaling", "sliding_window", "attention_bias", "mlp_bias", "kv_heads", "missing"],
 )
 def test_import_refusals_name_the_field(tmp_path, hf_model, capsys, config, drop, message):
     src = edited_copy(hf_model, tmp_path / "edited", config=config, drop=drop)
@@ -278,14 +335,29 @@ def test_import_refusals_name_the_field(tmp_path, hf_model, capsys, config, drop
     assert not out.exists()
 
 
-@pytest.mark.parametrize(
-    ("model", "message"),
-    [({"qk_norm": True}, "model.qk_norm"), ({"logit_softcap": 30.0}, "model.logit_softcap")],
-    ids=["qk_norm", "logit_softcap"],
-)
-def test_export_refuses_what_llama_cannot_hold(tmp_path, capsys, model, message):
-    run_dir, _ = kiln_run(tmp_path, **model)
+def test_export_refuses_what_llama_cannot_hold(tmp_path, capsys):
+    run_dir, _ = kiln_run(tmp_path, logit_softcap=30.0)
     out = tmp_path / "hf"
     assert main(["export-hf", str(run_dir), "--out", str(out)]) == 2
-    assert message in capsys.readouterr().err
+    assert "model.logit_softcap" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_qk_norm_exports_as_qwen3_with_equal_logits_and_round_trips(tmp_path):
+    run_dir, state = kiln_run(tmp_path, qk_norm=True)
+    out = tmp_path / "qwen3"
+    assert main(["export-hf", str(run_dir), "--out", str(out)]) == 0
+    assert "model.layers.1.self_attn.k_norm.weight" in load_file(out / "model.safetensors")
+    inputs = tokens(3)
+    ours = kiln_logits(state.model(), inputs)
+    np.testing.assert_allclose(hf_logits(out, inputs, "Qwen3ForCausalLM"), ours, atol=TOL, rtol=0)
+
+    back = tmp_path / "runs" / "back"
+    assert main(["import-hf", str(out), "--out", str(back)]) == 0
+    assert load_config(back / "config.yaml").model.qk_norm
+    again = tmp_path / "again"
+    assert main(["export-hf", str(back), "--out", str(again)]) == 0
+    first, second = load_file(out / "model.safetensors"), load_file(again / "model.safetensors")
+    assert sorted(first) == sorted(second)
+    for name, x in first.items():
+        assert second[name].tobytes() == x.tobytes(), name

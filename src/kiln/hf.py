@@ -1,4 +1,5 @@
-"""Hugging Face Llama checkpoints <-> kiln run directories, from and to local files only.
+"""Hugging Face Llama (and, with qk_norm, Qwen3) checkpoints <-> kiln run directories, from and
+to local files only.
 
 kiln's `llama` family is the Llama architecture: pre-norm RMSNorm blocks, grouped-query
 attention, SwiGLU, rotary embeddings. Both use the rotate-half rotary layout (HF's
@@ -14,6 +15,7 @@ Conversion is a reshape and a transpose, so values are copied bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
@@ -31,6 +33,7 @@ from kiln.checkpoint import Checkpointer, abstract_like, restore_params
 from kiln.config import config_from_dict, read_run_config
 from kiln.data.tokenizers import load_tokenizer
 from kiln.errors import KilnError
+from kiln.hf_config import hf_config, model_section
 from kiln.mesh import make_mesh, sharded_abstract
 from kiln.model import DTYPES, abstract_state, build_model
 from kiln.runner import checkpoint_tree
@@ -50,6 +53,11 @@ LAYER_TENSORS = (
     ("mlp.down_proj.weight", ("mlp", "w_down"), 1),
     ("input_layernorm.weight", ("attn_norm", "scale"), None),
     ("post_attention_layernorm.weight", ("mlp_norm", "scale"), None),
+)
+# Qwen3's per-head query/key RMSNorm weights [H], for models with model.qk_norm.
+QK_NORM_TENSORS = (
+    ("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), None),
+    ("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), None),
 )
 TOP_TENSORS = (
     ("model.embed_tokens.weight", ("embedding",), None),
@@ -101,7 +109,7 @@ def _tensor_specs(model_cfg, kiln_shapes: Mapping[str, Any]):
             continue
         specs.append((name, path, None, n_in, tuple(_get(kiln_shapes, path))))
     for i in range(model_cfg.num_layers):
-        for name, path, n_in in LAYER_TENSORS:
+        for name, path, n_in in LAYER_TENSORS + (QK_NORM_TENSORS if model_cfg.qk_norm else ()):
             shape = tuple(_get(kiln_shapes["blocks"], path))[1:]
             specs.append((f"model.layers.{i}.{name}", ("blocks", *path), i, n_in, shape))
     return specs
@@ -129,7 +137,7 @@ def hf_to_kiln(model_cfg, tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
         raise KilnError(
             f"unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all); a Llama model "
             "without biases has only embed_tokens, q/k/v/o_proj, gate/up/down_proj, the norms "
-            "and lm_head"
+            "(q_norm/k_norm for Qwen3) and lm_head"
         )
     layers: dict[tuple[str, ...], list[np.ndarray]] = {}
     out: dict[str, Any] = {}
@@ -157,106 +165,6 @@ def _shapes(tree):
     if isinstance(tree, Mapping):
         return {k: _shapes(v) for k, v in tree.items()}
     return tuple(tree.shape)
-
-
-# ---------------------------------------------------------------------------------------------
-# Configs
-
-
-def hf_config(model_cfg, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
-    """config.json of a LlamaForCausalLM equal to kiln's model; KilnError if HF cannot hold it."""
-    m = model_cfg
-    if m.qk_norm:
-        raise KilnError(
-            "model.qk_norm: true, but Hugging Face Llama has no query/key normalisation; "
-            "only models trained with model.qk_norm=false can be exported"
-        )
-    if m.logit_softcap is not None:
-        raise KilnError(
-            f"model.logit_softcap: {m.logit_softcap}, but Hugging Face Llama has no logit "
-            "soft-capping; only models trained with model.logit_softcap=null can be exported"
-        )
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": m.d_model,
-        "intermediate_size": m.d_ff,
-        "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_heads,
-        "num_key_value_heads": m.kv_heads,
-        "head_dim": m.resolved_head_dim,
-        "vocab_size": m.vocab_size,
-        "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta,
-        "rope_scaling": None,
-        # transformers >= 5 reads the rotary settings from here.
-        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
-        "tie_word_embeddings": m.tie_embeddings,
-        "max_position_embeddings": m.max_seq_len,
-        "torch_dtype": m.param_dtype,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "initializer_range": m.init_std,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "use_cache": True,
-    }
-
-
-def _require(hf: Mapping[str, Any], key: str, path: Path):
-    if key not in hf:
-        raise KilnError(f"{path}: field {key!r} is missing; a Llama config.json must set it")
-    return hf[key]
-
-
-def _unsupported(path: Path, field: str, value, allowed: str) -> KilnError:
-    return KilnError(f"{path}: {field} is {value!r}; kiln imports only {allowed}")
-
-
-def model_section(hf: Mapping[str, Any], path: Path, param_dtype: str) -> dict[str, Any]:
-    """kiln's `model` section from a Llama config.json; KilnError naming what kiln cannot hold."""
-    model_type = hf.get("model_type")
-    if model_type != "llama":
-        raise _unsupported(path, "model_type", model_type, "'llama'")
-    arch = hf.get("architectures") or ["LlamaForCausalLM"]
-    if arch != ["LlamaForCausalLM"]:
-        raise _unsupported(path, "architectures", arch, "['LlamaForCausalLM']")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise _unsupported(path, "hidden_act", hf["hidden_act"], "'silu' (SwiGLU)")
-    for field in ("attention_bias", "mlp_bias"):
-        if hf.get(field, False):
-            raise _unsupported(path, field, hf[field], "false (kiln has no biases)")
-    if hf.get("rope_scaling") is not None:
-        raise _unsupported(path, "rope_scaling", hf["rope_scaling"], "null (plain rotary)")
-    theta = hf.get("rope_theta", 10000.0)
-    rope = hf.get("rope_parameters")
-    if rope is not None:
-        extra = sorted(set(rope) - {"rope_type", "rope_theta"})
-        if rope.get("rope_type", "default") != "default" or extra:
-            raise _unsupported(
-                path, "rope_parameters", rope, "rope_type 'default' with rope_theta only"
-            )
-        theta = rope.get("rope_theta", theta)
-    heads = _require(hf, "num_attention_heads", path)
-    d_model = _require(hf, "hidden_size", path)
-    return {
-        "vocab_size": _require(hf, "vocab_size", path),
-        "d_model": d_model,
-        "num_layers": _require(hf, "num_hidden_layers", path),
-        "num_heads": heads,
-        "num_kv_heads": hf.get("num_key_value_heads") or heads,
-        "head_dim": hf.get("head_dim") or d_model // heads,
-        "d_ff": _require(hf, "intermediate_size", path),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "dtype": param_dtype,
-        "param_dtype": param_dtype,
-        "max_seq_len": hf.get("max_position_embeddings", 2048),
-        "rope_theta": float(theta),
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "init_std": float(hf.get("initializer_range", 0.02)),
-    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,36 +216,54 @@ def _steps(checkpoints: Path) -> list[int]:
     return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit() and p.is_dir())
 
 
-def _tokenizer_ids(spec: str) -> tuple[int | None, int | None, str | None]:
-    """(bos, eos, note) of the run's tokenizer; a missing file is a note, not an error."""
+def _load_run_tokenizer(spec: str):
+    """(tokenizer, note) of the run; a missing file is a note, not an error."""
     try:
-        tok = load_tokenizer(spec)
+        return load_tokenizer(spec), None
     except KilnError as e:
-        return None, None, f"tokenizer not exported: {e}"
-    return tok.bos_id, tok.eos_id, None
+        return None, f"tokenizer not exported: {e}"
 
 
-def _copy_tokenizer(spec: str, out: Path) -> list[str]:
-    """Copy a local tokenizer file (and its tokenizer_config.json) in the names HF expects."""
-    if spec == "byte":
+def _special_tokens(tok, path: Path) -> dict[str, str]:
+    """bos/eos/pad_token strings of kiln's ids, as transformers reads them from tokenizer_config."""
+    if path.suffix == ".model":
+        import sentencepiece
+
+        sp = sentencepiece.SentencePieceProcessor()
+        sp.Load(str(path))
+        piece = sp.IdToPiece
+    else:
+        import tokenizers
+
+        piece = tokenizers.Tokenizer.from_file(str(path)).id_to_token
+    ids = {"bos_token": tok.bos_id, "eos_token": tok.eos_id, "pad_token": tok.pad_id}
+    return {key: piece(i) for key, i in ids.items()}
+
+
+def _copy_tokenizer(tok, out: Path) -> list[str]:
+    """Copy a local tokenizer file in the names HF expects; tokenizer_config.json names kiln's
+    BOS/EOS/PAD so AutoTokenizer agrees with the ids in config.json."""
+    if tok.kind == "byte":
         return []
-    src = Path(spec).expanduser()
+    src = Path(tok.spec).expanduser()
     if src.suffix == ".model":
         shutil.copyfile(src, out / "tokenizer.model")
-        config = {"tokenizer_class": "LlamaTokenizer"}
-        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        return ["tokenizer.model", "tokenizer_config.json"]
-    shutil.copyfile(src, out / "tokenizer.json")
-    written = ["tokenizer.json"]
-    for name in TOKENIZER_FILES[1:]:
-        if (src.parent / name).is_file():
-            shutil.copyfile(src.parent / name, out / name)
-            written.append(name)
-    if "tokenizer_config.json" not in written:
-        config = {"tokenizer_class": "PreTrainedTokenizerFast"}
-        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        written.append("tokenizer_config.json")
-    return written
+        written, config = ["tokenizer.model"], {"tokenizer_class": "LlamaTokenizer"}
+    else:
+        shutil.copyfile(src, out / "tokenizer.json")
+        written, config = ["tokenizer.json"], {"tokenizer_class": "PreTrainedTokenizerFast"}
+        if (src.parent / "special_tokens_map.json").is_file():
+            shutil.copyfile(src.parent / "special_tokens_map.json", out / "special_tokens_map.json")
+            written.append("special_tokens_map.json")
+        # Without one beside the tokenizer (or an unreadable one): the minimal config above.
+        with contextlib.suppress(OSError, ValueError):
+            config = json.loads((src.parent / "tokenizer_config.json").read_text())
+    for key, content in _special_tokens(tok, src).items():
+        old = config.get(key)
+        if not (isinstance(old, dict) and old.get("content") == content):
+            config[key] = content  # an AddedToken dict naming the same token is kept as it is
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return [*written, "tokenizer_config.json"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,8 +274,8 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     """`kiln export-hf`: config.json, model.safetensors and tokenizer files of a run's checkpoint."""
     run_dir, out = Path(run_dir).expanduser(), Path(out).expanduser()
     config = read_run_config(run_dir, "export-hf")
-    bos, eos, note = _tokenizer_ids(config.data.tokenizer)
-    hf = hf_config(config.model, bos, eos)
+    tok, note = _load_run_tokenizer(config.data.tokenizer)
+    hf = hf_config(config.model, tok and tok.bos_id, tok and tok.eos_id)
     checkpoints = run_dir / "checkpoints"
     steps = _steps(checkpoints)
     if not steps:
@@ -372,9 +298,11 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     save_file(tensors, out / WEIGHTS, metadata={"format": "pt"})
+    # safetensors creates the file owner-only (0600); give it config.json's mode (the umask's).
+    (out / WEIGHTS).chmod((out / "config.json").stat().st_mode & 0o777)
     written = ["config.json", WEIGHTS]
-    if note is None:
-        written += _copy_tokenizer(config.data.tokenizer, out)
+    if tok is not None:
+        written += _copy_tokenizer(tok, out)
     lines = [*skipped, f"exported {run_dir} step {step} to {out}: {', '.join(written)}"]
     if note is None and config.data.tokenizer == "byte":
         lines.append(
@@ -407,6 +335,7 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> str:
     raw = {
         "model": model,
         "data": {
+            "source": "none",  # kiln train refuses it: no silent training on synthetic tokens
             "seq_len": min(256, model["max_seq_len"]),
             "tokenizer": str(out / tokenizer.name) if tokenizer else "byte",
         },

@@ -1,4 +1,5 @@
-"""Where metrics go: TensorBoard (tensorboardX), metrics.jsonl, the console; and MFU."""
+"""Where metrics go: TensorBoard (tensorboardX), metrics.jsonl, the console, optionally W&B;
+and MFU."""
 
 from __future__ import annotations
 
@@ -88,6 +89,11 @@ class MetricsLogger:
             self.jsonl = open(self.jsonl_path, "ab", buffering=0)  # noqa: SIM115 - see close()
         except OSError as e:
             raise write_error(e, run_dir) from None
+        self.wandb = None
+        if config.logging.wandb is not None:
+            from kiln.tracking import WandbMirror
+
+            self.wandb = WandbMirror(run_dir, config)
         peak, source = peak_tflops(config)
         self.console.print(
             f"kiln: run directory {run_dir}; {self.total} steps; "
@@ -132,6 +138,8 @@ class MetricsLogger:
             self.tb.flush()
         except OSError as e:
             raise write_error(e, self.jsonl_path.parent / "tensorboard") from None
+        if self.wandb is not None:
+            self.wandb.log(step, values)
         if not self.interactive:
             shown = [f"{_short_tag(k)} {_number(values[k])}" for k in _CONSOLE if k in values]
             self.console.print(f"step {step}/{self.total}  " + "  ".join(shown), highlight=False)
@@ -156,6 +164,8 @@ class MetricsLogger:
             self.bar.stop()
         self.tb.close()
         self.jsonl.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def append_line(fh, line: bytes, path: Path) -> None:

@@ -38,6 +38,7 @@ from kiln.metrics import MetricsLogger, perf_metrics
 from kiln.paths import check_output_paths
 from kiln.profiling import ProfileWindow, cache_events, compilation_cache_for
 from kiln.runlock import RunLock
+from kiln.tracking import check_wandb
 
 # Sections and fields a resumed run may not change: they define the model and the token stream.
 FROZEN_ON_RESUME = (
@@ -213,6 +214,7 @@ def _prepare(config, build, command, check, lock, started) -> PreparedRun:
 
     mesh = make_mesh(config)
     check_attention(config.model.attention, mesh.devices.flat[0].platform, config.model.dtype)
+    check_wandb(config)
     if check is not None:
         check(config)
     datasets = make_datasets(config)

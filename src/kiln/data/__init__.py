@@ -24,6 +24,11 @@ def make_datasets(config: Any) -> Datasets:
     """Datasets of this process for `config` (a kiln Config); tokenizes raw files into the
     cache on first use. Raises KilnError for bad paths, tokenizer or vocabulary size."""
     d = config.data
+    if d.source == "none":
+        raise KilnError(
+            "data.source: 'none' (a config written by kiln import-hf names no training data); "
+            "set data.source to text, jsonl, parquet, tokens or synthetic, and data.paths"
+        )
     tokenizer = load_tokenizer(d.tokenizer)
     if config.model.vocab_size < tokenizer.vocab_size:
         rounded = 128 * math.ceil(tokenizer.vocab_size / 128)

@@ -85,10 +85,33 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x_BSNH: jax.Array, positions_BS: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(half: int, theta: float, scaling: tuple[float, ...] | None) -> jax.Array:
+    """theta^(-i/half), i < half, in float32; `scaling` = (factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings) applies Llama 3.1's rescaling:
+    wavelengths 2 pi / freq above original / low_freq_factor are stretched by factor, those
+    below original / high_freq_factor kept, and between them
+    freq' = (1 - s) freq / factor + s freq with s = (original / wavelength - low) / (high - low).
+    """
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling is None:
+        return freq
+    factor, low, high, original = scaling
+    wavelength = 2 * jnp.pi / freq
+    smooth = (original / wavelength - low) / (high - low)
+    between = (1 - smooth) * freq / factor + smooth * freq
+    stretched = jnp.where(wavelength > original / low, freq / factor, between)
+    return jnp.where(wavelength < original / high, freq, stretched)
+
+
+def rope(
+    x_BSNH: jax.Array,
+    positions_BS: jax.Array,
+    theta: float,
+    scaling: tuple[float, ...] | None = None,
+) -> jax.Array:
     """Rotary embedding (rotate-half layout) of heads x at integer positions; float32 inside."""
     half = x_BSNH.shape[-1] // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    freq = rope_frequencies(half, theta, scaling)
     angle_BSh = positions_BS[..., None].astype(jnp.float32) * freq
     sin, cos = jnp.sin(angle_BSh)[:, :, None, :], jnp.cos(angle_BSh)[:, :, None, :]
     x1, x2 = jnp.split(x_BSNH.astype(jnp.float32), 2, axis=-1)
@@ -108,6 +131,17 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(h, "head_dim", cfg) if cfg.qk_norm else None
         self.k_norm = RMSNorm(h, "head_dim", cfg) if cfg.qk_norm else None
         self.theta = cfg.rope_theta
+        r = cfg.rope_scaling
+        self.rope_scaling = (
+            None
+            if r is None
+            else (
+                r.factor,
+                r.low_freq_factor,
+                r.high_freq_factor,
+                r.original_max_position_embeddings,
+            )
+        )
         self.dtype = DTYPES[cfg.dtype]
         self.implementation = cfg.attention
 
@@ -122,8 +156,8 @@ class Attention(nnx.Module):
         v_BTKH = checkpoint_name(v_BTKH, "v_proj")
         if self.q_norm is not None:
             q_BSNH, k_BTKH = self.q_norm(q_BSNH), self.k_norm(k_BTKH)
-        q_BSNH = constrain(rope(q_BSNH, positions_BS, self.theta), _HEADS)
-        k_BTKH = constrain(rope(k_BTKH, positions_BS, self.theta), _KV_HEADS)
+        q_BSNH = constrain(rope(q_BSNH, positions_BS, self.theta, self.rope_scaling), _HEADS)
+        k_BTKH = constrain(rope(k_BTKH, positions_BS, self.theta, self.rope_scaling), _KV_HEADS)
         v_BTKH = constrain(v_BTKH, _KV_HEADS)
         return q_BSNH, k_BTKH, v_BTKH
 

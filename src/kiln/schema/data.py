@@ -12,9 +12,9 @@ from kiln.schema.base import INT32_MAX, Section, Seed
 class DataConfig(Section):
     """Where tokens come from and how they are cut into sequences."""
 
-    source: Literal["synthetic", "text", "jsonl", "parquet", "tokens"] = Field(
+    source: Literal["synthetic", "text", "jsonl", "parquet", "tokens", "none"] = Field(
         "synthetic",
-        description="synthetic (generated tokens), text/jsonl/parquet (raw files, tokenized into a cache on first use) or tokens (shards from `kiln prepare`).",
+        description="synthetic (generated tokens), text/jsonl/parquet (raw files, tokenized into a cache on first use), tokens (shards from `kiln prepare`) or none (no training data yet, as `kiln import-hf` writes it: `kiln train` refuses until a source is set).",
     )
     synthetic_kind: Literal["uniform", "markov"] = Field(
         "markov",

@@ -4,9 +4,45 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kiln.schema.base import INT32_MAX, PositiveInt, Section
+
+
+class RopeScalingConfig(Section):
+    """Llama 3.1's rescaling of rotary frequencies (Hugging Face rope_type "llama3")."""
+
+    rope_type: Literal["llama3"] = Field(
+        "llama3",
+        description="llama3: wavelengths above original_max_position_embeddings / low_freq_factor are stretched by factor, those below original_max_position_embeddings / high_freq_factor kept, the band between interpolated.",
+    )
+    factor: float = Field(
+        8.0, gt=0, allow_inf_nan=False, description="How much long wavelengths are stretched."
+    )
+    low_freq_factor: float = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="original_max_position_embeddings / low_freq_factor = the shortest stretched wavelength.",
+    )
+    high_freq_factor: float = Field(
+        4.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="original_max_position_embeddings / high_freq_factor = the longest wavelength kept; > low_freq_factor.",
+    )
+    original_max_position_embeddings: PositiveInt = Field(
+        8192, description="Context length the unscaled frequencies were trained for."
+    )
+
+    @model_validator(mode="after")
+    def _bands(self) -> RopeScalingConfig:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor "
+                f"({self.low_freq_factor})"
+            )
+        return self
 
 
 class ModelConfig(Section):
@@ -75,6 +111,10 @@ class ModelConfig(Section):
         gt=0,
         allow_inf_nan=False,
         description="Base of the rotary position embedding frequencies.",
+    )
+    rope_scaling: RopeScalingConfig | None = Field(
+        None,
+        description="null = plain rotary frequencies; {rope_type: llama3, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings} = Llama 3.1/3.2's long-context rescaling (as Hugging Face's rope_scaling).",
     )
     norm_eps: float = Field(
         1e-5, gt=0, allow_inf_nan=False, description="Epsilon of every RMSNorm."

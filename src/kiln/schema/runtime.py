@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pydantic
 from pydantic import Field
 
@@ -40,6 +42,19 @@ class DistributedConfig(Section):
         return address
 
 
+class WandbConfig(Section):
+    """Where Weights & Biases mirrors the metrics (needs the optional extra kiln[wandb])."""
+
+    project: str = Field(min_length=1, description="W&B project the run is logged to.")
+    entity: str | None = Field(
+        None, description="W&B user or team owning the project; null = the logged-in default."
+    )
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "online",
+        description="online (stream to the W&B server), offline (write under {run_dir}/wandb for `wandb sync`), disabled (no-op).",
+    )
+
+
 class LoggingConfig(Section):
     """Console and performance reporting."""
 
@@ -50,3 +65,7 @@ class LoggingConfig(Section):
         description="Peak TFLOP/s of one device for perf/mfu; null = look up known GPUs/TPUs (on CPU, MFU is then relative to 1 TFLOP/s).",
     )
     progress: bool = Field(True, description="Show a progress bar when the console is a terminal.")
+    wandb: WandbConfig | None = Field(
+        None,
+        description="null = TensorBoard and metrics.jsonl only; {project, entity, mode} = also mirror every logged metric to Weights & Biases (pip install 'kiln[wandb]').",
+    )
