@@ -48,6 +48,14 @@ def _add_config_args(p: argparse.ArgumentParser, *, optional: bool = False) -> N
     )
 
 
+def _add_restart_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="start the run over from step 0; its earlier files move to RUN_DIR/restart-N/",
+    )
+
+
 def _add_device_args(p: argparse.ArgumentParser) -> None:
     """--devices, --topology and --hbm-gb of `kiln compile` and `kiln config --summary`."""
     p.add_argument(
@@ -78,7 +86,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = _load(args)
     from kiln.train import run
 
-    run(config)
+    run(config, restart=args.restart)
     return 0
 
 
@@ -86,7 +94,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     config = _load(args)
     from kiln.distill import run
 
-    run(config)
+    run(config, restart=args.restart)
     return 0
 
 
@@ -193,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train from a YAML config (resumes the run if it exists)")
     _add_config_args(p)
+    _add_restart_arg(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(
@@ -200,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="distil a teacher run (distillation.teacher_run_dir) into the configured student",
     )
     _add_config_args(p)
+    _add_restart_arg(p)
     p.set_defaults(func=cmd_distill)
 
     p = sub.add_parser("config", help="print the resolved config, its summary, or the schema")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -31,6 +32,13 @@ from kiln.config import Config, read_run_config
 from kiln.errors import KilnError, RunStopped
 from kiln.metrics import MetricsLogger, perf_metrics
 from kiln.profiling import ProfileWindow, cache_events, compilation_cache_for
+from kiln.rundir import (
+    RunComplete,
+    check_start,
+    keep_config_history,
+    move_aside,
+    restart_target,
+)
 
 # Sections and fields a resumed run may not change: they define the model and the token stream.
 FROZEN_ON_RESUME = (
@@ -47,8 +55,9 @@ FROZEN_ON_RESUME = (
 
 
 def previous_config(run_dir: Path) -> Config | None:
-    """The resolved config of an earlier invocation in this run directory, if it left checkpoints."""
-    if latest_complete_step(run_dir / "checkpoints") is None:
+    """The resolved config of an earlier invocation in this run directory, if it left one
+    (with or without checkpoints: its metrics belong to that config)."""
+    if not (run_dir / "config.yaml").is_file():
         return None
     return read_run_config(run_dir, "resume (the earlier run's config)")
 
@@ -64,7 +73,8 @@ def resume_changes(old: Config, new: Config) -> list[str]:
             raise KilnError(
                 f"{key}: the run in {new.run_dir} was started with {before.get(key)!r}, this config "
                 f"says {after.get(key)!r}; a resumed run cannot change it (use a new "
-                "train.run_name, or checkpoint.load_params_from to start from its weights)"
+                "train.run_name, or checkpoint.load_params_from to start from its weights, or "
+                "--restart to start this run over)"
             )
         changes.append(f"{key}: {before.get(key)!r} -> {after.get(key)!r}")
     return changes
@@ -80,25 +90,39 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def open_run_dir(run_dir: Path, config: Config) -> bool:
+def open_run_dir(
+    run_dir: Path, config: Config, start_step: int = 0, restart_to: Path | None = None
+) -> bool:
     """Write the run directory and its config.yaml on process 0; returns whether this is process 0.
 
     With several processes, nothing is written until every one of them has validated its config,
-    data and checkpoint (and has read the old config.yaml, which process 0 now replaces).
+    data and checkpoint (and has read the old config.yaml, which process 0 now replaces). A
+    changed config.yaml is kept as config.<start_step>.yaml; `--restart` first moves the earlier
+    run to `restart_to`.
     """
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("kiln: every process validated the run")
     is_main = jax.process_index() == 0
     if is_main:
+        if restart_to is not None:
+            move_aside(run_dir, restart_to)
         run_dir.mkdir(parents=True, exist_ok=True)
+        keep_config_history(run_dir, config, start_step)
         (run_dir / "config.yaml").write_text(config.to_yaml())
     return is_main
 
 
-def resume_notes(config: Config) -> list[str]:
-    """What changed since the earlier invocation of this run (KilnError if it may not change)."""
+def resume_notes(config: Config, restart: bool = False) -> list[str]:
+    """What changed since the earlier invocation of this run (KilnError if it may not change);
+    then whether the run has anything to do (`kiln.rundir.check_start`)."""
+    if restart:
+        return []
     previous = previous_config(config.run_dir)
-    return [f"changed on resume: {c}" for c in resume_changes(previous, config)] if previous else []
+    notes = (
+        [f"changed on resume: {c}" for c in resume_changes(previous, config)] if previous else []
+    )
+    check_start(config, previous, latest_complete_step(config.run_dir / "checkpoints"))
+    return notes
 
 
 def restore_latest(config: Config, state, batches) -> tuple[Any, str | None]:
@@ -126,6 +150,7 @@ class PreparedRun:
     batches: Iterator
     notes: list[str]
     started: float  # time.perf_counter() when preparation began
+    restart_to: Path | None = None  # `--restart`: where the earlier run is moved
 
 
 def execute(
@@ -134,10 +159,21 @@ def execute(
     *,
     command: str,
     check: Callable[[Config], Any] | None = None,
+    restart: bool = False,
 ):
-    """`prepare_run`, then `run_loop`, with the run's persistent compilation cache in use."""
+    """`prepare_run`, then `run_loop`, with the run's persistent compilation cache in use.
+
+    A finished run (latest checkpoint at or past train.steps) says so in one line and returns
+    None, having read its config.yaml and checkpoint steps and written nothing.
+    """
     with compilation_cache_for(config):
-        return run_loop(prepare_run(config, build, command=command, check=check))
+        try:
+            run = prepare_run(config, build, command=command, check=check, restart=restart)
+        except RunComplete as done:
+            if jax.process_index() == 0:
+                print(f"kiln: {done}", file=sys.stderr)
+            return None
+        return run_loop(run)
 
 
 def prepare_run(
@@ -146,6 +182,7 @@ def prepare_run(
     *,
     command: str,
     check: Callable[[Config], Any] | None = None,
+    restart: bool = False,
 ) -> PreparedRun:
     """Validate against devices, data and any earlier run; build the state; resume or load.
 
@@ -153,7 +190,8 @@ def prepare_run(
     validation before any data or parameters are touched. The state then comes from the
     run's latest checkpoint (with the data iterator's position) or, for a new run, takes
     `checkpoint.load_params_from`'s parameters (those the objective adds to the model, e.g. a
-    distillation projection, stay fresh).
+    distillation projection, stay fresh). `restart`: start over; the earlier run is moved aside
+    when the run directory is opened. Raises RunComplete when there is nothing to train.
     """
     from kiln.data import make_datasets
     from kiln.distributed import initialize
@@ -162,15 +200,18 @@ def prepare_run(
 
     started = time.perf_counter()
     initialize(config)  # before any device is touched
+    notes = resume_notes(config, restart)  # reads only config.yaml and the checkpoint steps
     mesh = make_mesh(config)
     check_attention(config.model.attention, mesh.devices.flat[0].platform, config.model.dtype)
     if check is not None:
         check(config)
     datasets = make_datasets(config)
-    notes = resume_notes(config)
     objective, state, built_notes = build(config, mesh)
     batches = datasets.train_iterator()
-    state, resumed = restore_latest(config, state, batches)
+    restart_to = restart_target(config.run_dir) if restart else None
+    if restart_to is not None:
+        notes.append(f"--restart: the earlier run in {config.run_dir} moves to {restart_to}")
+    state, resumed = (state, None) if restart else restore_latest(config, state, batches)
     source = config.checkpoint.load_params_from
     if resumed:
         notes.insert(0, resumed)
@@ -181,14 +222,23 @@ def prepare_run(
         state = state.replace(params=nnx.State.merge(state.params, params))
         notes.insert(0, f"parameters from {source} (step {step})")
     return PreparedRun(
-        config, command, mesh, objective, state, datasets, batches, notes + built_notes, started
+        config,
+        command,
+        mesh,
+        objective,
+        state,
+        datasets,
+        batches,
+        notes + built_notes,
+        started,
+        restart_to,
     )
 
 
 def run_loop(run: PreparedRun):
     """Write the run directory (everything is validated by now), then loop, log and save."""
     config, mesh = run.config, run.mesh
-    is_main = open_run_dir(config.run_dir, config)
+    is_main = open_run_dir(config.run_dir, config, int(run.state.step), run.restart_to)
     ckpt = Checkpointer(config.run_dir, config.checkpoint)
     logger = MetricsLogger(config.run_dir, config, enabled=is_main, start_step=int(run.state.step))
     for note in run.notes:
@@ -233,16 +283,31 @@ def restore_state(directory: Path, step: int, state):
 
 
 @contextmanager
-def stop_requests():
+def stop_requests(say: Callable[[str], None] = lambda message: None):
     """Turn SIGTERM and SIGINT into a flag the loop polls, so it can checkpoint, then exit 0.
 
-    With several processes, JAX's preemption service keeps SIGTERM (SIGINT is passed on to it as
-    SIGTERM) and picks one step at which every process stops: see `stop_due`.
+    The first request is acknowledged at once through `say`; a second Ctrl-C (SIGINT) exits at
+    once with code 130, saving nothing. With several processes, JAX's preemption service keeps
+    SIGTERM (SIGINT is passed on to it as SIGTERM) and picks one step at which every process
+    stops: see `stop_due`.
     """
     requested: list[int] = []
     several = jax.process_count() > 1
 
     def handler(signum, _frame):
+        if requested and signum == signal.SIGINT:
+            # os._exit: no checkpoint, no waiting for saves in flight (orbax leaves a temporary
+            # directory that the next run removes); metrics.jsonl is flushed row by row.
+            sys.stderr.write(
+                "kiln: interrupted again: exiting now without a checkpoint; the run resumes "
+                "from its last saved one\n"
+            )
+            sys.stderr.flush()
+            os._exit(130)
+        if not requested:
+            name = signal.Signals(signum).name
+            again = "; Ctrl-C again to exit at once without one" if signum == signal.SIGINT else ""
+            say(f"{name}: stopping after this step with a checkpoint{again}")
         requested.append(signum)
         if several:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -316,7 +381,7 @@ class Loop:
         self._first_step = None if self.started is None else first
         self._first_step_seconds: dict[str, float] = {}
         skips, pending = 0, None  # pending: (step, metrics on device), read one step late
-        with stop_requests() as stop:
+        with stop_requests(self.logger.info) as stop:
             for step in range(first, cfg.train.steps + 1):
                 profile.before(step, state)
                 state, metrics = self.step_fn(state, self.place(next(self.batches)))
