@@ -295,7 +295,7 @@ def stop_requests(say: Callable[[str], None] = lambda message: None):
     several = jax.process_count() > 1
 
     def handler(signum, _frame):
-        if requested and signum == signal.SIGINT:
+        if requested and signum == signal.SIGINT:  # a second Ctrl-C
             # os._exit: no checkpoint, no waiting for saves in flight (orbax leaves a temporary
             # directory that the next run removes); metrics.jsonl is flushed row by row.
             sys.stderr.write(
@@ -304,11 +304,11 @@ def stop_requests(say: Callable[[str], None] = lambda message: None):
             )
             sys.stderr.flush()
             os._exit(130)
-        if not requested:
+        requested.append(signum)  # first: a second signal may arrive while this one is told
+        if len(requested) == 1:
             name = signal.Signals(signum).name
             again = "; Ctrl-C again to exit at once without one" if signum == signal.SIGINT else ""
             say(f"{name}: stopping after this step with a checkpoint{again}")
-        requested.append(signum)
         if several:
             os.kill(os.getpid(), signal.SIGTERM)
 
