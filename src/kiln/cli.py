@@ -106,6 +106,13 @@ def cmd_config(args: argparse.Namespace) -> int:
         return 0
     if args.config is None:
         raise KilnError("kiln config: give a CONFIG.yaml, or --schema to list every field")
+    if args.explain:
+        if args.summary:
+            raise KilnError("kiln config: give --explain or --summary, not both")
+        from kiln.explain import explain
+
+        print(explain(args.config, args.overrides))
+        return 0
     given = [f for f, v in (("--devices", args.devices), ("--topology", args.topology)) if v]
     given += ["--hbm-gb"] if args.hbm_gb is not None else []
     if given and not args.summary:
@@ -224,6 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--summary",
         action="store_true",
         help="parameters, FLOPs per token, memory per device (state, and compiled activations)",
+    )
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="the resolved config with, on each value, the file, override or default that set it",
     )
     _add_device_args(p)
     p.set_defaults(func=cmd_config)
