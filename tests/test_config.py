@@ -327,7 +327,7 @@ def test_a_stopped_run_exits_1_with_one_line_through_the_process_exit(
     from kiln import cli, distributed, train
     from kiln.errors import RunStopped
 
-    def stopped(config):
+    def stopped(config, restart=False):
         raise RunStopped("3 consecutive steps had a non-finite loss or gradient")
 
     left = []
