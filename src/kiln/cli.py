@@ -315,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line; usage mistakes exit 2 with one line."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides after an option (`kiln train C.yaml --restart a.b=c`): argparse stops collecting
@@ -324,6 +325,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     try:
         return args.func(args)
     except (KilnError, RunStopped) as e:
