@@ -12,9 +12,11 @@ a command with an ALL-CAPS placeholder (RUN_DIR, CONFIG.yaml) is a synopsis and 
 
 import json
 import math
+import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -104,7 +106,9 @@ def dry(args) -> bool:
     return False
 
 
-def run_kiln(argv: list[str], capsys) -> None:
+def run_kiln(argv: list[str], later: str, cache: Path, capsys) -> None:
+    """A kiln command in this process; a training whose run no later command of the page
+    (`later`) names is only started up to its checks (config, run directory, data, teacher)."""
     if "--step" in argv:  # a checkpoint step of a scaled run
         i = argv.index("--step") + 1
         argv = [*argv[:i], str(math.ceil(int(argv[i]) / STEP_SCALE)), *argv[i + 1 :]]
@@ -112,27 +116,57 @@ def run_kiln(argv: list[str], capsys) -> None:
     if dry(args):
         load_config(args.config, args.overrides)
         return
+    if args.command in ("train", "distill"):
+        config = scaled(load_config(args.config, args.overrides), cache)
+        if str(config.run_dir) not in later:
+            start_checks(config, args)
+            return
     capsys.readouterr()
     code = cli.main(argv)
     assert code == 0, capsys.readouterr().err[-3000:]
+
+
+def start_checks(config, args) -> None:
+    """What `kiln train`/`kiln distill` checks before its first step, without the training."""
+    from kiln.data import make_datasets
+    from kiln.distill import read_teacher_config
+    from kiln.rundir import RunComplete
+    from kiln.runner import resume_notes
+
+    if args.command == "distill":
+        read_teacher_config(config)
+    try:
+        resume_notes(config, args.restart)
+    except RunComplete:
+        return
+    make_datasets(config)
 
 
 def run_script(words: list[str], scratch: Path) -> None:
     env = kiln_env(PATH="/usr/bin:/bin")
     env.pop("PYTHON", None)
     env.pop("VIRTUAL_ENV", None)
-    proc = subprocess.run(words, cwd=scratch, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.Popen(
+        words, cwd=scratch, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:  # the script's processes too, not only the script
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
 
 
-def run_command(words: list[str], scratch: Path, capsys) -> None:
+def run_command(words: list[str], later: str, scratch: Path, cache: Path, capsys) -> None:
     prog = words[0].removeprefix(".venv/bin/")
     for name, target in STAND_INS.items():
         if name in words and not (scratch / name).exists():
             (scratch / name).parent.mkdir(parents=True, exist_ok=True)
             (scratch / name).symlink_to(scratch / target)
     if prog == "kiln":
-        run_kiln(words[1:], capsys)
+        run_kiln(words[1:], later, cache, capsys)
     elif prog.startswith("scripts/"):
         run_script(words, scratch)
     elif prog in EXTERNAL:
@@ -145,7 +179,7 @@ def run_command(words: list[str], scratch: Path, capsys) -> None:
             else []
         )
         if inner:
-            run_kiln(inner[1:], capsys)
+            run_kiln(inner[1:], later, cache, capsys)
     else:
         raise AssertionError(f"the docs test does not know the command {prog!r}: teach it")
 
@@ -161,8 +195,13 @@ def quickstart(tmp_path_factory):
     python.parent.mkdir(parents=True)
     dry_kiln = Path(__file__).with_name("docs_dry_kiln.py")
     python.write_text(
-        "#!/bin/sh\n"
-        f'if [ "$1" = -m ] && [ "$2" = kiln.cli ]; then shift 2; exec {sys.executable} {dry_kiln} "$@"; fi\n'
+        "#!/bin/bash\n"
+        'args=("$@")\n'
+        "for ((i = 0; i + 1 < ${#args[@]}; i++)); do\n"
+        "  if [[ ${args[i]} == -m && ${args[i+1]} == kiln.cli ]]; then\n"
+        f'    exec {sys.executable} {dry_kiln} "${{args[@]:i+2}}"\n'
+        "  fi\n"
+        "done\n"
         f'exec {sys.executable} "$@"\n'
     )
     python.chmod(0o755)
@@ -191,8 +230,10 @@ def test_every_command_of_the_page_works(page, quickstart, tmp_path, monkeypatch
         (scratch / name).write_text(text)
     monkeypatch.chdir(scratch)
     scale_cli(monkeypatch, quickstart.parent / "cache")
-    for words in commands:
+    for i, words in enumerate(commands):
+        later = " ".join(" ".join(w) for w in commands[i + 1 :])
+        later += " ".join(named_files(page).values())
         try:
-            run_command(words, scratch, capsys)
+            run_command(words, later, scratch, quickstart.parent / "cache", capsys)
         except (AssertionError, SystemExit, Exception) as e:
             raise AssertionError(f"{page.name}: `{shlex.join(words)}` fails: {e}") from e
