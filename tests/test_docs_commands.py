@@ -237,3 +237,25 @@ def test_every_command_of_the_page_works(page, quickstart, tmp_path, monkeypatch
             run_command(words, later, scratch, quickstart.parent / "cache", capsys)
         except (AssertionError, SystemExit, Exception) as e:
             raise AssertionError(f"{page.name}: `{shlex.join(words)}` fails: {e}") from e
+
+
+@pytest.mark.parametrize("script", ["launch_local.sh", "zloss_ab.sh"])
+def test_a_script_without_kiln_says_how_to_get_it(script, tmp_path):
+    shutil.copytree(REPO / "scripts", tmp_path / "scripts")
+    python = tmp_path / "bin" / "python3"  # the only python on PATH: one without kiln
+    python.parent.mkdir()
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')  # no PYTHONPATH, no site
+    python.chmod(0o755)
+    env = {"PATH": f"{python.parent}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    args = ["2", "configs/tiny.yaml"] if script == "launch_local.sh" else []
+    proc = subprocess.run(
+        [tmp_path / "scripts" / script, *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot import kiln" in lines[0] and ".venv" in lines[0], lines
+    assert "PYTHON=" in lines[0]
