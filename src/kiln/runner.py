@@ -221,17 +221,9 @@ def prepare_run(
         params, step = restore_params(source, target)
         state = state.replace(params=nnx.State.merge(state.params, params))
         notes.insert(0, f"parameters from {source} (step {step})")
+    notes += built_notes
     return PreparedRun(
-        config,
-        command,
-        mesh,
-        objective,
-        state,
-        datasets,
-        batches,
-        notes + built_notes,
-        started,
-        restart_to,
+        config, command, mesh, objective, state, datasets, batches, notes, started, restart_to
     )
 
 
