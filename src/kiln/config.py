@@ -127,7 +127,10 @@ def _cross_field_errors(
     if ok("data", "model") and c.data.seq_len > m.max_seq_len:
         yield f"data.seq_len: {c.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}"
     if ok("optim", "train") and c.optim.warmup_steps > t.steps:
-        yield f"optim.warmup_steps: {c.optim.warmup_steps} exceeds train.steps={t.steps}"
+        yield (
+            f"optim.warmup_steps: {c.optim.warmup_steps} exceeds train.steps={t.steps}; "
+            f"allowed: at most train.steps (e.g. optim.warmup_steps={t.steps // 4})"
+        )
     if ok("train") and t.profile_steps is not None and t.profile_steps[1] > t.steps:
         yield (
             f"train.profile_steps: {list(t.profile_steps)} ends after train.steps={t.steps}; "
