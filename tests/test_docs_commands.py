@@ -84,10 +84,8 @@ def scaled(config, cache: Path):
     t, o, c = raw["train"], raw["optim"], raw["checkpoint"]
     down = lambda n: n and max(1, math.ceil(n / STEP_SCALE))  # noqa: E731 - 0 stays 0
     t["steps"] = down(t["steps"])
-    t["log_every_steps"], t["eval_every_steps"] = (
-        down(t["log_every_steps"]),
-        down(t["eval_every_steps"]),
-    )
+    t["log_every_steps"] = down(t["log_every_steps"])
+    t["eval_every_steps"] = 0  # not a step count a command depends on; saves an eval compile
     o["warmup_steps"] = min(down(o["warmup_steps"]), t["steps"])
     c["every_steps"] = down(c["every_steps"])
     t["compilation_cache_dir"] = str(cache / "jax")
