@@ -6,6 +6,7 @@
 # Each process gets K simulated CPU devices (default 8/N), the coordinator is process 0 on
 # 127.0.0.1 and a free port, and process i's output goes to the console prefixed "[i]".
 # Exits with the first non-zero exit code; the other processes are then killed at once.
+# Runs kiln with $PYTHON, else the repository's .venv/bin/python, else python3 on PATH.
 set -euo pipefail
 
 usage() {
@@ -32,7 +33,18 @@ if [[ -z $per_process ]]; then
 fi
 [[ $per_process =~ ^[1-9][0-9]*$ ]] || { echo "launch_local: --devices-per-process must be a positive integer" >&2; exit 2; }
 
-python=${PYTHON:-python}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+if [[ -n ${PYTHON:-} ]]; then
+  python=$PYTHON
+elif [[ -x $repo/.venv/bin/python ]]; then
+  python=$repo/.venv/bin/python
+else
+  python=$(command -v python3 || echo python3)
+fi
+"$python" -c 'import kiln' 2>/dev/null || {
+  echo "launch_local: $python cannot import kiln; install kiln into $repo/.venv (see README.md), activate the environment that has it, or set PYTHON=/path/to/python" >&2
+  exit 2
+}
 # This script decides the device count: drop one that the environment may already set.
 xla_flags=$(sed -E 's/--xla_force_host_platform_device_count=[0-9]+//g' <<< "${XLA_FLAGS:-}")
 port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')

@@ -6,6 +6,7 @@ import typing
 
 import pydantic
 import pytest
+import yaml
 
 from conftest import REPO, assert_user_error, kiln, make_config, write_config
 from kiln.config import MESH_AXES, Config, MeshConfig, check_devices, load_config, schema_rows
@@ -326,7 +327,7 @@ def test_a_stopped_run_exits_1_with_one_line_through_the_process_exit(
     from kiln import cli, distributed, train
     from kiln.errors import RunStopped
 
-    def stopped(config):
+    def stopped(config, restart=False):
         raise RunStopped("3 consecutive steps had a non-finite loss or gradient")
 
     left = []
@@ -355,3 +356,42 @@ def test_cli_run_whose_steps_all_go_non_finite_exits_1(tmp_path):
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("kiln: error: 1 consecutive steps had a non-finite loss"), last
+
+
+def test_config_explain_names_the_file_override_or_default_of_each_value(tmp_path, capsys):
+    from kiln.cli import main
+
+    (tmp_path / "sub").mkdir()
+    write_config(
+        tmp_path / "base.yaml", "loss: {z_loss_multiplier: 1.0e-4}\nmodel: {d_model: 64}\n"
+    )
+    child = write_config(
+        tmp_path / "sub" / "child.yaml",
+        "base_config: ../base.yaml\nmodel: {d_model: 96, num_heads: 4}\n",
+    )
+    overrides = ["train.steps=7", "mesh.rules={act_length: [sequence]}"]
+    assert main(["config", str(child), "--explain", *overrides]) == 0
+    out = capsys.readouterr().out
+    # Still the resolved config: the comments are YAML comments.
+    assert yaml.safe_load(out) == load_config(child, overrides).model_dump(mode="json")
+    origin = {}
+    section = []
+    for line in out.splitlines():
+        text, _, note = line.partition("  # ")
+        depth = (len(text) - len(text.lstrip())) // 2
+        name = text.strip().split(":")[0]
+        section = [*section[:depth], name]
+        if note:
+            origin[".".join(section)] = note
+    base, child_name = str(tmp_path / "sub" / "../base.yaml"), str(child)
+    assert origin["loss.z_loss_multiplier"] == f"{base} (default 0.0)"
+    assert origin["model.d_model"] == f"{child_name} (default 256)"  # the child wins
+    assert origin["model.num_heads"].startswith(child_name)
+    assert origin["train.steps"] == "override train.steps=7 (default 100)"
+    assert origin["mesh.rules.act_length"].startswith("override mesh.rules=")
+    assert origin["mesh.rules.batch"] == "default"  # the rest of the rules: the schema's
+    assert origin["loss.label_smoothing"] == "default"
+    # What the README points at: tiny.yaml inherits base.yaml's z-loss, not the schema's 0.0.
+    assert main(["config", str(REPO / "configs" / "tiny.yaml"), "--explain"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "z_loss_multiplier" in x)
+    assert line.split("#")[1].strip() == f"{REPO / 'configs' / 'base.yaml'} (default 0.0)"

@@ -52,6 +52,14 @@ def _add_config_args(p: argparse.ArgumentParser, *, optional: bool = False) -> N
     )
 
 
+def _add_restart_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="start the run over from step 0; its earlier files move to RUN_DIR/restart-N/",
+    )
+
+
 def _add_device_args(p: argparse.ArgumentParser) -> None:
     """--devices, --topology and --hbm-gb of `kiln compile` and `kiln config --summary`."""
     p.add_argument(
@@ -82,7 +90,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = _load(args)
     from kiln.train import run
 
-    run(config)
+    run(config, restart=args.restart)
     return 0
 
 
@@ -90,7 +98,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     config = _load(args)
     from kiln.distill import run
 
-    run(config)
+    run(config, restart=args.restart)
     return 0
 
 
@@ -102,6 +110,13 @@ def cmd_config(args: argparse.Namespace) -> int:
         return 0
     if args.config is None:
         raise KilnError("kiln config: give a CONFIG.yaml, or --schema to list every field")
+    if args.explain:
+        if args.summary:
+            raise KilnError("kiln config: give --explain or --summary, not both")
+        from kiln.explain import explain
+
+        print(explain(args.config, args.overrides))
+        return 0
     given = [f for f, v in (("--devices", args.devices), ("--topology", args.topology)) if v]
     given += ["--hbm-gb"] if args.hbm_gb is not None else []
     if given and not args.summary:
@@ -230,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train from a YAML config (resumes the run if it exists)")
     _add_config_args(p)
+    _add_restart_arg(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(
@@ -237,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="distil a teacher run (distillation.teacher_run_dir) into the configured student",
     )
     _add_config_args(p)
+    _add_restart_arg(p)
     p.set_defaults(func=cmd_distill)
 
     p = sub.add_parser("config", help="print the resolved config, its summary, or the schema")
@@ -251,6 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--summary",
         action="store_true",
         help="parameters, FLOPs per token, memory per device (state, and compiled activations)",
+    )
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="the resolved config with, on each value, the file, override or default that set it",
     )
     _add_device_args(p)
     p.set_defaults(func=cmd_config)
@@ -373,8 +395,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line; usage mistakes exit 2 with one line."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides after an option (`kiln train C.yaml --restart a.b=c`): argparse stops collecting
+    # the positional list at the option; anything else unknown is still refused.
+    if extra and hasattr(args, "overrides") and not any(e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         if args.command in ("train", "distill"):
             from kiln.interrupt import exit_on_signals

@@ -51,6 +51,7 @@ __all__ = [
     "load_config",
     "read_run_config",
     "schema_rows",
+    "yaml_layers",
 ]
 
 
@@ -126,7 +127,10 @@ def _cross_field_errors(
     if ok("data", "model") and c.data.seq_len > m.max_seq_len:
         yield f"data.seq_len: {c.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}"
     if ok("optim", "train") and c.optim.warmup_steps > t.steps:
-        yield f"optim.warmup_steps: {c.optim.warmup_steps} exceeds train.steps={t.steps}"
+        yield (
+            f"optim.warmup_steps: {c.optim.warmup_steps} exceeds train.steps={t.steps}; "
+            f"allowed: at most train.steps (e.g. optim.warmup_steps={t.steps // 4})"
+        )
     if ok("train") and t.profile_steps is not None and t.profile_steps[1] > t.steps:
         yield (
             f"train.profile_steps: {list(t.profile_steps)} ends after train.steps={t.steps}; "
@@ -261,6 +265,19 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     return config_from_dict(raw)
 
 
+def yaml_layers(path: str | Path, overrides: Sequence[str] = ()) -> list[tuple[str, dict]]:
+    """(origin, what it sets) of a config's base_config chain (first base first), the file,
+    then each override ("override a.b=c")."""
+    files: list[tuple[Path, dict[str, Any]]] = []
+    _load_yaml_tree(Path(path), stack=(), layers=files)
+    layers = [(str(file), tree) for file, tree in files]
+    for item in overrides:
+        tree: dict[str, Any] = {}
+        _apply_override(tree, item)
+        layers.append((f"override {item}", tree))
+    return layers
+
+
 def read_run_config(run_dir: str | Path, context: str) -> Config:
     """The resolved `config.yaml` of a run directory; a KilnError starting with `context`."""
     path = Path(run_dir) / "config.yaml"
@@ -280,7 +297,11 @@ def config_from_dict(raw: Mapping[str, Any]) -> Config:
         raise KilnError("\n".join(_problems(raw, e))) from None
 
 
-def _load_yaml_tree(path: Path, stack: tuple[Path, ...]) -> dict[str, Any]:
+def _load_yaml_tree(
+    path: Path, stack: tuple[Path, ...], layers: list | None = None
+) -> dict[str, Any]:
+    """The merged tree of `path` and its base_config chain; `layers` collects (file, own tree)
+    from the first base to `path` (kiln.explain)."""
     path = path.expanduser()
     resolved = path.resolve()
     if resolved in stack:
@@ -307,11 +328,11 @@ def _load_yaml_tree(path: Path, stack: tuple[Path, ...]) -> dict[str, Any]:
             f"{path}: the top level must be a mapping of sections, got {type(data).__name__}"
         )
     base = data.pop("base_config", None)
-    if base is None:
-        return data
-    if not isinstance(base, str):
+    if base is not None and not isinstance(base, str):
         raise KilnError(f"{path}: base_config must be a path string, got {base!r}")
-    parent = _load_yaml_tree(path.parent / base, (*stack, resolved))
+    parent = {} if base is None else _load_yaml_tree(path.parent / base, (*stack, resolved), layers)
+    if layers is not None:
+        layers.append((path, data))
     return _deep_merge(parent, data)
 
 

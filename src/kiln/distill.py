@@ -388,12 +388,14 @@ def make_distill_step(config: Config, teacher: Teacher, mesh, shardings: TrainSt
 # The command
 
 
-def run(config: Config) -> TrainState:
+def run(config: Config, restart: bool = False) -> TrainState | None:
     """`kiln distill`: validate config, teacher, data and any earlier run; then distil and save."""
     from kiln.runner import execute
 
     # The teacher's config is checked before any data or parameters are touched.
-    return execute(config, _distillation, command="kiln distill", check=read_teacher_config)
+    return execute(
+        config, _distillation, command="kiln distill", check=read_teacher_config, restart=restart
+    )
 
 
 def _distillation(config: Config, mesh) -> tuple[DistillObjective, TrainState, list[str]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -37,6 +38,13 @@ from kiln.evaluation.tasks import parse_tasks
 from kiln.metrics import MetricsLogger, perf_metrics
 from kiln.paths import check_output_paths
 from kiln.profiling import ProfileWindow, cache_events, compilation_cache_for
+from kiln.rundir import (
+    RunComplete,
+    check_start,
+    keep_config_history,
+    move_aside,
+    restart_target,
+)
 from kiln.runlock import RunLock
 from kiln.tracking import check_wandb
 
@@ -57,8 +65,9 @@ FROZEN_ON_RESUME = (
 
 
 def previous_config(run_dir: Path) -> Config | None:
-    """The resolved config of an earlier invocation in this run directory, if it left checkpoints."""
-    if latest_complete_step(run_dir / "checkpoints") is None:
+    """The resolved config of an earlier invocation in this run directory, if it left one
+    (with or without checkpoints: its metrics belong to that config)."""
+    if not (run_dir / "config.yaml").is_file():
         return None
     return read_run_config(run_dir, "resume (the earlier run's config)")
 
@@ -74,7 +83,8 @@ def resume_changes(old: Config, new: Config) -> list[str]:
             raise KilnError(
                 f"{key}: the run in {new.run_dir} was started with {before.get(key)!r}, this config "
                 f"says {after.get(key)!r}; a resumed run cannot change it (use a new "
-                "train.run_name, or checkpoint.load_params_from to start from its weights)"
+                "train.run_name, or checkpoint.load_params_from to start from its weights, or "
+                "--restart to start this run over)"
             )
         changes.append(f"{key}: {before.get(key)!r} -> {after.get(key)!r}")
     return changes
@@ -90,12 +100,20 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def open_run_dir(run_dir: Path, config: Config, lock: RunLock) -> tuple[bool, str | None]:
+def open_run_dir(
+    run_dir: Path,
+    config: Config,
+    lock: RunLock,
+    start_step: int = 0,
+    restart_to: Path | None = None,
+) -> tuple[bool, str | None]:
     """Write the run directory and its config.yaml on process 0, which holds the run's lock;
     returns whether this is process 0, and a note if a dead process's lock was taken over.
 
     With several processes, nothing is written until every one of them has validated its config,
-    data and checkpoint (and has read the old config.yaml, which process 0 now replaces).
+    data and checkpoint (and has read the old config.yaml, which process 0 now replaces). A
+    changed config.yaml is kept as config.<start_step>.yaml; `--restart` first moves the earlier
+    run to `restart_to`.
     """
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("kiln: every process validated the run")
@@ -103,18 +121,28 @@ def open_run_dir(run_dir: Path, config: Config, lock: RunLock) -> tuple[bool, st
     note = None
     if is_main:
         try:
+            if restart_to is not None:
+                move_aside(run_dir, restart_to)
             run_dir.mkdir(parents=True, exist_ok=True)
             note = lock.acquire()  # a no-op if taken at start-up (the directory existed then)
+            keep_config_history(run_dir, config, start_step)
             (run_dir / "config.yaml").write_text(config.to_yaml())
         except OSError as e:
             raise write_error(e, run_dir) from None
     return is_main, note
 
 
-def resume_notes(config: Config) -> list[str]:
-    """What changed since the earlier invocation of this run (KilnError if it may not change)."""
+def resume_notes(config: Config, restart: bool = False) -> list[str]:
+    """What changed since the earlier invocation of this run (KilnError if it may not change);
+    then whether the run has anything to do (`kiln.rundir.check_start`)."""
+    if restart:
+        return []
     previous = previous_config(config.run_dir)
-    return [f"changed on resume: {c}" for c in resume_changes(previous, config)] if previous else []
+    notes = (
+        [f"changed on resume: {c}" for c in resume_changes(previous, config)] if previous else []
+    )
+    check_start(config, previous, latest_complete_step(config.run_dir / "checkpoints"))
+    return notes
 
 
 def restore_latest(config: Config, state, batches) -> tuple[Any, list[str], list[int]]:
@@ -160,6 +188,7 @@ class PreparedRun:
     eval_tasks: list = field(default_factory=list)  # train.eval_tasks, read and tokenized
     damaged: list[int] = field(default_factory=list)  # steps to set aside
     inputs: dict[str, Any] = field(default_factory=dict)  # pinned in inputs.json
+    restart_to: Path | None = None  # `--restart`: where the earlier run is moved
 
 
 def execute(
@@ -168,10 +197,21 @@ def execute(
     *,
     command: str,
     check: Callable[[Config], Any] | None = None,
+    restart: bool = False,
 ):
-    """`prepare_run`, then `run_loop`, with the run's persistent compilation cache in use."""
+    """`prepare_run`, then `run_loop`, with the run's persistent compilation cache in use.
+
+    A finished run (latest checkpoint at or past train.steps) says so in one line and returns
+    None, having read its config.yaml and checkpoint steps and written nothing.
+    """
     with compilation_cache_for(config):
-        return run_loop(prepare_run(config, build, command=command, check=check))
+        try:
+            run = prepare_run(config, build, command=command, check=check, restart=restart)
+        except RunComplete as done:
+            if jax.process_index() == 0:
+                print(f"kiln: {done}", file=sys.stderr)
+            return None
+        return run_loop(run)
 
 
 def prepare_run(
@@ -180,6 +220,7 @@ def prepare_run(
     *,
     command: str,
     check: Callable[[Config], Any] | None = None,
+    restart: bool = False,
 ) -> PreparedRun:
     """Validate against devices, data and any earlier run; build the state; resume or load.
 
@@ -187,7 +228,8 @@ def prepare_run(
     validation before any data or parameters are touched. The state then comes from the
     run's latest checkpoint (with the data iterator's position) or, for a new run, takes
     `checkpoint.load_params_from`'s parameters (those the objective adds to the model, e.g. a
-    distillation projection, stay fresh).
+    distillation projection, stay fresh). `restart`: start over; the earlier run is moved aside
+    when the run directory is opened. Raises RunComplete when there is nothing to train.
     """
     from kiln.distributed import initialize
 
@@ -198,7 +240,7 @@ def prepare_run(
     # An existing run is locked before its checkpoints are read; a new one when it is written.
     taken = lock.acquire() if jax.process_index() == 0 and config.run_dir.is_dir() else None
     try:
-        run = _prepare(config, build, command, check, lock, started)
+        run = _prepare(config, build, command, check, lock, started, restart)
     except BaseException:
         lock.release()
         raise
@@ -207,11 +249,12 @@ def prepare_run(
     return run
 
 
-def _prepare(config, build, command, check, lock, started) -> PreparedRun:
+def _prepare(config, build, command, check, lock, started, restart) -> PreparedRun:
     from kiln.data import make_datasets
     from kiln.mesh import make_mesh
     from kiln.model.attention import check as check_attention
 
+    notes = resume_notes(config, restart)  # reads only config.yaml and the checkpoint steps
     mesh = make_mesh(config)
     check_attention(config.model.attention, mesh.devices.flat[0].platform, config.model.dtype)
     check_wandb(config)
@@ -222,11 +265,14 @@ def _prepare(config, build, command, check, lock, started) -> PreparedRun:
     if config.train.eval_every_steps:  # tasks run beside the held-out loss, or not at all
         specs = parse_tasks(config.train.eval_tasks)
         eval_tasks = load_tasks(specs, config, datasets.tokenizer)
-    notes = resume_notes(config)
-    pinned.check_data(config, datasets.inputs)
+    if not restart:
+        pinned.check_data(config, datasets.inputs)
     objective, state, built_notes = build(config, mesh)
     batches = datasets.train_iterator()
-    state, resumed, damaged = restore_latest(config, state, batches)
+    restart_to = restart_target(config.run_dir) if restart else None
+    if restart_to is not None:
+        notes.append(f"--restart: the earlier run in {config.run_dir} moves to {restart_to}")
+    state, resumed, damaged = (state, [], []) if restart else restore_latest(config, state, batches)
     source = config.checkpoint.load_params_from
     if resumed:
         notes[:0] = resumed
@@ -253,6 +299,7 @@ def _prepare(config, build, command, check, lock, started) -> PreparedRun:
         eval_tasks,
         damaged,
         {**datasets.inputs, **objective.pinned_inputs()},
+        restart_to,
     )
 
 
@@ -260,7 +307,9 @@ def run_loop(run: PreparedRun):
     """Write the run directory (everything is validated by now), then loop, log and save."""
     config, mesh = run.config, run.mesh
     try:
-        is_main, taken = open_run_dir(config.run_dir, config, run.lock)
+        is_main, taken = open_run_dir(
+            config.run_dir, config, run.lock, int(run.state.step), run.restart_to
+        )
         if is_main:
             pinned.write(config.run_dir, run.inputs)
         if run.damaged:
@@ -355,17 +404,32 @@ def skip_cause(state) -> str:
 
 
 @contextmanager
-def stop_requests():
+def stop_requests(say: Callable[[str], None] = lambda message: None):
     """Turn SIGTERM and SIGINT into a flag the loop polls, so it can checkpoint, then exit 0.
 
-    With several processes, JAX's preemption service keeps SIGTERM (SIGINT is passed on to it as
-    SIGTERM) and picks one step at which every process stops: see `stop_due`.
+    The first request is acknowledged at once through `say`; a second Ctrl-C (SIGINT) exits at
+    once with code 130, saving nothing. With several processes, JAX's preemption service keeps
+    SIGTERM (SIGINT is passed on to it as SIGTERM) and picks one step at which every process
+    stops: see `stop_due`.
     """
     requested: list[int] = []
     several = jax.process_count() > 1
 
     def handler(signum, _frame):
-        requested.append(signum)
+        if requested and signum == signal.SIGINT:  # a second Ctrl-C
+            # os._exit: no checkpoint, no waiting for saves in flight (orbax leaves a temporary
+            # directory that the next run removes); metrics.jsonl is flushed row by row.
+            sys.stderr.write(
+                "kiln: interrupted again: exiting now without a checkpoint; the run resumes "
+                "from its last saved one\n"
+            )
+            sys.stderr.flush()
+            os._exit(130)
+        requested.append(signum)  # first: a second signal may arrive while this one is told
+        if len(requested) == 1:
+            name = signal.Signals(signum).name
+            again = "; Ctrl-C again to exit at once without one" if signum == signal.SIGINT else ""
+            say(f"{name}: stopping after this step with a checkpoint{again}")
         if several:
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -438,7 +502,7 @@ class Loop:
         self._first_step = None if self.started is None else first
         self._first_step_seconds: dict[str, float] = {}
         skips, pending = 0, None  # pending: (step, metrics on device), read one step late
-        with stop_requests() as stop:
+        with stop_requests(self.logger.info) as stop:
             for step in range(first, cfg.train.steps + 1):
                 profile.before(step, state)
                 state, metrics = self.step_fn(state, self.place(next(self.batches)))

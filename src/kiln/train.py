@@ -411,11 +411,14 @@ def evaluate(eval_step, state: TrainState, batches, mesh, config: Config) -> dic
 # The command
 
 
-def run(config: Config) -> TrainState:
-    """`kiln train`: validate against devices, data and any earlier run; then train and save."""
+def run(config: Config, restart: bool = False) -> TrainState | None:
+    """`kiln train`: validate against devices, data and any earlier run; then train and save.
+
+    `restart` starts the run over (see `kiln.runner.prepare_run`); None when it was complete.
+    """
     from kiln.runner import execute
 
-    return execute(config, _pretraining, command="kiln train")
+    return execute(config, _pretraining, command="kiln train", restart=restart)
 
 
 def _pretraining(config: Config, mesh: Mesh) -> tuple[Objective, TrainState, list[str]]:

@@ -1,0 +1,259 @@
+"""Every command in the fenced shell blocks of README.md and docs/**/*.md works as written.
+
+Each page runs in a scratch copy of the repository's configs/ and scripts/, in order, after the
+quickstart's first run (runs/tiny), as a reader who followed the quickstart would run it.
+`kiln` commands run in this process with their step counts divided by STEP_SCALE (a config is
+first validated as written, so a command that is wrong as written still fails). Where a real run
+is beyond a test (several processes, ahead-of-time compiles of 8B models, the scripts' kiln
+calls) the command line and its config are validated instead (`docs_dry_kiln.py`); installs and
+other tools are only recognised. A block is taken from a page when its language is one of SHELLS;
+a command with an ALL-CAPS placeholder (RUN_DIR, CONFIG.yaml) is a synopsis and is skipped.
+"""
+
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, kiln_env
+from kiln import cli
+from kiln.config import config_from_dict, load_config
+
+pytestmark = pytest.mark.slow
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+SHELLS = {"bash", "sh", "shell", "console"}
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+# Tools a page may name that the test does not run (installs, linters, servers, clusters); a
+# `kiln` command inside `srun ...` or `--command="..."` is still checked.
+EXTERNAL = {"python3", "pip", "ruff", "pytest", "mkdocs", "tensorboard", "docker", "gcloud", "srun"}
+STEP_SCALE = 100
+PLACEHOLDER = re.compile(r"\[?[A-Z][A-Z_]*(\.\.\.|\.yaml)?\]?\|?")
+# Inputs a page assumes the reader has: created in the scratch directory before the page runs.
+TEXT = "def f(x):\n    return x + 1\n"
+FIXTURES = {
+    "corpus/a.jsonl": (json.dumps({"text": TEXT}) + "\n") * 40,
+    "data/train.jsonl": (json.dumps({"text": TEXT}) + "\n") * 40,
+}
+# Runs that pages compare, made by scripts/zloss_ab.sh (whose kiln calls are only validated).
+SEEDED_RUNS = ("experiments/zloss_ab/zloss_off.yaml", "experiments/zloss_ab/zloss_1e-4.yaml")
+# Directories a page names as the reader's own: linked to what an earlier command wrote.
+STAND_INS = {"path/to/llama": "exported/tiny"}
+
+
+def shell_commands(page: Path) -> list[list[str]]:
+    """The commands of a page's shell blocks, in order: continuations joined, `&&` split."""
+    out = []
+    for lang, body in FENCE.findall(page.read_text()):
+        if lang not in SHELLS:
+            continue
+        for line in body.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            while words:
+                cut = words.index("&&") if "&&" in words else len(words)
+                out.append(words[:cut])
+                words = words[cut + 1 :]
+    return out
+
+
+def named_files(page: Path) -> dict[str, str]:
+    """YAML blocks whose first line names their file (`# finetune.yaml`)."""
+    files = {}
+    for lang, body in FENCE.findall(page.read_text()):
+        first = body.splitlines()[0] if body else ""
+        if lang == "yaml" and re.fullmatch(r"# [\w./-]+\.yaml", first):
+            files[first[2:]] = body
+    return files
+
+
+def is_synopsis(words: list[str]) -> bool:
+    return any(PLACEHOLDER.fullmatch(w) or w.startswith("[") for w in words[1:])
+
+
+def scaled(config, cache: Path):
+    """The config with step counts / STEP_SCALE and caches (`cache`) shared by every page."""
+    raw = config.model_dump(mode="json")
+    t, o, c = raw["train"], raw["optim"], raw["checkpoint"]
+    down = lambda n: n and max(1, math.ceil(n / STEP_SCALE))  # noqa: E731 - 0 stays 0
+    t["steps"] = down(t["steps"])
+    t["log_every_steps"] = down(t["log_every_steps"])
+    t["eval_every_steps"] = 0  # not a step count a command depends on; saves an eval compile
+    o["warmup_steps"] = min(down(o["warmup_steps"]), t["steps"])
+    c["every_steps"] = down(c["every_steps"])
+    t["compilation_cache_dir"] = str(cache / "jax")
+    if raw["data"]["source"] != "tokens":
+        raw["data"]["cache_dir"] = str(cache / "data")
+    return config_from_dict(raw)
+
+
+def dry(args) -> bool:
+    """Whether a kiln command is validated instead of run."""
+    if args.command == "compile" or (args.command == "config" and args.summary):
+        return True
+    if args.command in ("train", "distill"):
+        d = load_config(args.config, args.overrides).distributed
+        return d.num_processes > 1 or d.auto
+    return False
+
+
+def run_kiln(argv: list[str], later: str, cache: Path, capsys) -> None:
+    """A kiln command in this process; a training whose run no later command of the page
+    (`later`) names is only started up to its checks (config, run directory, data, teacher)."""
+    if "--step" in argv:  # a checkpoint step of a scaled run
+        i = argv.index("--step") + 1
+        argv = [*argv[:i], str(math.ceil(int(argv[i]) / STEP_SCALE)), *argv[i + 1 :]]
+    args = cli.parse_args(argv)
+    if dry(args):
+        load_config(args.config, args.overrides)
+        return
+    if args.command in ("train", "distill"):
+        config = scaled(load_config(args.config, args.overrides), cache)
+        if str(config.run_dir) not in later:
+            start_checks(config, args)
+            return
+    capsys.readouterr()
+    code = cli.main(argv)
+    assert code == 0, capsys.readouterr().err[-3000:]
+
+
+def start_checks(config, args) -> None:
+    """What `kiln train`/`kiln distill` checks before its first step, without the training."""
+    from kiln.data import make_datasets
+    from kiln.distill import read_teacher_config
+    from kiln.rundir import RunComplete
+    from kiln.runner import resume_notes
+
+    if args.command == "distill":
+        read_teacher_config(config)
+    try:
+        resume_notes(config, args.restart)
+    except RunComplete:
+        return
+    make_datasets(config)
+
+
+def run_script(words: list[str], scratch: Path) -> None:
+    env = kiln_env(PATH="/usr/bin:/bin")
+    env.pop("PYTHON", None)
+    env.pop("VIRTUAL_ENV", None)
+    proc = subprocess.Popen(
+        words, cwd=scratch, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:  # the script's processes too, not only the script
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+
+
+def run_command(words: list[str], later: str, scratch: Path, cache: Path, capsys) -> None:
+    prog = words[0].removeprefix(".venv/bin/")
+    for name, target in STAND_INS.items():
+        if name in words and not (scratch / name).exists():
+            (scratch / name).parent.mkdir(parents=True, exist_ok=True)
+            (scratch / name).symlink_to(scratch / target)
+    if prog == "kiln":
+        run_kiln(words[1:], later, cache, capsys)
+    elif prog.startswith("scripts/"):
+        run_script(words, scratch)
+    elif prog in EXTERNAL:
+        inner = [w.removeprefix("--command=") for w in words if w.startswith("--command=")]
+        inner = (
+            shlex.split(inner[0])
+            if inner
+            else words[words.index("kiln") :]
+            if "kiln" in words
+            else []
+        )
+        if inner:
+            run_kiln(inner[1:], later, cache, capsys)
+    else:
+        raise AssertionError(f"the docs test does not know the command {prog!r}: teach it")
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory):
+    """A scratch repository after the quickstart's first command (runs/tiny trained) and the
+    README's z-loss A/B (its two runs)."""
+    root = tmp_path_factory.mktemp("quickstart")
+    shutil.copytree(REPO / "configs", root / "configs")
+    shutil.copytree(REPO / "scripts", root / "scripts")
+    python = root / ".venv" / "bin" / "python"  # what the scripts find: validates their kiln calls
+    python.parent.mkdir(parents=True)
+    dry_kiln = Path(__file__).with_name("docs_dry_kiln.py")
+    python.write_text(
+        "#!/bin/bash\n"
+        'args=("$@")\n'
+        "for ((i = 0; i + 1 < ${#args[@]}; i++)); do\n"
+        "  if [[ ${args[i]} == -m && ${args[i+1]} == kiln.cli ]]; then\n"
+        f'    exec {sys.executable} {dry_kiln} "${{args[@]:i+2}}"\n'
+        "  fi\n"
+        "done\n"
+        f'exec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        scale_cli(mp, root.parent / "cache")
+        for config in ("tiny.yaml", *SEEDED_RUNS):
+            assert cli.main(["train", f"configs/{config}"]) == 0
+    return root
+
+
+def scale_cli(mp: pytest.MonkeyPatch, cache: Path) -> None:
+    """`kiln` commands of this process load configs as written, then scale them."""
+    mp.setattr(cli, "_load", lambda args: scaled(load_config(args.config, args.overrides), cache))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_command_of_the_page_works(page, quickstart, tmp_path, monkeypatch, capsys):
+    commands = [w for w in shell_commands(page) if not is_synopsis(w)]
+    if not commands:
+        pytest.skip("no commands")
+    scratch = tmp_path / "repo"
+    shutil.copytree(quickstart, scratch, symlinks=True)
+    for name, text in {**FIXTURES, **named_files(page)}.items():
+        (scratch / name).parent.mkdir(parents=True, exist_ok=True)
+        (scratch / name).write_text(text)
+    monkeypatch.chdir(scratch)
+    scale_cli(monkeypatch, quickstart.parent / "cache")
+    for i, words in enumerate(commands):
+        later = " ".join(" ".join(w) for w in commands[i + 1 :])
+        later += " ".join(named_files(page).values())
+        try:
+            run_command(words, later, scratch, quickstart.parent / "cache", capsys)
+        except (AssertionError, SystemExit, Exception) as e:
+            raise AssertionError(f"{page.name}: `{shlex.join(words)}` fails: {e}") from e
+
+
+@pytest.mark.parametrize("script", ["launch_local.sh", "zloss_ab.sh"])
+def test_a_script_without_kiln_says_how_to_get_it(script, tmp_path):
+    shutil.copytree(REPO / "scripts", tmp_path / "scripts")
+    python = tmp_path / "bin" / "python3"  # the only python on PATH: one without kiln
+    python.parent.mkdir()
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')  # no PYTHONPATH, no site
+    python.chmod(0o755)
+    env = {"PATH": f"{python.parent}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    args = ["2", "configs/tiny.yaml"] if script == "launch_local.sh" else []
+    proc = subprocess.run(
+        [tmp_path / "scripts" / script, *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot import kiln" in lines[0] and ".venv" in lines[0], lines
+    assert "PYTHON=" in lines[0]
