@@ -3,6 +3,7 @@
 import json
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,10 +74,17 @@ def test_offline_run_mirrors_every_metric_and_a_resume_continues_it(tmp_path, wa
             logged.append({"step": step, **values})
         logger.close()
 
-    runs = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    # W&B's service process writes the offline file; on a loaded machine its last records can
+    # land just after finish() returns, so read until they are there (or 30 s have passed).
+    deadline = time.monotonic() + 30
+    while True:
+        runs = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+        rows = [r for p in runs for r in history(p)]
+        mirrored = [{"step": r["_step"], **{k: v for k, v in r.items() if "/" in k}} for r in rows]
+        if mirrored == logged or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert len(runs) == 2 and len({p.name for p in runs}) == 1  # one W&B run id, two segments
-    rows = [r for p in runs for r in history(p)]
-    mirrored = [{"step": r["_step"], **{k: v for k, v in r.items() if "/" in k}} for r in rows]
     assert mirrored == logged
     jsonl = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert jsonl == logged
