@@ -148,7 +148,15 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from kiln.data.prepare import run_prepare
 
     print(
-        run_prepare(args.input, args.format, args.field, args.tokenizer, args.output, args.workers)
+        run_prepare(
+            args.input,
+            args.format,
+            args.field,
+            args.tokenizer,
+            args.output,
+            args.workers,
+            args.on_decode_error,
+        )
     )
     return 0
 
@@ -251,6 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_at_least_one,
         default=None,
         help="parallel workers (default: every core; one for inputs under 8 MB)",
+    )
+    p.add_argument(
+        "--on-decode-error",
+        choices=("error", "skip", "replace"),
+        default="error",
+        help="a text file or JSONL line that is not UTF-8: stop (default), leave it out, or "
+        "replace its invalid bytes (the counts are printed)",
     )
     p.set_defaults(func=cmd_prepare)
 

@@ -28,6 +28,7 @@ from kiln.checkpoint import (
     restore_params,
 )
 from kiln.config import Config, read_run_config
+from kiln.console import Summary
 from kiln.errors import KilnError, RunStopped
 from kiln.metrics import MetricsLogger, perf_metrics
 from kiln.profiling import ProfileWindow, cache_events, compilation_cache_for
@@ -38,6 +39,8 @@ FROZEN_ON_RESUME = (
     "data.source",
     "data.synthetic_kind",
     "data.paths",
+    "data.eval_paths",
+    "data.on_decode_error",
     "data.field",
     "data.tokenizer",
     "data.seq_len",
@@ -191,8 +194,10 @@ def run_loop(run: PreparedRun):
     is_main = open_run_dir(config.run_dir, config)
     ckpt = Checkpointer(config.run_dir, config.checkpoint)
     logger = MetricsLogger(config.run_dir, config, enabled=is_main, start_step=int(run.state.step))
-    for note in run.notes:
+    for note in run.notes + run.datasets.notes:
         logger.info(note)
+    for warning in run.datasets.warnings:
+        logger.warn(warning)
 
     eval_fn = None
     if config.train.eval_every_steps:
@@ -303,6 +308,7 @@ class Loop:
 
     def run(self, state):
         cfg = self.config
+        self._loop_start = time.perf_counter()
         first = int(state.step) + 1
         profile = ProfileWindow(cfg.train.profile_steps, cfg.run_dir / "tensorboard", first)
         try:
@@ -315,11 +321,20 @@ class Loop:
         clock = StepClock(cfg, self.flops_per_token)
         self._first_step = None if self.started is None else first
         self._first_step_seconds: dict[str, float] = {}
+        self._first_done = None  # perf_counter() when the first step's metrics arrived
         skips, pending = 0, None  # pending: (step, metrics on device), read one step late
         with stop_requests() as stop:
             for step in range(first, cfg.train.steps + 1):
                 profile.before(step, state)
-                state, metrics = self.step_fn(state, self.place(next(self.batches)))
+                batch = self.place(next(self.batches))
+                if step == first:
+                    self.logger.status("compiling the train step…")
+                    compile_start = time.perf_counter()
+                state, metrics = self.step_fn(state, batch)
+                if step == first:  # jit traces and compiles in the call; the step runs after
+                    seconds = time.perf_counter() - compile_start
+                    self.logger.info(f"compiled the train step in {seconds:.1f}s")
+                    self.logger.status("")
                 profile.after(step, (state, metrics))
                 if pending is not None:
                     skips = skips + 1 if self._finish(*pending, clock) else 0
@@ -354,7 +369,26 @@ class Loop:
             )
         self._save(state)
         self.ckpt.wait()
+        self.logger.summary(self._summary(first, int(state.step)))
         return state
+
+    def _summary(self, first: int, last: int) -> Summary:
+        """Figures of this invocation: steps, wall time, tokens/s after the first step, losses."""
+        cfg, now = self.config, time.perf_counter()
+        tokens_per_sec = None
+        if self._first_done is not None and last > first and now > self._first_done:
+            tokens = (last - first) * cfg.train.global_batch_size * cfg.data.seq_len
+            tokens_per_sec = tokens / (now - self._first_done)
+        return Summary(
+            run_dir=cfg.run_dir,
+            steps=last - first + 1,
+            last_step=last,
+            seconds=now - (self.started if self.started is not None else self._loop_start),
+            tokens_per_sec=tokens_per_sec,
+            train_loss=self.logger.last.get("learning/loss"),
+            eval_loss=self.logger.last.get("eval/loss"),
+            checkpoint=cfg.run_dir / "checkpoints" / str(last),
+        )
 
     def _save(self, state) -> None:
         self.ckpt.save(int(state.step), checkpoint_tree(state), self.batches.get_state())
@@ -362,6 +396,8 @@ class Loop:
     def _finish(self, step: int, metrics, clock: StepClock) -> bool:
         """Fetch a dispatched step's metrics and log them when due; returns whether it skipped."""
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if self._first_done is None:
+            self._first_done = time.perf_counter()
         if step == self._first_step:
             self._first_step_seconds = {"perf/time_to_first_step_seconds": self._first_arrived()}
         perf = clock.tick(step)

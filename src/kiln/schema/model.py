@@ -16,9 +16,9 @@ class ModelConfig(Section):
         "llama",
         description="Model family (the implementation in kiln.model.FAMILIES): llama = pre-norm RMSNorm blocks, grouped-query attention with rotary embeddings, SwiGLU MLP.",
     )
-    vocab_size: PositiveInt = Field(
+    vocab_size: PositiveInt | Literal["auto"] = Field(
         384,
-        description="Vocabulary size of the embedding and LM head; >= the tokenizer's vocabulary (a multiple of 128 is fastest).",
+        description="Vocabulary size of the embedding and LM head; >= the tokenizer's vocabulary (a multiple of 128 is fastest). auto = the tokenizer's size rounded up to a multiple of 128, set when the config is loaded (config.yaml of the run records the number).",
     )
     d_model: PositiveInt = Field(256, description="Width of the residual stream.")
     num_layers: PositiveInt = Field(4, description="Number of Transformer blocks.")
