@@ -4,6 +4,7 @@ loading with `base_config`, overrides, and errors that name every problem at onc
 from __future__ import annotations
 
 import difflib
+import typing
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -474,5 +475,11 @@ def schema_rows(
 
 
 def _type_name(ann: Any) -> str:
+    args = typing.get_args(ann)
+    if any(typing.get_origin(a) is typing.Annotated for a in args):  # e.g. PositiveInt | "auto"
+        return " | ".join(
+            _type_name(typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a)
+            for a in args
+        )
     text = repr(ann) if not isinstance(ann, type) else ann.__name__
     return text.replace("typing.", "").replace("NoneType", "None")
