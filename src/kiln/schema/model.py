@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import pydantic
 from pydantic import Field
 
 from kiln.schema.base import INT32_MAX, PositiveInt, Section
@@ -85,6 +86,14 @@ class ModelConfig(Section):
         allow_inf_nan=False,
         description="Standard deviation of the normal initialiser of embeddings and projections.",
     )
+
+    @pydantic.field_validator("vocab_size", mode="plain")
+    @classmethod
+    def _size_or_auto(cls, value):
+        # One error line for either form (a union would report one per member).
+        if value == "auto" or (type(value) is int and 0 < value <= INT32_MAX):
+            return value
+        raise ValueError(f"allowed: an integer in 1..{INT32_MAX}, or auto")
 
     @property
     def kv_heads(self) -> int:
