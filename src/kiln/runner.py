@@ -361,6 +361,7 @@ class Loop:
                     return state
             if pending is not None:
                 skips = skips + 1 if self._finish(*pending, clock) else 0
+        self._trained_end = time.perf_counter()
         trained = cfg.train.steps - first + 1
         if trained > 0 and skips == trained:
             raise RunStopped(
@@ -374,11 +375,13 @@ class Loop:
 
     def _summary(self, first: int, last: int) -> Summary:
         """Figures of this invocation: steps, wall time, tokens/s after the first step, losses."""
-        cfg, now = self.config, time.perf_counter()
+        cfg, now, end = self.config, time.perf_counter(), self._trained_end
         tokens_per_sec = None
-        if self._first_done is not None and last > first and now > self._first_done:
+        if self._first_done is not None and last > first and end > self._first_done:
+            # Steps after the first ran between its result and the last one (the final save
+            # and the compilation are left out).
             tokens = (last - first) * cfg.train.global_batch_size * cfg.data.seq_len
-            tokens_per_sec = tokens / (now - self._first_done)
+            tokens_per_sec = tokens / (end - self._first_done)
         return Summary(
             run_dir=cfg.run_dir,
             steps=last - first + 1,
