@@ -92,6 +92,7 @@ class MetricsLogger:
 
     def progress(self, step: int, values: dict[str, float]) -> None:
         if self.enabled:
+            self.tokens_per_sec = values.get("perf/tokens_per_sec", self.tokens_per_sec)
             status = f"loss {values['learning/loss']:.4f}"
             if self.tokens_per_sec:
                 status += f"  {self.tokens_per_sec:,.0f} tok/s"

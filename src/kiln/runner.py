@@ -405,7 +405,7 @@ class Loop:
             self._first_step_seconds = {"perf/time_to_first_step_seconds": self._first_arrived()}
         perf = clock.tick(step)
         skipped = values.get("learning/step_skipped", 0.0) > 0
-        self.logger.progress(step, values)
+        self.logger.progress(step, {**values, **(perf or {})})
         if skipped:
             self.logger.warn(f"step {step}: non-finite loss or gradient, update skipped")
         due = step % self.config.train.log_every_steps == 0 or step == self.config.train.steps
