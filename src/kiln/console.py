@@ -100,13 +100,20 @@ def next_commands(run: Path) -> list[str]:
     ]
 
 
+def _width(stream) -> int | None:
+    """None (the terminal's width) on a terminal, else wide enough for any path."""
+    return None if stream.isatty() else 1000
+
+
 class RunConsole:
     """Process 0's console: step lines on stdout, everything else on stderr, a bar on a terminal."""
 
     def __init__(self, total: int, start_step: int, *, progress: bool):
         self.total = total
-        self.out = Console(soft_wrap=True, highlight=False)  # stdout, looked up at each print
-        self.err = Console(stderr=True, soft_wrap=True, highlight=False)
+        # stdout (looked up at each print, so a live bar can route it); a file or pipe gets
+        # the summary at its natural width rather than wrapped or cropped at 80 columns.
+        self.out = Console(soft_wrap=True, highlight=False, width=_width(sys.stdout))
+        self.err = Console(stderr=True, soft_wrap=True, highlight=False, width=_width(sys.stderr))
         self.bar = None
         if progress and sys.stderr.isatty():
             self.bar = Progress(
