@@ -112,8 +112,10 @@ class RunConsole:
         self.total = total
         # stdout (looked up at each print, so a live bar can route it); a file or pipe gets
         # the summary at its natural width rather than wrapped or cropped at 80 columns.
-        self.out = Console(soft_wrap=True, highlight=False, width=_width(sys.stdout))
-        self.err = Console(stderr=True, soft_wrap=True, highlight=False, width=_width(sys.stderr))
+        self.out = Console(soft_wrap=True, highlight=False, markup=False, width=_width(sys.stdout))
+        self.err = Console(
+            stderr=True, soft_wrap=True, highlight=False, markup=False, width=_width(sys.stderr)
+        )
         self.bar = None
         if progress and sys.stderr.isatty():
             self.bar = Progress(
