@@ -152,6 +152,13 @@ def test_vocab_size_auto_and_the_tokenizer_from_the_shards_manifest(tmp_path):
     assert config.model.vocab_size == 256  # 130 rounded up
     batch = next(make_datasets(config).train_iterator())
     assert set(batch["inputs"].ravel().tolist()) <= {1, 2, 3, 4, 5}  # the words and EOS
+    # On top of configs/tiny.yaml (which leaves data.tokenizer to its default) too.
+    shards = tmp_path / "shards"
+    tiny = load_config(
+        REPO / "configs/tiny.yaml",
+        ["data.source=tokens", f"data.paths={shards}", "model.vocab_size=auto"],
+    )
+    assert (tiny.data.tokenizer, tiny.model.vocab_size) == (spec, 256)
     # A tokenizer given in the config still wins, and is checked against the shards.
     with pytest.raises(KilnError, match=r"shards were tokenized with"):
         make_datasets(load_config(config_file, ["data.tokenizer=byte"]))
