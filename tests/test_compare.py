@@ -191,15 +191,18 @@ def test_end_to_end_on_a_real_run_and_its_tensorboard_copy(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert png_size(out) == (1000, 680)
-    table = proc.stdout.splitlines()
+    caption, *table = proc.stdout.splitlines()
+    assert "trailing mean over 2 logged points as plotted" in caption
     assert table[0].split() == ["run", *METRICS]
     real, events = table[1].split(), table[2].split()
     assert real[0] == "real" and events[0] == "events_only"
     assert real[1:] == events[1:]  # metrics.jsonl and the events hold the same figures
     lines = (tmp_path / "real" / "metrics.jsonl").read_text().splitlines()
-    last = json.loads(lines[-1])
-    assert last["step"] == 6
-    assert real[1:] == [x for tag in METRICS for x in (f"{last[tag]:.5g}", "@6")]
+    before, last = json.loads(lines[-2]), json.loads(lines[-1])
+    assert (before["step"], last["step"]) == (4, 6)
+    # The table shows what the plot ends on: the mean of the last 2 logged points.
+    mean = {tag: (before[tag] + last[tag]) / 2 for tag in METRICS}
+    assert real[1:] == [x for tag in METRICS for x in (f"{mean[tag]:.5g}", "@6")]
 
 
 def test_a_metric_one_run_lacks_is_a_note_and_the_table_is_smoothed_as_plotted(tmp_path):
