@@ -101,3 +101,9 @@ def test_distillation_lines_show_hard_and_soft_losses():
     assert "feature" not in line  # beta = 0: the feature term is off
     values["distill/feature_loss"] = 0.25
     assert "feature 0.2500" in step_line(7, 10, values)
+
+
+def test_a_skipped_step_prints_its_non_finite_figures():
+    nan, inf = float("nan"), float("inf")
+    values = {"learning/loss": nan, "learning/raw_grad_norm": inf, "perf/tokens_per_sec": nan}
+    assert step_line(3, 10, values) == "step 3/10  loss nan  grad_norm inf  nan tok/s"

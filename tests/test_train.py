@@ -247,6 +247,7 @@ class NanData:
 
     def __init__(self, real):
         self.real = real
+        self.notes, self.warnings = real.notes, real.warnings  # what the run prints at start
 
     def train_iterator(self):
         inner = self.real.train_iterator()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 
 def count(n: int | float) -> str:
-    """An integer count with thousands separators: 1234567 -> '1,234,567'."""
-    return f"{round(n):,}"
+    """An integer count with thousands separators: 1234567 -> '1,234,567' (nan, inf as such)."""
+    return f"{round(n):,}" if math.isfinite(n) else str(n)
 
 
 def plural(n: int, word: str, many: str | None = None) -> str:
