@@ -191,12 +191,65 @@ def test_end_to_end_on_a_real_run_and_its_tensorboard_copy(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert png_size(out) == (1000, 680)
-    table = proc.stdout.splitlines()
+    caption, *table = proc.stdout.splitlines()
+    assert "trailing mean over 2 logged points as plotted" in caption
     assert table[0].split() == ["run", *METRICS]
     real, events = table[1].split(), table[2].split()
     assert real[0] == "real" and events[0] == "events_only"
     assert real[1:] == events[1:]  # metrics.jsonl and the events hold the same figures
     lines = (tmp_path / "real" / "metrics.jsonl").read_text().splitlines()
-    last = json.loads(lines[-1])
-    assert last["step"] == 6
-    assert real[1:] == [x for tag in METRICS for x in (f"{last[tag]:.5g}", "@6")]
+    before, last = json.loads(lines[-2]), json.loads(lines[-1])
+    assert (before["step"], last["step"]) == (4, 6)
+    # The table shows what the plot ends on: the mean of the last 2 logged points.
+    mean = {tag: (before[tag] + last[tag]) / 2 for tag in METRICS}
+    assert real[1:] == [x for tag in METRICS for x in (f"{mean[tag]:.5g}", "@6")]
+
+
+def test_a_metric_one_run_lacks_is_a_note_and_the_table_is_smoothed_as_plotted(tmp_path):
+    a, b = fake_values(0), fake_values(1)
+    del b["learning/lm_head_norm"]
+    write_run(tmp_path / "run_a", a)
+    write_run(tmp_path / "run_b", b)
+    proc = kiln(
+        "compare", "run_a", "run_b", "--metrics", "learning/loss,learning/lm_head_norm",
+        "--smooth", "3", "--out", "x.png", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        proc.stderr
+        == "kiln: run_b: no metric 'learning/lm_head_norm'; its panel shows the other runs\n"
+    )
+    fig = compare(
+        [tmp_path / "run_a", tmp_path / "run_b"],
+        ["learning/loss", "learning/lm_head_norm"],
+        tmp_path / "y.png",
+    )
+    assert [len(ax.get_lines()) for ax in fig.axes] == [2, 1]
+    # The table's last values are the plotted (trailing mean over 3) ones, and say so.
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[2:4]}
+    assert "trailing mean over 3" in proc.stdout.splitlines()[0]
+    assert float(rows["run_a"][1]) == pytest.approx(
+        moving_average(a["learning/loss"], 3)[-1], rel=1e-4
+    )  # %.5g
+    assert float(rows["run_b"][1]) == pytest.approx(
+        moving_average(b["learning/loss"], 3)[-1], rel=1e-4
+    )
+    assert rows["run_b"][3] == "-"
+
+
+def test_log_scale_ticks_are_plain_numbers_within_the_data(tmp_path):
+    values = {"learning/loss": list(np.linspace(6.0, 1.7, len(STEPS)))}
+    write_run(tmp_path / "run_a", values)
+    fig = compare([tmp_path / "run_a"], ["learning/loss"], tmp_path / "x.png", log_scale=True)
+    ax = fig.axes[0]
+    lo, hi = ax.get_ylim()
+    label = ax.yaxis.get_major_formatter()
+    labels = [(loc, label(loc)) for loc in ax.get_yticks() if lo <= loc <= hi]
+    shown = [float(text) for _, text in labels if text]  # plain numbers, not 2x10^0
+    assert len(shown) >= 3, labels  # a 1.7..6 axis is labelled 2, 3, 4, 5, 6
+    assert all(lo <= v <= hi for v in shown)
+
+
+def test_version():
+    proc = kiln("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("kiln 0.1.0 (jax ")

@@ -472,7 +472,11 @@ def test_distillation_run_resumes_like_a_training_run(tmp_path):
     want = metrics(tmp_path / "runs" / "straight")
     assert sorted(want) == [1, 2, 3, 4, 5, 6]
     assert all(k in want[6] for k in [f"distill/{m}" for m in distill.METRICS])
-    assert all(k in want[6] for k in ("learning/grad_norm", "perf/mfu"))
+    assert all(k in want[6] for k in ("learning/grad_norm", "perf/tokens_per_sec"))
+    # The console shows the parts of the balanced total, not only the total.
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("step 6/6  loss"))
+    assert f"hard {want[6]['distill/hard_loss']:.4f}" in line, line
+    assert f"soft {want[6]['distill/soft_loss']:.4f}" in line, line
 
     kiln("distill", student("resumed", 4))  # stops after the checkpoint at step 4
     proc = kiln("distill", student("resumed", 6))

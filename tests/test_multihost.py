@@ -73,7 +73,7 @@ def test_two_processes_match_one_and_checkpoints_move_between_them(tmp_path):
     assert two.returncode == 0, two.stderr[-3000:]
     assert sorted(losses(runs / "two")) == [1, 2, 3, 4, 5]
     assert_close(losses(runs / "two"), want, range(1, 6))
-    printed = [line for line in two.stderr.splitlines() if "step 5/5" in line]
+    printed = [line for line in two.stdout.splitlines() if "step 5/5" in line]
     assert printed and all(line.startswith("[0] ") for line in printed), printed
     assert len(list((runs / "two" / "tensorboard").iterdir())) == 1  # one event file
     assert (runs / "two" / "checkpoints" / "5").is_dir()

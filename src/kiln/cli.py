@@ -167,7 +167,15 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from kiln.data.prepare import run_prepare
 
     print(
-        run_prepare(args.input, args.format, args.field, args.tokenizer, args.output, args.workers)
+        run_prepare(
+            args.input,
+            args.format,
+            args.field,
+            args.tokenizer,
+            args.output,
+            args.workers,
+            args.on_decode_error,
+        )
     )
     return 0
 
@@ -176,8 +184,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from kiln.compare import compare, final_values, load_runs
 
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
-    compare(args.run_dirs, metrics, args.out, window=args.smooth, log_scale=args.log_scale)
-    print(final_values(load_runs(args.run_dirs, metrics), metrics))
+    notes: list[str] = []
+    compare(
+        args.run_dirs, metrics, args.out, window=args.smooth, log_scale=args.log_scale, notes=notes
+    )
+    for note in notes:
+        print(f"kiln: {note}", file=sys.stderr)
+    print(final_values(load_runs(args.run_dirs, metrics), metrics, args.smooth))
     print(f"wrote {args.out}")
     return 0
 
@@ -229,6 +242,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def version() -> str:
+    """kiln's version and the versions of the libraries a run's numbers depend on."""
+    from importlib import metadata
+
+    import kiln
+
+    pinned = []
+    for name in ("jax", "flax", "optax", "orbax-checkpoint"):
+        try:
+            pinned.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pinned.append(f"{name} not installed")
+    return f"kiln {kiln.__version__} ({', '.join(pinned)})"
+
+
 def format_schema(rows: Sequence[tuple[str, str, str, str]], fmt: str) -> str:
     """Every config field with type, default and description, as text or a markdown table."""
     if fmt == "markdown":
@@ -241,6 +269,7 @@ def format_schema(rows: Sequence[tuple[str, str, str, str]], fmt: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kiln", description="LLM pre-training and distillation on JAX.")
+    parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("train", help="train from a YAML config (resumes the run if it exists)")
@@ -310,6 +339,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_at_least_one,
         default=None,
         help="parallel workers (default: every core; one for inputs under 8 MB)",
+    )
+    p.add_argument(
+        "--on-decode-error",
+        choices=("error", "skip", "replace"),
+        default="error",
+        help="a text file or JSONL line that is not UTF-8: stop (default), leave it out, or "
+        "replace its invalid bytes (the counts are printed)",
     )
     p.set_defaults(func=cmd_prepare)
 

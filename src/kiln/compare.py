@@ -138,21 +138,30 @@ def run_names(run_dirs: Sequence[str | Path]) -> list[str]:
     return [str(d) for d in run_dirs]
 
 
-def load_runs(run_dirs: Sequence[str | Path], metrics: Sequence[str]) -> dict[str, Series]:
-    """{run name: {metric: (steps, values)}}; a KilnError names any missing run or tag."""
+def load_runs(
+    run_dirs: Sequence[str | Path], metrics: Sequence[str], notes: list[str] | None = None
+) -> dict[str, Series]:
+    """{run name: {metric: (steps, values)}} with the metrics each run has; a metric that some
+    runs lack is a line in `notes`, one that no run has is a KilnError, as is a missing run."""
     if not run_dirs:
         raise KilnError("compare: give at least one run directory")
     if not metrics:
         raise KilnError("compare: --metrics is empty; give tags such as learning/loss")
-    runs = {}
+    runs, available = {}, {}
     for name, run_dir in zip(run_names(run_dirs), run_dirs, strict=True):
         series = read_run(run_dir)
-        for tag in metrics:
-            if tag not in series:
-                raise KilnError(
-                    f"{run_dir}: no metric {tag!r}; available: {', '.join(sorted(series))}"
-                )
-        runs[name] = {tag: series[tag] for tag in metrics}
+        runs[name] = {tag: series[tag] for tag in metrics if tag in series}
+        available[run_dir] = sorted(series)
+    for tag in metrics:
+        lacking = [d for d, s in zip(run_dirs, runs.values()) if tag not in s]
+        if len(lacking) == len(run_dirs):
+            first = run_dirs[0]
+            others = "" if len(run_dirs) == 1 else "; no other run has it either"
+            raise KilnError(
+                f"{first}: no metric {tag!r}; available: {', '.join(available[first])}{others}"
+            )
+        if notes is not None:
+            notes += [f"{d}: no metric {tag!r}; its panel shows the other runs" for d in lacking]
     return runs
 
 
@@ -180,6 +189,8 @@ def plot(runs: dict[str, Series], metrics: Sequence[str], *, window: int = 1, lo
         fig.delaxes(ax)
     for ax, tag in zip(axes, metrics, strict=False):
         for name, series in runs.items():
+            if tag not in series:
+                continue
             steps, values = series[tag]
             label = name
             if log_scale and not np.any(values > 0):
@@ -188,6 +199,7 @@ def plot(runs: dict[str, Series], metrics: Sequence[str], *, window: int = 1, lo
             ax.plot(steps, smooth(values, window), label=label, linewidth=1.4, marker=marker)
         if log_scale:
             ax.set_yscale("log", nonpositive="mask")
+            _readable_log_ticks(ax)
         ax.set_title(tag, fontsize=11)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -198,16 +210,42 @@ def plot(runs: dict[str, Series], metrics: Sequence[str], *, window: int = 1, lo
     return fig
 
 
-def final_values(runs: dict[str, Series], metrics: Sequence[str]) -> str:
-    """A text table of each run's last logged value (and its step) for every metric."""
+def _readable_log_ticks(ax) -> None:
+    """Log-scale ticks labelled as plain numbers (2, 3, 5 rather than 2x10^0), denser when
+    the data span less than a decade, so a loss axis from 1.7 to 6 still has labels."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    lo, hi = ax.get_ylim()
+    decades = math.log10(hi / lo) if lo > 0 and hi > lo else 1.0
+    subs = tuple(range(1, 10)) if decades < 1 else (1.0, 2.0, 5.0) if decades < 4 else (1.0,)
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def final_values(runs: dict[str, Series], metrics: Sequence[str], window: int = 1) -> str:
+    """A text table of each run's last value (and its step) for every metric, smoothed as the
+    plot is (the trailing mean over `window` logged points); '-' where a run lacks the metric."""
     name_w = max(len("run"), *(len(n) for n in runs))
     cols = [max(len(t), 18) for t in metrics]
-    lines = ["  ".join([f"{'run':<{name_w}}", *(f"{t:>{w}}" for t, w in zip(metrics, cols))])]
+    what = (
+        "last logged value"
+        if window <= 1
+        else f"last value, trailing mean over {window} logged points as plotted"
+    )
+    lines = [
+        f"{what} @ step",
+        "  ".join([f"{'run':<{name_w}}", *(f"{t:>{w}}" for t, w in zip(metrics, cols))]),
+    ]
     for name, series in runs.items():
         cells = []
         for tag, w in zip(metrics, cols):
+            if tag not in series:
+                cells.append(f"{'-':>{w}}")
+                continue
             steps, values = series[tag]
-            cells.append(f"{f'{values[-1]:.5g} @{steps[-1]}':>{w}}")
+            last = smooth(values, window)[-1]
+            cells.append(f"{f'{last:.5g} @{steps[-1]}':>{w}}")
         lines.append("  ".join([f"{name:<{name_w}}", *cells]))
     return "\n".join(lines)
 
@@ -219,12 +257,14 @@ def compare(
     *,
     window: int = 1,
     log_scale: bool = False,
+    notes: list[str] | None = None,
 ):
-    """Plot `metrics` of `run_dirs` into `out` (format from its suffix) and return the Figure."""
+    """Plot `metrics` of `run_dirs` into `out` (format from its suffix) and return the Figure;
+    `notes` receives a line for each metric a run lacks."""
     if window < 1:
         raise KilnError(f"--smooth: got {window}; must be >= 1 (1 = no smoothing)")
     out = Path(out)
-    runs = load_runs(run_dirs, metrics)
+    runs = load_runs(run_dirs, metrics, notes)
     fig = plot(runs, metrics, window=window, log_scale=log_scale)
     formats = fig.canvas.get_supported_filetypes()
     if out.suffix.lstrip(".").lower() not in formats:

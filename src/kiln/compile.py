@@ -22,6 +22,7 @@ from typing import Any
 
 from kiln.config import MESH_AXES, Config
 from kiln.errors import KilnError, RunStopped
+from kiln.humanize import plural
 
 GB = 1e9  # --hbm-gb is in decimal gigabytes, as accelerator memory is sold
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -300,8 +301,9 @@ def format_report(report: StepReport, config_path: str) -> str:
     mesh = " x ".join(f"{a}={s}" for a, s in report.mesh.items())
     m, f = report.memory, report.flops
     lines = [
-        f"compiled the `{report.command}` step of {config_path} for {report.devices} "
-        f"{report.platform} devices ({mesh}) in {report.compile_seconds:.1f} s",
+        f"compiled the `{report.command}` step of {config_path} for "
+        f"{plural(report.devices, report.platform + ' device')} ({mesh}) in "
+        f"{report.compile_seconds:.1f} s",
         "memory per device (memory_analysis):",
         f"  arguments    {_gb(m['arguments'])}  (state, batch)",
         f"  outputs      {_gb(m['outputs'])}",
@@ -363,7 +365,8 @@ def summary_lines(report: StepReport, hbm_gb: float | None) -> str:
     """The compiled memory of `kiln config --summary`: activations and whether the peak fits."""
     m = report.memory
     lines = [
-        f"compiled step:     {report.devices} {report.platform} devices, per device: arguments "
+        f"compiled step:     {plural(report.devices, report.platform + ' device')}, per device: "
+        "arguments "
         f"{m['arguments'] / GB:.2f} GB + activations and temporaries {m['temporaries'] / GB:.2f} GB"
         f" -> peak {m['peak'] / GB:.2f} GB ({report.peak_source}; `kiln compile` for more)"
     ]

@@ -4,6 +4,7 @@ loading with `base_config`, overrides, and errors that name every problem at onc
 from __future__ import annotations
 
 import difflib
+import typing
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,11 @@ def _cross_field_errors(
             yield f"model.head_dim: rotary embeddings need an even head width, got {m.resolved_head_dim}"
     if ok("data", "model") and c.data.seq_len > m.max_seq_len:
         yield f"data.seq_len: {c.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}"
+    if ok("data") and c.data.eval_paths and c.data.source == "synthetic":
+        yield (
+            f"data.eval_paths: {c.data.eval_paths} given, but data.source is synthetic (its "
+            "held-out stream is generated); allowed: eval_paths with text, jsonl, parquet or tokens"
+        )
     if ok("optim", "train") and c.optim.warmup_steps > t.steps:
         yield (
             f"optim.warmup_steps: {c.optim.warmup_steps} exceeds train.steps={t.steps}; "
@@ -197,6 +203,8 @@ def _mesh_errors(c: Config, num_devices: int | None) -> Iterator[str]:
             f"({rows} sequences x {cols} tokens); allowed: a divisor of that number"
         )
     vocab, chunk = c.model.vocab_size, loss.vocab_chunk_size
+    if vocab == "auto":
+        return  # checked once the tokenizer has set it (kiln.data.resolve)
     if chunk is not None and (vocab % vocab_shards or (vocab // vocab_shards) % chunk):
         yield (
             f"loss.vocab_chunk_size: {chunk} does not divide the vocabulary of one shard "
@@ -258,11 +266,16 @@ def check_devices(config: Config, num_devices: int) -> dict[str, int]:
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
-    """Read YAML (following `base_config`), apply `a.b=c` overrides, validate; raises KilnError."""
+    """Read YAML (following `base_config`), apply `a.b=c` overrides, validate, then fill in what
+    the data decides (`model.vocab_size: auto`, the tokenizer of shards); raises KilnError."""
     raw = _load_yaml_tree(Path(path), stack=())
     for item in overrides:
         _apply_override(raw, item)
-    return config_from_dict(raw)
+    config = config_from_dict(raw)
+    from kiln.data.resolve import resolve_data_fields  # kiln.data reads manifests, tokenizers
+
+    resolved = resolve_data_fields(raw, config)
+    return config if resolved is None else config_from_dict(resolved)
 
 
 def yaml_layers(path: str | Path, overrides: Sequence[str] = ()) -> list[tuple[str, dict]]:
@@ -378,8 +391,10 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         raise KilnError(f"override {item!r}: expected KEY=VALUE, e.g. loss.z_loss_multiplier=1e-4")
     try:
         value = yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
-        value = text
+    except yaml.YAMLError as e:
+        if text.lstrip()[:1] in "[{":
+            raise KilnError(_quoting_hint(item, key, text, e)) from None
+        value = text  # a plain word YAML cannot read (e.g. *.md): the text as it is
     parts = key.split(".")
     node = raw
     for i, part in enumerate(parts[:-1]):
@@ -388,6 +403,19 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
             raise KilnError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
         node = child
     node[parts[-1]] = value
+
+
+def _quoting_hint(item: str, key: str, text: str, e: yaml.YAMLError) -> str:
+    """A list or mapping override that is not valid YAML: usually an unquoted glob or colon."""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    inner = [p.strip().strip("'\"") for p in text.strip().strip("[]{}").split(",") if p.strip()]
+    quoted = ", ".join(f'"{p}"' for p in inner) if inner else '"a", "b"'
+    return (
+        f"override {item!r}: {text!r} is not valid YAML ({problem}); in a list, quote items "
+        f"that start with * & ! % @ or hold ': ', e.g. '{key}=[{quoted}]' (single quotes "
+        "around the whole argument keep the shell away from it; one path needs no list: "
+        f"'{key}={inner[0] if inner else 'PATH'}')"
+    )
 
 
 def _problems(raw: Mapping[str, Any], e: pydantic.ValidationError) -> list[str]:
@@ -470,5 +498,11 @@ def schema_rows(
 
 
 def _type_name(ann: Any) -> str:
+    args = typing.get_args(ann)
+    if any(typing.get_origin(a) is typing.Annotated for a in args):  # e.g. PositiveInt | "auto"
+        return " | ".join(
+            _type_name(typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a)
+            for a in args
+        )
     text = repr(ann) if not isinstance(ann, type) else ann.__name__
     return text.replace("typing.", "").replace("NoneType", "None")

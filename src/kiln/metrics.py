@@ -6,16 +6,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from contextlib import suppress
 from pathlib import Path
 
 import jax
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from kiln.config import Config
+from kiln.console import RunConsole, Summary
 from kiln.errors import write_error
+from kiln.humanize import plural
 
 # Dense bf16 peak TFLOP/s per device, by the start of `jax.Device.device_kind`.
 PEAK_TFLOPS = {
@@ -34,50 +33,50 @@ PEAK_TFLOPS = {
     "TPU v4": 275.0,
     "TPU v3": 123.0,
 }
-CPU_REFERENCE_TFLOPS = 1.0
 
 
-def peak_tflops(config: Config) -> tuple[float, str]:
-    """Peak TFLOP/s of one device and where the number came from."""
+def peak_tflops(config: Config) -> tuple[float | None, str]:
+    """Peak TFLOP/s of one device and where the number came from; None when it is unknown."""
     if config.logging.peak_tflops_per_device is not None:
         return config.logging.peak_tflops_per_device, "logging.peak_tflops_per_device"
     kind = jax.devices()[0].device_kind
     for name, tflops in PEAK_TFLOPS.items():
         if kind.startswith(name):
             return tflops, f"the table entry for {name}"
-    return CPU_REFERENCE_TFLOPS, (
-        f"an assumed {CPU_REFERENCE_TFLOPS:g} TFLOP/s for unknown device {kind!r}; "
-        "set logging.peak_tflops_per_device for a real MFU"
+    return None, (
+        f"the peak of device {kind!r} is unknown; set logging.peak_tflops_per_device for perf/mfu"
     )
 
 
 def perf_metrics(
     seconds_per_step: float, tokens_per_step: int, flops_per_token: float, config: Config
 ):
-    """perf/* figures of one step; MFU against the device's peak (see `peak_tflops`)."""
+    """perf/* figures of one step; perf/mfu against the device's peak, when it is known."""
     tokens_per_sec = tokens_per_step / seconds_per_step
     tflops = flops_per_token * tokens_per_sec / jax.device_count() / 1e12
-    return {
+    out = {
         "perf/step_time_seconds": seconds_per_step,
         "perf/tokens_per_sec": tokens_per_sec,
         "perf/per_device_tflops_per_sec": tflops,
-        "perf/mfu": tflops / peak_tflops(config)[0],
     }
+    peak = peak_tflops(config)[0]
+    if peak is not None:
+        out["perf/mfu"] = tflops / peak
+    return out
 
 
 class MetricsLogger:
-    """TensorBoard events, metrics.jsonl (flushed every write) and console output of process 0."""
+    """TensorBoard events, metrics.jsonl (flushed every write) and the console of process 0."""
 
     def __init__(self, run_dir: Path, config: Config, *, enabled: bool, start_step: int):
-        self.enabled, self.total = enabled, config.train.steps
-        self.console = Console(stderr=True, soft_wrap=True)
-        self.interactive = enabled and config.logging.progress and sys.stderr.isatty()
+        self.enabled, self.total, self.run_dir = enabled, config.train.steps, run_dir
         self.tokens_per_sec = None
-        self.bar = None
+        self.last: dict[str, float] = {}  # the latest value of every tag, for the summary
         if not enabled:
             return
         from tensorboardX import SummaryWriter
 
+        self.console = RunConsole(self.total, start_step, progress=config.logging.progress)
         # A resumed run repeats the steps after its checkpoint: what the interrupted run logged
         # for them is dropped, so each step is recorded once (TensorBoard: events from
         # purge_step on are hidden when read).
@@ -95,42 +94,28 @@ class MetricsLogger:
 
             self.wandb = WandbMirror(run_dir, config)
         peak, source = peak_tflops(config)
-        self.console.print(
-            f"kiln: run directory {run_dir}; {self.total} steps; "
-            f"perf/mfu is relative to {peak:g} TFLOP/s per device ({source})",
-            highlight=False,
-        )
+        devices = plural(jax.device_count(), "device")
+        mfu = f"perf/mfu against {peak:g} TFLOP/s per device ({source})" if peak else source
+        self.info(f"run directory {run_dir}; {plural(self.total, 'step')} on {devices}; {mfu}")
         if dropped:
             self.info(
-                f"metrics.jsonl: dropped {dropped} rows logged after step {start_step} by the "
-                "interrupted run (or left half-written); they are logged again"
+                f"metrics.jsonl: dropped {plural(dropped, 'row')} logged after step "
+                f"{start_step} by the interrupted run (or left half-written); they are logged again"
             )
-        if self.interactive:
-            self.bar = Progress(
-                TextColumn("step {task.completed}/{task.total}"),
-                BarColumn(),
-                TextColumn("{task.fields[status]}"),
-                TimeElapsedColumn(),
-                TextColumn("ETA"),
-                TimeRemainingColumn(),
-                console=self.console,
-            )
-            self.task = self.bar.add_task(
-                "train", total=self.total, completed=start_step, status=""
-            )
-            self.bar.start()
 
     def progress(self, step: int, values: dict[str, float]) -> None:
-        if self.bar is not None:
+        if self.enabled:
+            self.tokens_per_sec = values.get("perf/tokens_per_sec", self.tokens_per_sec)
             status = f"loss {values['learning/loss']:.4f}"
             if self.tokens_per_sec:
                 status += f"  {self.tokens_per_sec:,.0f} tok/s"
-            self.bar.update(self.task, completed=step, status=status)
+            self.console.advance(step, status)
 
     def write(self, step: int, values: dict[str, float]) -> None:
         if not self.enabled:
             return
         self.tokens_per_sec = values.get("perf/tokens_per_sec", self.tokens_per_sec)
+        self.last.update(values)
         append_line(self.jsonl, json.dumps({"step": step, **values}).encode(), self.jsonl_path)
         try:
             for tag, value in values.items():
@@ -140,28 +125,28 @@ class MetricsLogger:
             raise write_error(e, self.jsonl_path.parent / "tensorboard") from None
         if self.wandb is not None:
             self.wandb.log(step, values)
-        if not self.interactive:
-            shown = [f"{_short_tag(k)} {_number(values[k])}" for k in _CONSOLE if k in values]
-            self.console.print(f"step {step}/{self.total}  " + "  ".join(shown), highlight=False)
-        elif any(k.startswith("eval/") for k in values):
-            self.console.print(
-                f"step {step}: eval/loss {values.get('eval/loss', float('nan')):.4f}",
-                highlight=False,
-            )
+        self.console.step(step, values)
+
+    def status(self, message: str) -> None:
+        if self.enabled:
+            self.console.status(message)
 
     def info(self, message: str) -> None:
         if self.enabled:
-            self.console.print(f"kiln: {message}", highlight=False)
+            self.console.info(message)
 
     def warn(self, message: str) -> None:
         if self.enabled:
-            self.console.print(f"kiln: warning: {message}", highlight=False)
+            self.console.warn(message)
+
+    def summary(self, summary: Summary) -> None:
+        if self.enabled:
+            self.console.summary(summary)
 
     def close(self) -> None:
         if not self.enabled:
             return
-        if self.bar is not None:
-            self.bar.stop()
+        self.console.close()
         self.tb.close()
         self.jsonl.close()
         if self.wandb is not None:
@@ -214,23 +199,3 @@ def _step_of(line: bytes) -> float:
         return math.inf
     step = row.get("step") if isinstance(row, dict) else None
     return step if isinstance(step, int) and not isinstance(step, bool) else math.inf
-
-
-_CONSOLE = (
-    "learning/loss",
-    "learning/z_loss",
-    "learning/grad_norm",
-    "learning/current_learning_rate",
-    "perf/tokens_per_sec",
-    "perf/mfu",
-    "eval/loss",
-    "eval/perplexity",
-)
-
-
-def _short_tag(tag: str) -> str:
-    return tag if tag.startswith("eval/") else tag.split("/")[-1]
-
-
-def _number(value: float) -> str:
-    return f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.4g}"

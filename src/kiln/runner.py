@@ -32,6 +32,7 @@ from kiln.checkpoint import (
     set_aside,
 )
 from kiln.config import Config, read_run_config
+from kiln.console import Summary
 from kiln.errors import KilnError, RunStopped, write_error
 from kiln.evaluation.scoring import Evaluator, load_tasks
 from kiln.evaluation.tasks import parse_tasks
@@ -54,6 +55,8 @@ FROZEN_ON_RESUME = (
     "data.source",
     "data.synthetic_kind",
     "data.paths",
+    "data.eval_paths",
+    "data.on_decode_error",
     "data.field",
     "data.tokenizer",
     "data.seq_len",
@@ -332,8 +335,10 @@ def run_loop(run: PreparedRun):
         raise
     failing = True
     try:
-        for note in ([taken] if taken else []) + run.notes:
+        for note in ([taken] if taken else []) + run.notes + run.datasets.notes:
             logger.info(note)
+        for warning in run.datasets.warnings:
+            logger.warn(warning)
 
         eval_fn = None
         if config.train.eval_every_steps:
@@ -489,6 +494,7 @@ class Loop:
 
     def run(self, state):
         cfg = self.config
+        self._loop_start = time.perf_counter()
         first = int(state.step) + 1
         profile = ProfileWindow(cfg.train.profile_steps, cfg.run_dir / "tensorboard", first)
         try:
@@ -501,11 +507,20 @@ class Loop:
         clock = StepClock(cfg, self.flops_per_token)
         self._first_step = None if self.started is None else first
         self._first_step_seconds: dict[str, float] = {}
+        self._first_done = None  # perf_counter() when the first step's metrics arrived
         skips, pending = 0, None  # pending: (step, metrics on device), read one step late
         with stop_requests(self.logger.info) as stop:
             for step in range(first, cfg.train.steps + 1):
                 profile.before(step, state)
-                state, metrics = self.step_fn(state, self.place(next(self.batches)))
+                batch = self.place(next(self.batches))
+                if step == first:
+                    self.logger.status("compiling the train step…")
+                    compile_start = time.perf_counter()
+                state, metrics = self.step_fn(state, batch)
+                if step == first:  # jit traces and compiles in the call; the step runs after
+                    seconds = time.perf_counter() - compile_start
+                    self.logger.info(f"compiled the train step in {seconds:.1f}s")
+                    self.logger.status("")
                 profile.after(step, (state, metrics))
                 self.ckpt.check()  # a failed background save stops the run now, not later
                 if pending is not None:
@@ -533,6 +548,7 @@ class Loop:
                     return state
             if pending is not None:
                 skips = skips + 1 if self._finish(*pending, clock) else 0
+        self._trained_end = time.perf_counter()
         trained = cfg.train.steps - first + 1
         if trained > 0 and skips == trained:
             raise RunStopped(
@@ -541,7 +557,28 @@ class Loop:
             )
         self._save(state)
         self.ckpt.wait()
+        self.logger.summary(self._summary(first, int(state.step)))
         return state
+
+    def _summary(self, first: int, last: int) -> Summary:
+        """Figures of this invocation: steps, wall time, tokens/s after the first step, losses."""
+        cfg, now, end = self.config, time.perf_counter(), self._trained_end
+        tokens_per_sec = None
+        if self._first_done is not None and last > first and end > self._first_done:
+            # Steps after the first ran between its result and the last one (the final save
+            # and the compilation are left out).
+            tokens = (last - first) * cfg.train.global_batch_size * cfg.data.seq_len
+            tokens_per_sec = tokens / (end - self._first_done)
+        return Summary(
+            run_dir=cfg.run_dir,
+            steps=last - first + 1,
+            last_step=last,
+            seconds=now - (self.started if self.started is not None else self._loop_start),
+            tokens_per_sec=tokens_per_sec,
+            train_loss=self.logger.last.get("learning/loss"),
+            eval_loss=self.logger.last.get("eval/loss"),
+            checkpoint=cfg.run_dir / "checkpoints" / str(last),
+        )
 
     def _save(self, state) -> None:
         self.ckpt.save(int(state.step), checkpoint_tree(state), self.batches.get_state())
@@ -549,11 +586,13 @@ class Loop:
     def _finish(self, step: int, metrics, clock: StepClock) -> bool:
         """Fetch a dispatched step's metrics and log them when due; returns whether it skipped."""
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if self._first_done is None:
+            self._first_done = time.perf_counter()
         if step == self._first_step:
             self._first_step_seconds = {"perf/time_to_first_step_seconds": self._first_arrived()}
         perf = clock.tick(step)
         skipped = values.get("learning/step_skipped", 0.0) > 0
-        self.logger.progress(step, values)
+        self.logger.progress(step, {**values, **(perf or {})})
         if skipped:
             self.logger.warn(f"step {step}: non-finite loss or gradient, update skipped")
         due = step % self.config.train.log_every_steps == 0 or step == self.config.train.steps

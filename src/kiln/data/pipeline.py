@@ -143,8 +143,12 @@ class Datasets:
         prefetch_batches: int,
         entropy_rate: float | None = None,
         inputs: dict[str, Any] | None = None,
+        notes: list[str] | None = None,
+        warnings: list[str] | None = None,
     ):
         self.tokenizer, self.train, self.eval = tokenizer, train, eval_
+        # Lines for the run's console (e.g. inputs skipped as not UTF-8), and warnings.
+        self.notes, self.warnings = notes or [], warnings or []
         self.global_batch_size = global_batch_size
         self.local_batch_size = global_batch_size // process_count
         self.process_index, self.process_count = process_index, process_count

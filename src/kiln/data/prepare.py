@@ -24,12 +24,14 @@ import time
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import as_completed
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kiln.data.sources import (
+    OnDecodeError,
     Task,
     default_workers,
     input_identity,
@@ -40,6 +42,7 @@ from kiln.data.sources import (
 from kiln.data.tokenizers import Tokenizer, identity, load_tokenizer
 from kiln.data.workers import sigterm_as_interrupt, worker_pool
 from kiln.errors import KilnError
+from kiln.humanize import plural
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -64,14 +67,16 @@ def prepare(
     workers: int | None = None,
     progress: bool = False,
     what: str = "--output",
+    on_decode_error: OnDecodeError = "error",
 ) -> tuple[dict[str, Any], bool]:
     """Tokenize `files` into shards under `output`; returns (manifest, whether work was done).
 
     workers: parallel workers; None = every core, or one for inputs under 8 MB.
+    on_decode_error: what a text file or JSONL line that is not UTF-8 does (data.on_decode_error).
     """
     output = Path(output).absolute()
     inputs = input_identity(files)
-    wanted = _identity(fmt, field, tokenizer, inputs)
+    wanted = _identity(fmt, field, tokenizer, inputs, on_decode_error)
     existing = _existing_manifest(output)
     if existing is not None:
         if {k: existing.get(k) for k in wanted} == wanted:
@@ -99,7 +104,9 @@ def prepare(
         try:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir()
-            shards = _run(tasks, field, tokenizer, staging, workers, progress, total)
+            shards = _run(
+                tasks, field, tokenizer, staging, workers, progress, total, on_decode_error
+            )
             manifest = {
                 **wanted,
                 "dtype": token_dtype(tokenizer.vocab_size).name,
@@ -108,6 +115,7 @@ def prepare(
                 "num_tokens": sum(s["num_tokens"] for s in shards),
                 "num_documents": sum(s["num_documents"] for s in shards),
                 "num_input_bytes": total,
+                "decode_errors": _decode_errors(shards),
                 "seconds": round(time.perf_counter() - start, 3),
                 "workers": workers,
                 "shards": shards,
@@ -121,14 +129,42 @@ def prepare(
     return manifest, True
 
 
-def _identity(fmt: str, field: str, tokenizer: Tokenizer, inputs: list) -> dict[str, Any]:
-    return {
+def _identity(
+    fmt: str, field: str, tokenizer: Tokenizer, inputs: list, on_decode_error: str
+) -> dict[str, Any]:
+    out = {
         "version": MANIFEST_VERSION,
         "format": fmt,
         "field": None if fmt == "text" else field,
         "tokenizer": identity(tokenizer),
         "inputs": inputs,
     }
+    if on_decode_error != "error":  # absent for the default, so older outputs stay up to date
+        out["on_decode_error"] = on_decode_error
+    return out
+
+
+def _decode_errors(shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """Inputs of all shards that were not UTF-8: how many were skipped or replaced, the first."""
+    firsts = [s["decode_errors"]["first"] for s in shards if s["decode_errors"]["first"]]
+    return {
+        "skipped": sum(s["decode_errors"]["skipped"] for s in shards),
+        "replaced": sum(s["decode_errors"]["replaced"] for s in shards),
+        "first": firsts[0] if firsts else None,
+    }
+
+
+def decode_error_note(manifest: dict[str, Any]) -> str | None:
+    """One line on the inputs that were not UTF-8, or None when there were none."""
+    errors = manifest.get("decode_errors") or {}
+    for verb in ("skipped", "replaced"):
+        if n := errors.get(verb, 0):
+            return (
+                f"{verb} {plural(n, 'input')} that {'is' if n == 1 else 'are'} not UTF-8 "
+                f"(on_decode_error: {manifest.get('on_decode_error')}; the first: "
+                f"{errors.get('first')})"
+            )
+    return None
 
 
 def _existing_manifest(output: Path) -> dict[str, Any] | None:
@@ -179,10 +215,14 @@ def _run(
     workers: int,
     progress: bool,
     total_bytes: int,
+    on_decode_error: OnDecodeError,
 ) -> list[dict[str, Any]]:
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-    jobs = [(t, field, tokenizer.spec, str(staging), f"shard-{i:05d}") for i, t in enumerate(tasks)]
+    jobs = [
+        (t, field, tokenizer.spec, str(staging), f"shard-{i:05d}", on_decode_error)
+        for i, t in enumerate(tasks)
+    ]
     # Built now, started (with its refresh thread) only once the workers exist: see worker_pool.
     bar = Progress(
         "[progress.description]{task.description}",
@@ -209,11 +249,13 @@ def _run(
     return results
 
 
-def _tokenize_task(task: Task, field: str, spec: str, staging: str, name: str) -> dict[str, Any]:
+def _tokenize_task(
+    task: Task, field: str, spec: str, staging: str, name: str, on_decode_error: OnDecodeError
+) -> dict[str, Any]:
     """Read, tokenize and write one shard; returns its manifest entry."""
     tokenizer = load_tokenizer(spec)
     dtype = token_dtype(tokenizer.vocab_size)
-    docs = read_documents(task, field, want_bytes=tokenizer.kind == "byte")
+    docs, errors = read_documents(task, field, tokenizer.kind == "byte", on_decode_error)
     encoded = tokenizer.encode_batch(docs) if docs else []
     lengths = np.fromiter((len(e) + 1 for e in encoded), np.int64, len(encoded))
     offsets = np.zeros(len(encoded) + 1, np.int64)
@@ -233,6 +275,7 @@ def _tokenize_task(task: Task, field: str, spec: str, staging: str, name: str) -
         "num_tokens": int(offsets[-1]),
         "num_documents": len(encoded),
         "inputs": list(task.paths),
+        "decode_errors": asdict(errors),
     }
 
 
@@ -249,23 +292,34 @@ def run_prepare(
     tokenizer_spec: str,
     output: str,
     workers: int | None = None,
+    on_decode_error: OnDecodeError = "error",
 ) -> str:
     """`kiln prepare`: resolve inputs, tokenize (progress bar on a terminal); a summary line."""
     files = resolve_inputs(patterns, what="--input")
     tokenizer = load_tokenizer(tokenizer_spec, what="--tokenizer")
     start = time.perf_counter()
     manifest, did_work = prepare(
-        files, fmt, field, tokenizer, Path(output), workers=workers, progress=sys.stderr.isatty()
+        files,
+        fmt,
+        field,
+        tokenizer,
+        Path(output),
+        workers=workers,
+        progress=sys.stderr.isatty(),
+        on_decode_error=on_decode_error,
     )
     counts = (
-        f"{manifest['num_documents']} documents, {manifest['num_tokens']} tokens "
-        f"({manifest['dtype']}) from {len(files)} files"
+        f"{plural(manifest['num_documents'], 'document')}, "
+        f"{plural(manifest['num_tokens'], 'token')} ({manifest['dtype']}) from "
+        f"{plural(len(files), 'file')}"
     )
+    note = decode_error_note(manifest)
+    counts += f"; {note}" if note else ""
     if not did_work:
         return f"{output}: up to date ({counts})"
     seconds = time.perf_counter() - start
     mb = manifest["num_input_bytes"] / 1e6
     return (
-        f"{output}: {counts}, {mb:.1f} MB in {seconds:.1f} s "
-        f"({mb / seconds:.1f} MB/s with {manifest['workers']} workers)"
+        f"{output}: {counts}, {mb:,.1f} MB in {seconds:.1f} s "
+        f"({mb / seconds:,.1f} MB/s with {plural(manifest['workers'], 'worker')})"
     )

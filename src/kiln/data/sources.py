@@ -134,21 +134,48 @@ def _parquet_tasks(path: Path, target_bytes: int) -> Iterator[Task]:
         yield Task("parquet", (str(path),), row_groups=tuple(group), num_bytes=group_bytes)
 
 
-def read_documents(task: Task, field: str, want_bytes: bool) -> list[str | bytes]:
-    """The documents of one task: raw bytes if `want_bytes` (byte tokenizer), else str."""
+OnDecodeError = Literal["error", "skip", "replace"]
+
+
+@dataclass
+class DecodeErrors:
+    """Inputs that were not UTF-8, under data.on_decode_error skip or replace."""
+
+    skipped: int = 0
+    replaced: int = 0
+    first: str | None = None  # the first one, as path or path:line
+
+    def add(self, policy: OnDecodeError, where: str) -> None:
+        if policy == "skip":
+            self.skipped += 1
+        else:
+            self.replaced += 1
+        self.first = self.first or where
+
+
+def read_documents(
+    task: Task, field: str, want_bytes: bool, on_decode_error: OnDecodeError = "error"
+) -> tuple[list[str | bytes], DecodeErrors]:
+    """The documents of one task: raw bytes if `want_bytes` (byte tokenizer), else str; and the
+    inputs that were not UTF-8 (see data.on_decode_error)."""
+    errors = DecodeErrors()
     if task.fmt == "text":
         docs: list[str | bytes] = []
         for p in task.paths:
             with _open(Path(p)) as fh:
                 raw = _read(fh, Path(p))
-            docs.append(raw if want_bytes else _decode(raw, p))
-        return [d for d in docs if d]
+            text = raw if want_bytes else _decode(raw, p, on_decode_error, errors)
+            if text:
+                docs.append(text)
+        return docs, errors
     if task.fmt == "jsonl":
-        return _read_jsonl(task, field, want_bytes)
-    return _read_parquet(task, field, want_bytes)
+        return _read_jsonl(task, field, want_bytes, on_decode_error, errors), errors
+    return _read_parquet(task, field, want_bytes), errors
 
 
-def _read_jsonl(task: Task, field: str, want_bytes: bool) -> list[str | bytes]:
+def _read_jsonl(
+    task: Task, field: str, want_bytes: bool, policy: OnDecodeError, errors: DecodeErrors
+) -> list[str | bytes]:
     path = task.paths[0]
     with _open(Path(path)) as fh:
         fh.seek(task.start)
@@ -158,7 +185,17 @@ def _read_jsonl(task: Task, field: str, want_bytes: bool) -> list[str | bytes]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            where = f"{path}:{_line_number(path, task.start, n)}"
+            if policy == "error":
+                raise _not_utf8(where, e, text_file=False) from None
+            errors.add(policy, where)
+            if policy == "skip":
+                continue
+            text = line.decode("utf-8", errors="replace")
+        try:
+            record = json.loads(text)
         except ValueError as e:
             where = _line_number(path, task.start, n)
             raise KilnError(f"{path}:{where}: invalid JSON ({e.args[0]})") from None
@@ -227,14 +264,23 @@ def _read(fh, path: Path) -> bytes:
         raise KilnError(f"cannot read {path}: {e.strerror}") from None
 
 
-def _decode(raw: bytes, path: str) -> str:
+def _decode(raw: bytes, path: str, policy: OnDecodeError, errors: DecodeErrors) -> str | None:
+    """UTF-8 text of a file; None if it is not UTF-8 and `policy` is skip."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise KilnError(
-            f"{path}: not UTF-8 text (invalid byte at offset {e.start}); only data.tokenizer=byte "
-            "reads files of any encoding"
-        ) from None
+        if policy == "error":
+            raise _not_utf8(path, e) from None
+        errors.add(policy, path)
+        return None if policy == "skip" else raw.decode("utf-8", errors="replace")
+
+
+def _not_utf8(where: str, e: UnicodeDecodeError, text_file: bool = True) -> KilnError:
+    byte = ", or use data.tokenizer=byte, which reads files of any encoding" if text_file else ""
+    return KilnError(
+        f"{where}: not UTF-8 text (invalid byte at offset {e.start}); set data.on_decode_error "
+        f"to skip or replace (kiln prepare --on-decode-error){byte}"
+    )
 
 
 def _line_number(path: str, start: int, line_in_chunk: int) -> int:

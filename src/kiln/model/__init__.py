@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kiln.config import ModelConfig
+from kiln.humanize import plural
 from kiln.mesh import mesh_sizes_for_summary, sharded_init, shards_per_dim, state_specs
 from kiln.model.interface import DTYPES, KVCache, LanguageModel, ModelOutput, logits_dtype
 from kiln.model.llama import Transformer
@@ -88,7 +89,7 @@ def summary(config: Any, num_devices: int | None = None) -> str:
             f"non-embedding {total - embed * (1 if m.tie_embeddings else 2):,})",
             f"FLOPs per token:   {flops:.4g} (training, seq_len {config.data.seq_len}; "
             f"6 x {model.matmul_params():,} matmul params + causal attention)",
-            f"mesh:              {mesh_text} ({math.prod(sizes.values())} devices)",
+            f"mesh:              {mesh_text} ({plural(math.prod(sizes.values()), 'device')})",
             f"memory per device: {per_device:,} parameters x {itemsize} bytes ({m.param_dtype})",
             f"  params {gib:.2f} GiB + grads {gib:.2f} GiB + AdamW moments {2 * gib:.2f} GiB "
             f"= {4 * gib:.2f} GiB (state, before activations)",

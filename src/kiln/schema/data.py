@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import pydantic
 from pydantic import Field
 
 from kiln.schema.base import INT32_MAX, Section, Seed
@@ -22,12 +23,20 @@ class DataConfig(Section):
     )
     paths: list[str] = Field(
         default_factory=list,
-        description="Input files, directories or globs; 'stdlib:GLOB' globs the running Python's standard library (site-packages excluded), e.g. 'stdlib:**/*.py'. For source=tokens: `kiln prepare` output directories.",
+        description="Input files, directories or globs (one string is a list of one); 'stdlib:GLOB' globs the running Python's standard library (site-packages excluded), e.g. 'stdlib:**/*.py'. For source=tokens: `kiln prepare` output directories.",
+    )
+    eval_paths: list[str] = Field(
+        default_factory=list,
+        description="A held-out set of its own, given like data.paths (files, directories, globs; for source=tokens prepared directories): every document of data.paths then trains and data.eval_fraction is not used. Empty = hold out data.eval_fraction of data.paths.",
     )
     field: str = Field("text", description="JSONL/Parquet field holding the document text.")
     tokenizer: str = Field(
         "byte",
-        description="'byte' (built-in byte-level), or a local path to a tokenizer.json or sentencepiece .model file.",
+        description="'byte' (built-in byte-level), or a local path to a tokenizer.json or sentencepiece .model file. For source=tokens, when not given, the tokenizer named in the shards' manifest.json.",
+    )
+    on_decode_error: Literal["error", "skip", "replace"] = Field(
+        "error",
+        description="A text file (or JSONL line) that is not UTF-8, with a tokenizer file: error (stop and name it), skip (leave it out), replace (invalid bytes become U+FFFD). Skipped and replaced counts are printed. The byte tokenizer reads any file as bytes and never decodes.",
     )
     seq_len: int = Field(256, gt=1, le=INT32_MAX, description="Tokens per training sequence.")
     seed: Seed = Field(
@@ -55,3 +64,9 @@ class DataConfig(Section):
         le=64,
         description="Batches each process prepares ahead of the trainer, on background threads.",
     )
+
+    @pydantic.field_validator("paths", "eval_paths", mode="before")
+    @classmethod
+    def _one_path_is_a_list(cls, value):
+        # `data.paths=/dir` on the command line: one path, not a list of characters.
+        return [value] if isinstance(value, str) else value

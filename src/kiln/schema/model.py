@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import pydantic
 from pydantic import Field, model_validator
 
 from kiln.schema.base import INT32_MAX, PositiveInt, Section
@@ -52,9 +53,9 @@ class ModelConfig(Section):
         "llama",
         description="Model family (the implementation in kiln.model.FAMILIES): llama = pre-norm RMSNorm blocks, grouped-query attention with rotary embeddings, SwiGLU MLP.",
     )
-    vocab_size: PositiveInt = Field(
+    vocab_size: PositiveInt | Literal["auto"] = Field(
         384,
-        description="Vocabulary size of the embedding and LM head; >= the tokenizer's vocabulary (a multiple of 128 is fastest).",
+        description="Vocabulary size of the embedding and LM head; >= the tokenizer's vocabulary (a multiple of 128 is fastest). auto = the tokenizer's size rounded up to a multiple of 128, set when the config is loaded (config.yaml of the run records the number).",
     )
     d_model: PositiveInt = Field(256, description="Width of the residual stream.")
     num_layers: PositiveInt = Field(4, description="Number of Transformer blocks.")
@@ -125,6 +126,14 @@ class ModelConfig(Section):
         allow_inf_nan=False,
         description="Standard deviation of the normal initialiser of embeddings and projections.",
     )
+
+    @pydantic.field_validator("vocab_size", mode="plain")
+    @classmethod
+    def _size_or_auto(cls, value):
+        # One error line for either form (a union would report one per member).
+        if value == "auto" or (type(value) is int and 0 < value <= INT32_MAX):
+            return value
+        raise ValueError(f"allowed: an integer in 1..{INT32_MAX}, or auto")
 
     @property
     def kv_heads(self) -> int:

@@ -62,7 +62,7 @@ class LoggingConfig(Section):
         None,
         gt=0,
         allow_inf_nan=False,
-        description="Peak TFLOP/s of one device for perf/mfu; null = look up known GPUs/TPUs (on CPU, MFU is then relative to 1 TFLOP/s).",
+        description="Peak TFLOP/s of one device for perf/mfu; null = look up known GPUs/TPUs (a device kind not in the table, e.g. CPU, logs no perf/mfu).",
     )
     progress: bool = Field(True, description="Show a progress bar when the console is a terminal.")
     wandb: WandbConfig | None = Field(

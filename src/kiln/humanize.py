@@ -1,0 +1,15 @@
+"""Numbers as people read them: thousands separators, and singular for one."""
+
+from __future__ import annotations
+
+import math
+
+
+def count(n: int | float) -> str:
+    """An integer count with thousands separators: 1234567 -> '1,234,567' (nan, inf as such)."""
+    return f"{round(n):,}" if math.isfinite(n) else str(n)
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """'1 device', '8 devices', '12,000 tokens' ('many' for irregular plurals)."""
+    return f"{count(n)} {word if n == 1 else (many or word + 's')}"

@@ -1,0 +1,109 @@
+"""What a run prints: step lines on stdout, diagnostics on stderr, compile time, the summary;
+the raw gradient norm, no MFU without a known peak, distillation's parts."""
+
+import json
+import re
+
+import pytest
+
+from conftest import kiln, make_config, write_config
+from kiln import distill
+from kiln.console import step_line
+from kiln.metrics import perf_metrics
+
+MODEL = {"vocab_size": 384, "d_model": 32, "num_layers": 1, "num_heads": 2, "d_ff": 64, "max_seq_len": 16}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A 4-step run in one process with one CPU device, stdout and stderr apart, gradients
+    clipped far below their norm (so the clipped norm would read as the clip value)."""
+    tmp = tmp_path_factory.mktemp("console")
+    config = write_config(
+        tmp / "c.yaml",
+        model=MODEL,
+        data={"source": "synthetic", "seq_len": 16},
+        optim={"warmup_steps": 0, "grad_clip": 0.01},
+        train={"run_name": "r", "output_dir": str(tmp), "steps": 4, "global_batch_size": 4,
+               "log_every_steps": 2, "eval_every_steps": 4, "eval_batches": 1},
+        checkpoint={"every_steps": 0, "async_save": False},
+    )  # fmt: skip
+    proc = kiln("train", config, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp / "r" / "metrics.jsonl").read_text().splitlines()]
+    return proc, rows, tmp / "r"
+
+
+@pytest.mark.slow
+def test_step_lines_go_to_stdout_and_diagnostics_to_stderr(tiny_run):
+    proc, rows, _ = tiny_run
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    train_rows = [r for r in rows if "learning/loss" in r]
+    assert [line.split()[1] for line in steps if " loss " in line] == ["2/4", "4/4"]
+    for line, row in zip([s for s in steps if " loss " in s], train_rows):
+        assert f"loss {row['learning/loss']:.4f}" in line
+        assert re.search(r"\d tok/s", line)
+    assert not [line for line in proc.stderr.splitlines() if line.startswith("step ")]
+    err = proc.stderr.splitlines()
+    assert "on 1 device;" in err[0]  # singular
+    compiling = err.index("kiln: compiling the train step…")
+    assert re.fullmatch(r"kiln: compiled the train step in \d+\.\ds", err[compiling + 1])
+
+
+@pytest.mark.slow
+def test_summary_names_figures_checkpoint_and_next_commands(tiny_run):
+    proc, rows, run_dir = tiny_run
+    out = proc.stdout[proc.stdout.index("run complete") :]
+    last_train = [r for r in rows if "learning/loss" in r][-1]["learning/loss"]
+    last_eval = [r for r in rows if "eval/loss" in r][-1]["eval/loss"]
+    assert re.search(r"steps\s+4 steps trained, now at step 4", out)
+    assert re.search(rf"train loss\s+{last_train:.4f}", out)
+    assert re.search(rf"eval loss\s+{last_eval:.4f}", out)
+    checkpoint = re.search(r"checkpoint\s+(\S+)", out).group(1)
+    assert (
+        checkpoint == str(run_dir / "checkpoints" / "4")
+        and (run_dir / "checkpoints" / "4").is_dir()
+    )
+    assert re.search(r"tokens/s\s+[\d,]+ *$", out, re.MULTILINE)
+    assert f"tensorboard --logdir {run_dir / 'tensorboard'}" in out
+    assert f"kiln compare {run_dir} " in out and f"kiln export-hf {run_dir} " in out
+
+
+@pytest.mark.slow
+def test_console_shows_the_raw_gradient_norm_and_no_mfu_without_a_peak(tiny_run):
+    proc, rows, _ = tiny_run
+    row = [r for r in rows if "learning/loss" in r][-1]
+    assert row["learning/grad_norm"] == pytest.approx(0.01)  # clipped
+    assert row["learning/raw_grad_norm"] > 0.1
+    line = next(s for s in proc.stdout.splitlines() if s.startswith("step 4/4  loss"))
+    shown = float(re.search(r"grad_norm (\S+)", line).group(1))
+    assert shown == pytest.approx(row["learning/raw_grad_norm"], rel=1e-3)  # printed with 4 digits
+    # CPU has no known peak: no perf/mfu anywhere, and the start-up line says why.
+    assert "perf/mfu" not in row and "mfu" not in line
+    assert "the peak of device 'cpu' is unknown" in proc.stderr
+
+
+def test_mfu_only_against_a_known_peak():
+    unknown = make_config(model=MODEL, data={"seq_len": 16})
+    assert "perf/mfu" not in perf_metrics(0.5, 1000, 6e6, unknown)
+    known = make_config(model=MODEL, data={"seq_len": 16}, logging={"peak_tflops_per_device": 2.0})
+    import jax
+
+    tflops = 6e6 * 1000 / 0.5 / jax.device_count() / 1e12
+    assert perf_metrics(0.5, 1000, 6e6, known)["perf/mfu"] == pytest.approx(tflops / 2.0, rel=1e-12)
+
+
+def test_distillation_lines_show_hard_and_soft_losses():
+    values = {f"distill/{m}": 0.0 for m in distill.METRICS}  # the tags a distill step reports
+    values.update({"learning/loss": 3.0, "distill/hard_loss": 2.0, "distill/soft_loss": 0.5})
+    line = step_line(7, 10, values)
+    assert "loss 3.0000" in line and "hard 2.0000" in line and "soft 0.5000" in line
+    assert "feature" not in line  # beta = 0: the feature term is off
+    values["distill/feature_loss"] = 0.25
+    assert "feature 0.2500" in step_line(7, 10, values)
+
+
+def test_a_skipped_step_prints_its_non_finite_figures():
+    nan, inf = float("nan"), float("inf")
+    values = {"learning/loss": nan, "learning/raw_grad_norm": inf, "perf/tokens_per_sec": nan}
+    assert step_line(3, 10, values) == "step 3/10  loss nan  grad_norm inf  nan tok/s"
