@@ -20,19 +20,22 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from flax import nnx
-from jax.sharding import Mesh
 
-from kiln.checksums import CheckpointDamaged, has_manifest, step_files, verify, write_manifest
-from kiln.config import CheckpointConfig, Config, read_run_config
+from kiln.checksums import (
+    CheckpointDamaged,
+    check_shapes,
+    has_manifest,
+    non_finite_leaf,
+    step_files,
+    verify,
+    write_manifest,
+)
+from kiln.config import CheckpointConfig
 from kiln.errors import KilnError, RunStopped, write_error
-from kiln.mesh import make_mesh, sharded_abstract
-from kiln.model import LanguageModel, build_model
 
 # Key of orbax's per-step custom metadata: the step was saved by a kiln that writes manifests,
 # so a step without one is a save that did not finish (not a checkpoint from before them).
@@ -257,42 +260,15 @@ def _array_shapes(directory: Path, step: int) -> dict[str, tuple[int, ...]]:
         raise CheckpointDamaged(f"state/_METADATA is missing or unreadable ({_first(e)})") from None
 
 
-def _leaf_names(tree) -> list[str]:
-    """orbax's names of a pytree's leaves: the keys of their paths, joined by dots."""
-    names = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        keys = (next(str(getattr(k, a)) for a in ("key", "idx", "name") if hasattr(k, a)) for k in path)  # fmt: skip
-        names.append(".".join(keys))
-    return names
-
-
-def _check_shapes(saved: dict[str, tuple[int, ...]], abstract, prefix: str = "") -> None:
-    """KilnError naming the first array of `abstract` (under `prefix`) the checkpoint lacks."""
-    for name, leaf in zip(_leaf_names(abstract), jax.tree.leaves(abstract), strict=True):
-        name = prefix + name
-        if name not in saved:
-            raise KilnError(f"has no array {name}")
-        if saved[name] != tuple(leaf.shape):
-            raise KilnError(f"{name} has shape {saved[name]}, this model {tuple(leaf.shape)}")
-
-
 def _first(e: BaseException) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0][:300]
-
-
-def non_finite_leaf(tree) -> str | None:
-    """Name of the first floating-point leaf holding a NaN or an infinity, if any."""
-    for name, leaf in zip(_leaf_names(tree), jax.tree.leaves(tree), strict=True):
-        if jnp.issubdtype(leaf.dtype, jnp.floating) and not bool(jnp.isfinite(leaf).all()):
-            return name
-    return None
 
 
 def _restore_step(mgr, directory: Path, step: int, abstract, *, checksums: bool):
     """(state tree, data state) of one step, checked; CheckpointDamaged or KilnError if not."""
     vouched = check_files(mgr, directory, step, checksums=checksums)
     try:
-        _check_shapes(_array_shapes(directory, step), abstract)
+        check_shapes(_array_shapes(directory, step), abstract)
     except CheckpointDamaged:
         raise
     except KilnError as e:
@@ -434,7 +410,7 @@ def _restore_params(directory: Path, step: int | None, abstract_params, what: st
 def _restore_params_step(mgr, directory: Path, step: int, abstract_params, checksums, what):
     vouched = check_files(mgr, directory, step, checksums=checksums)
     try:
-        _check_shapes(_array_shapes(directory, step), abstract_params, prefix="params.")
+        check_shapes(_array_shapes(directory, step), abstract_params, prefix="params.")
     except CheckpointDamaged:
         raise
     except KilnError as e:
@@ -460,33 +436,6 @@ def _restore_params_step(mgr, directory: Path, step: int, abstract_params, check
     if not vouched and (bad := non_finite_leaf(params)):
         raise CheckpointDamaged(f"params.{bad} holds non-finite values")
     return params
-
-
-class RunModel(NamedTuple):
-    """A trained run's model, its parameters restored onto the mesh of its config."""
-
-    config: Config
-    mesh: Mesh
-    model: LanguageModel
-    step: int
-
-
-def load_run_model(run_dir: str | Path, step: int | None = None, *, context: str) -> RunModel:
-    """The model of a run directory at checkpoint `step` (None = latest), parameters only.
-
-    The mesh is the run config's (`mesh.*` over this process's devices); parameters are read
-    straight into their shardings on it, and optimizer state is never read.
-    """
-    config = read_run_config(Path(run_dir).expanduser(), context)
-    mesh = make_mesh(config)
-    graphdef, abstract = sharded_abstract(
-        lambda: build_model(config.model, rngs=nnx.Rngs(0)), mesh, config.mesh.rules
-    )
-    target, rest = nnx.split_state(abstract, nnx.Param, ...)
-    if jax.tree.leaves(rest):
-        raise KilnError(f"{context}: the {config.model.family} model has non-parameter state")
-    params, step = restore_run_params(run_dir, target, step, context=context)
-    return RunModel(config, mesh, nnx.merge(graphdef, params), step)
 
 
 def resolve(path: str | Path) -> tuple[Path, int | None]:

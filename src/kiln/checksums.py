@@ -1,4 +1,5 @@
-"""Checksums of a checkpoint's files: a manifest written last, checked before a restore.
+"""Integrity of checkpoints: checksums of their files (a manifest written last, checked before a
+restore), and checks of the arrays restored (names, shapes, finite values).
 
 `checkpoints/<step>/kiln_manifest.json` lists every file of the step (path relative to the step
 directory, size, CRC-32). CRC-32 (zlib, ~4 GB/s on one core here, and it releases the GIL)
@@ -14,6 +15,9 @@ import json
 import os
 import zlib
 from pathlib import Path
+
+import jax
+import jax.numpy as jnp
 
 from kiln.errors import KilnError
 
@@ -95,3 +99,30 @@ def verify(step_dir: Path, *, checksums: bool = True) -> int:
                 raise CheckpointDamaged(f"{rel} does not match its checksum")
             total += size
     return total
+
+
+def leaf_names(tree) -> list[str]:
+    """orbax's names of a pytree's leaves: the keys of their paths, joined by dots."""
+    names = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        keys = (next(str(getattr(k, a)) for a in ("key", "idx", "name") if hasattr(k, a)) for k in path)  # fmt: skip
+        names.append(".".join(keys))
+    return names
+
+
+def check_shapes(saved: dict[str, tuple[int, ...]], abstract, prefix: str = "") -> None:
+    """KilnError naming the first array of `abstract` (under `prefix`) the checkpoint lacks."""
+    for name, leaf in zip(leaf_names(abstract), jax.tree.leaves(abstract), strict=True):
+        name = prefix + name
+        if name not in saved:
+            raise KilnError(f"has no array {name}")
+        if saved[name] != tuple(leaf.shape):
+            raise KilnError(f"{name} has shape {saved[name]}, this model {tuple(leaf.shape)}")
+
+
+def non_finite_leaf(tree) -> str | None:
+    """Name of the first floating-point leaf holding a NaN or an infinity, if any."""
+    for name, leaf in zip(leaf_names(tree), jax.tree.leaves(tree), strict=True):
+        if jnp.issubdtype(leaf.dtype, jnp.floating) and not bool(jnp.isfinite(leaf).all()):
+            return name
+    return None

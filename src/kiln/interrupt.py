@@ -2,7 +2,7 @@
 
 Unwinding a KeyboardInterrupt through half-imported C extensions or past XLA's compile threads
 can abort or crash the interpreter at exit, so until the loop installs its own handlers (which
-checkpoint and stop, see `kiln.runner.stop_requests`) a signal ends the process at once with
+checkpoint and stop, see `kiln.loop.stop_requests`) a signal ends the process at once with
 `os._exit`: nothing is half-written at that point (the run directory is written only after
 validation, checkpoints only inside orbax's temporary directories), and lock files are released.
 """
