@@ -67,6 +67,7 @@ def test_summary_names_figures_checkpoint_and_next_commands(tiny_run):
     assert re.search(r"tokens/s\s+[\d,]+ *$", out, re.MULTILINE)
     assert f"tensorboard --logdir {run_dir / 'tensorboard'}" in out
     assert f"kiln compare {run_dir} " in out and f"kiln export-hf {run_dir} " in out
+    assert f"kiln generate {run_dir} " in out and f"kiln eval {run_dir} " in out
 
 
 @pytest.mark.slow

@@ -96,6 +96,8 @@ def next_commands(run: Path) -> list[str]:
     return [
         f"tensorboard --logdir {run / 'tensorboard'}",
         f"kiln compare {run} --metrics learning/loss,eval/loss --out {run / 'loss.png'}",
+        f'kiln generate {run} --prompt "def main(" --max-new-tokens 100',
+        f"kiln eval {run} choice:kiln:stdlib_next_line.jsonl",
         f"kiln export-hf {run} --out {run}-hf",
     ]
 
