@@ -44,6 +44,10 @@ def test_step_lines_go_to_stdout_and_diagnostics_to_stderr(tiny_run):
         assert f"loss {row['learning/loss']:.4f}" in line
         assert re.search(r"\d tok/s", line)
     assert not [line for line in proc.stderr.splitlines() if line.startswith("step ")]
+    # One row per step: step 4's evaluation is in its row, and printed just before its line.
+    assert [r["step"] for r in rows] == [2, 4]
+    assert "eval/loss" in rows[-1] and "learning/loss" in rows[-1]
+    assert steps[-2].startswith("step 4/4  eval/loss") and " loss " in steps[-1]
     err = proc.stderr.splitlines()
     assert "on 1 device;" in err[0]  # singular
     compiling = err.index("kiln: compiling the train step…")

@@ -148,7 +148,11 @@ class RunConsole:
             self.bar.update(self.task, completed=step, status=status)
 
     def step(self, step: int, values: Mapping[str, float]) -> None:
-        self.out.print(step_line(step, self.total, values))
+        evals = {k: v for k, v in values.items() if k.startswith("eval/")}
+        rest = {k: v for k, v in values.items() if not k.startswith("eval/")}
+        for part in (evals, rest):  # a step's evaluation on a line of its own, first
+            if part:
+                self.out.print(step_line(step, self.total, part))
 
     def info(self, message: str) -> None:
         self.err.print(f"kiln: {message}")

@@ -143,6 +143,7 @@ class Loop:
         self._first_step = None if self.started is None else first
         self._first_step_seconds: dict[str, float] = {}
         self._first_done = None  # perf_counter() when the first step's metrics arrived
+        self._evals: dict[int, dict[str, float]] = {}  # eval figures waiting for their step's row
         skips, pending = 0, None  # pending: (step, metrics on device), read one step late
         with stop_requests(self.logger.info) as stop:
             for step in range(first, cfg.train.steps + 1):
@@ -168,7 +169,7 @@ class Loop:
                         )
                 pending = (step, metrics)
                 if self.evaluate is not None and step % cfg.train.eval_every_steps == 0:
-                    self.logger.write(step, self.evaluate(state))
+                    self._evals[step] = self.evaluate(state)  # logged in the row of its step
                 if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
                     self._save(state)
                 if stop_due(stop, step):
@@ -231,9 +232,13 @@ class Loop:
         if skipped:
             self.logger.warn(f"step {step}: non-finite loss or gradient, update skipped")
         due = step % self.config.train.log_every_steps == 0 or step == self.config.train.steps
-        if due or skipped:
-            self.logger.write(step, {**values, **(perf or {}), **self._first_step_seconds})
+        evals = self._evals.pop(step, {})
+        if due or skipped:  # one row per step: the step's evaluation joins its figures
+            row = {**evals, **values, **(perf or {}), **self._first_step_seconds}
+            self.logger.write(step, row)
             self._first_step_seconds = {}
+        elif evals:
+            self.logger.write(step, evals)
         return skipped
 
     def _first_arrived(self) -> float:
