@@ -47,6 +47,11 @@ FIXTURES = {
 SEEDED_RUNS = ("experiments/zloss_ab/zloss_off.yaml", "experiments/zloss_ab/zloss_1e-4.yaml")
 # Directories a page names as the reader's own: linked to what an earlier command wrote.
 STAND_INS = {"path/to/llama": "exported/tiny"}
+# Files a page expects the user to have written (its text shows their format).
+USER_FILES = {
+    "prompts.jsonl": '{"prompt": "def main("}\n{"prompt": "import "}\n',
+    "data/wiki.jsonl": '{"text": "A kiln is a thermally insulated chamber."}\n' * 40,
+}
 
 
 def shell_commands(page: Path) -> list[list[str]]:
@@ -78,14 +83,18 @@ def is_synopsis(words: list[str]) -> bool:
     return any(PLACEHOLDER.fullmatch(w) or w.startswith("[") for w in words[1:])
 
 
-def scaled(config, cache: Path):
-    """The config with step counts / STEP_SCALE and caches (`cache`) shared by every page."""
+def scaled(config, cache: Path, evaluate: bool = False):
+    """The config with step counts / STEP_SCALE and caches (`cache`) shared by every page;
+    `evaluate`: one evaluation (held-out loss and tasks) at the end, else none."""
     raw = config.model_dump(mode="json")
     t, o, c = raw["train"], raw["optim"], raw["checkpoint"]
     down = lambda n: n and max(1, math.ceil(n / STEP_SCALE))  # noqa: E731 - 0 stays 0
     t["steps"] = down(t["steps"])
     t["log_every_steps"] = down(t["log_every_steps"])
-    t["eval_every_steps"] = 0  # not a step count a command depends on; saves an eval compile
+    # Not a step count a command depends on; evaluating saves nothing but an eval compile, so
+    # only the seeded runs (whose eval figures pages draw) evaluate, once.
+    t["eval_every_steps"] = t["steps"] if evaluate and t["eval_every_steps"] else 0
+    t["eval_batches"] = 1
     o["warmup_steps"] = min(down(o["warmup_steps"]), t["steps"])
     c["every_steps"] = down(c["every_steps"])
     t["compilation_cache_dir"] = str(cache / "jax")
@@ -163,6 +172,10 @@ def run_command(words: list[str], later: str, scratch: Path, cache: Path, capsys
         if name in words and not (scratch / name).exists():
             (scratch / name).parent.mkdir(parents=True, exist_ok=True)
             (scratch / name).symlink_to(scratch / target)
+    for name, text in USER_FILES.items():
+        if any(name in w for w in words) and not (scratch / name).exists():
+            (scratch / name).parent.mkdir(parents=True, exist_ok=True)
+            (scratch / name).write_text(text)
     if prog == "kiln":
         run_kiln(words[1:], later, cache, capsys)
     elif prog.startswith("scripts/"):
@@ -205,7 +218,8 @@ def quickstart(tmp_path_factory):
     python.chmod(0o755)
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(root)
-        scale_cli(mp, root.parent / "cache")
+        cache = root.parent / "cache"
+        mp.setattr(cli, "_load", lambda a: scaled(load_config(a.config, a.overrides), cache, True))
         for config in ("tiny.yaml", *SEEDED_RUNS):
             assert cli.main(["train", f"configs/{config}"]) == 0
     return root

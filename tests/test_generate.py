@@ -210,7 +210,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, run, capsys):
         capsys, [*gen, "--prompt", "x", *few, "--step", "7"], "--step 7", "there are [0]"
     )
     one_line_error(capsys, [*gen], "exactly one of --prompt")
-    empty, _ = kiln_run(tmp_path, vocab_size=V, qk_norm=True)  # config.yaml, no checkpoint
+    empty, _ = kiln_run(tmp_path, vocab_size=V, logit_softcap=30.0)  # config.yaml, no checkpoint
     one_line_error(
         capsys, ["generate", str(empty), "--prompt", "x", *few], "no complete checkpoint"
     )

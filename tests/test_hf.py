@@ -240,7 +240,7 @@ def test_llama3_rope_scaling_matches_transformers_and_exports(tmp_path):
     config = load_config(run_dir / "config.yaml")
     assert config.model.rope_scaling.model_dump() == LLAMA3
     state = init_state(config)
-    params, _ = restore_params(run_dir, state.params)
+    params, _, _ = restore_params(run_dir, state.params)
     inputs = tokens(2)
     ours = kiln_logits(state.replace(params=params).model(), inputs)
     np.testing.assert_allclose(ours, hf_logits(src, inputs), atol=TOL, rtol=0)

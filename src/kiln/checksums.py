@@ -16,9 +16,6 @@ import os
 import zlib
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-
 from kiln.errors import KilnError
 
 MANIFEST = "kiln_manifest.json"
@@ -103,6 +100,8 @@ def verify(step_dir: Path, *, checksums: bool = True) -> int:
 
 def leaf_names(tree) -> list[str]:
     """orbax's names of a pytree's leaves: the keys of their paths, joined by dots."""
+    import jax  # not at import time: `kiln prepare` forks workers only without JAX loaded
+
     names = []
     for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
         keys = (next(str(getattr(k, a)) for a in ("key", "idx", "name") if hasattr(k, a)) for k in path)  # fmt: skip
@@ -112,6 +111,8 @@ def leaf_names(tree) -> list[str]:
 
 def check_shapes(saved: dict[str, tuple[int, ...]], abstract, prefix: str = "") -> None:
     """KilnError naming the first array of `abstract` (under `prefix`) the checkpoint lacks."""
+    import jax  # not at import time: `kiln prepare` forks workers only without JAX loaded
+
     for name, leaf in zip(leaf_names(abstract), jax.tree.leaves(abstract), strict=True):
         name = prefix + name
         if name not in saved:
@@ -122,6 +123,9 @@ def check_shapes(saved: dict[str, tuple[int, ...]], abstract, prefix: str = "") 
 
 def non_finite_leaf(tree) -> str | None:
     """Name of the first floating-point leaf holding a NaN or an infinity, if any."""
+    import jax  # not at import time: `kiln prepare` forks workers only without JAX loaded
+    import jax.numpy as jnp
+
     for name, leaf in zip(leaf_names(tree), jax.tree.leaves(tree), strict=True):
         if jnp.issubdtype(leaf.dtype, jnp.floating) and not bool(jnp.isfinite(leaf).all()):
             return name

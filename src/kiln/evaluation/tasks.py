@@ -119,7 +119,7 @@ def load_perplexity(spec: TaskSpec, tokenizer: Tokenizer, vocab_size: int, seq_l
     for f in files:
         fmt = _FORMATS.get(f.suffix.lower(), "text")
         for task in plan_tasks(fmt, [f], [f.stat().st_size], 1 << 62):
-            docs = read_documents(task, FIELD, want_bytes)
+            docs, _ = read_documents(task, FIELD, want_bytes)
             num_bytes += sum(len(d if isinstance(d, bytes) else d.encode("utf-8")) for d in docs)
             encoded += tokenizer.encode_batch(docs) if docs else []
     lengths = np.asarray([len(e) + 1 for e in encoded], np.int64)
