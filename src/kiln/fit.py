@@ -153,16 +153,27 @@ def fit(
     skipped: list[tuple[dict[str, int], str]] = []
     if mesh_axes:
         meshes = []
+        batch = config.train.global_batch_size
         own = (config.model.remat, config.loss.num_vocab_tiling)
         for split in mesh_splits(config, n, mesh_axes):
             mesh = tuple(split.items())
-            accum = config.train.gradient_accumulation_steps
-            try:  # the config's own settings on this split: the reason a split is invalid
-                check_devices(with_setting(config, Setting(*own, accum, mesh)), n)
-            except KilnError as e:
-                skipped.append((split, str(e).replace("\n", "; ")))
+            divisors = [a for a in range(1, batch + 1) if batch % a == 0]
+            if any(
+                _valid(config, Setting(own[0], t, a, mesh), n) for a in divisors for t in TILINGS
+            ):
+                meshes.append(mesh)
                 continue
-            meshes.append(mesh)
+            reason = "no accumulation and tiling are valid on it"
+            try:  # the config's own settings on this split say why
+                check_devices(
+                    with_setting(
+                        config, Setting(*own, config.train.gradient_accumulation_steps, mesh)
+                    ),
+                    n,
+                )
+            except KilnError as e:
+                reason = str(e).replace("\n", "; ")
+            skipped.append((split, reason))
     peaks: dict[Setting, int] = {}
     trials: list[tuple[Setting, int]] = []
 
