@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 import re
 from pathlib import Path
 
@@ -374,6 +375,56 @@ def test_fit_finds_settings_that_compile_under_the_budget():
     # ... and every policy with less recompute did not fit at all.
     less = remat_policies()[: remat_policies().index(best["remat"])]
     assert all(not t["fits"] for t in trials if t["remat"] in less)
+    # The printed overrides, applied, compile under the budget.
+    proc = kiln("compile", *base, *overrides, "--devices", "8", "--hbm-gb", budget, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--fit", "--hbm-gb", "1", "--fit-mesh", "fsdp,model"], "'model'"),
+        (["--fit", "--hbm-gb", "1", "--fit-mesh", "fsdp,fsdp"], "twice"),
+        (["--hbm-gb", "1", "--fit-mesh", "fsdp"], "only applies with --fit"),
+    ],
+)
+def test_bad_fit_mesh_exits_2_with_one_line(args, needle, capsys):
+    assert main(["compile", "configs/tiny.yaml", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kiln: error:") and needle in err[0], err
+
+
+@pytest.mark.slow
+def test_fit_mesh_finds_a_split_that_fits_where_the_configs_own_does_not():
+    # data=8 replicates the state: 14 MB at remat none (measured); fsdp=8 shards it: 7 MB.
+    # seq_len 100 leaves sequence=8 invalid (skipped without a compile) and tilings 1, 2, 4.
+    base = [
+        "configs/tiny.yaml",
+        "train.global_batch_size=8",
+        "model.num_layers=2",
+        "data.seq_len=100",
+        "mesh.data=8",
+        "mesh.fsdp=1",
+    ]
+    budget = 0.01
+    args = ["--devices", "8", "--fit", "--hbm-gb", budget, "--fit-mesh", "fsdp,data,sequence"]
+    proc = kiln("compile", *base, *args, "--json", cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout)
+    trials, best = found["trials"], found["best"]
+    own = {"data": 8, "fsdp": 1, "tensor": 1, "sequence": 1}
+    # The config's own split is probed first (least recompute, max accumulation) and misses.
+    assert trials[0]["mesh"] == own and trials[0]["remat"] == "none" and not trials[0]["fits"]
+    assert best["remat"] == "none" and best["mesh"] != own
+    assert math.prod(best["mesh"].values()) == 8 and best["mesh"]["tensor"] == 1
+    skipped = found["skipped_splits"]
+    assert [s["mesh"]["sequence"] for s in skipped] == [8] and "data.seq_len" in skipped[0][
+        "reason"
+    ]
+    overrides = found["overrides"].split()
+    assert [o for o in overrides if o.startswith("mesh.")] == [
+        f"mesh.{axis}={size}" for axis, size in best["mesh"].items()
+    ]
     # The printed overrides, applied, compile under the budget.
     proc = kiln("compile", *base, *overrides, "--devices", "8", "--hbm-gb", budget, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr

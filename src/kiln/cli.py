@@ -142,17 +142,25 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     if args.fit and args.hbm_gb is None:
         raise KilnError("kiln compile --fit: give the memory per device to fit, --hbm-gb X")
+    if args.fit_mesh is not None and not args.fit:
+        raise KilnError("kiln compile --fit-mesh: only applies with --fit")
+    mesh_axes: tuple[str, ...] = ()
+    if args.fit_mesh is not None:
+        from kiln.fit import check_mesh_axes
+
+        mesh_axes = check_mesh_axes(args.fit_mesh)
     # Devices first: simulated CPU devices must be set before JAX's backend starts.
     devices = aot.target_devices(args.devices, args.topology)
     config = _load(args)
     if args.fit:
         from kiln.fit import fit, format_fit
 
-        result = fit(config, devices, args.hbm_gb)
+        result = fit(config, devices, args.hbm_gb, mesh_axes)
         print(json.dumps(result.to_json()) if args.json else format_fit(result))
         if result.best is None:
+            mesh = f", mesh split over {args.fit_mesh}" if args.fit_mesh else ""
             raise RunStopped(
-                f"no combination of model.remat, loss.num_vocab_tiling and "
+                f"no combination of model.remat, loss.num_vocab_tiling{mesh} and "
                 f"train.gradient_accumulation_steps fits in --hbm-gb {args.hbm_gb:g} "
                 f"({len(result.trials)} compiled); add devices or shrink the model or sequence"
             )
@@ -316,6 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--fit",
         action="store_true",
         help="search remat, vocab tiling and accumulation for settings that fit --hbm-gb",
+    )
+    p.add_argument(
+        "--fit-mesh",
+        default=None,
+        metavar="AXES",
+        help="with --fit, also search the splits of the devices over these mesh axes "
+        "(comma-separated among data,fsdp,tensor,sequence)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_compile)

@@ -16,15 +16,22 @@ and compiles as few steps as it can, in this order:
 Accumulations are the divisors of the global batch whose micro-batch splits over the batch
 shards; tilings are the powers of two up to 32 that divide one shard's tokens (the checks of
 the config itself decide what is valid).
+
+With mesh axes to search (`--fit-mesh fsdp,tensor`), the other axes keep their resolved sizes
+and the splits of the remaining devices over the named axes join step 1: for each remat policy,
+each valid split is probed (step 2's first compile) in order, the config's own split first, then
+the others with the first named axis largest; the first split that fits gets steps 2-3.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import Any
 
 from kiln import schema
+from kiln.axes import MESH_AXES
 from kiln.compile import GB, compile_report
 from kiln.config import Config, check_devices, config_from_dict
 from kiln.errors import KilnError
@@ -44,12 +51,19 @@ class Setting:
     remat: str
     num_vocab_tiling: int
     gradient_accumulation_steps: int
+    mesh: tuple[tuple[str, int], ...] = ()  # every mesh axis's size when the mesh is searched
 
     def overrides(self) -> str:
+        mesh = "".join(f" mesh.{axis}={size}" for axis, size in self.mesh)
         return (
             f"model.remat={self.remat} loss.num_vocab_tiling={self.num_vocab_tiling} "
-            f"train.gradient_accumulation_steps={self.gradient_accumulation_steps}"
+            f"train.gradient_accumulation_steps={self.gradient_accumulation_steps}{mesh}"
         )
+
+    def to_json(self) -> dict[str, Any]:
+        fields = dataclasses.asdict(self)
+        del fields["mesh"]
+        return {**fields, "mesh": dict(self.mesh)} if self.mesh else fields
 
 
 @dataclasses.dataclass
@@ -57,27 +71,69 @@ class FitResult:
     hbm_gb: float
     trials: list[tuple[Setting, int]]  # (setting, compiled peak bytes per device), in order
     best: Setting | None
+    mesh_axes: tuple[str, ...] = ()  # the searched axes; () = the config's mesh only
+    skipped: list[tuple[dict[str, int], str]] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "hbm_gb": self.hbm_gb,
             "fits": self.best is not None,
             "overrides": None if self.best is None else self.best.overrides(),
-            "best": None if self.best is None else dataclasses.asdict(self.best),
+            "best": None if self.best is None else self.best.to_json(),
             "trials": [
-                {**dataclasses.asdict(s), "peak_bytes": peak, "fits": peak <= self.hbm_gb * GB}
+                {**s.to_json(), "peak_bytes": peak, "fits": peak <= self.hbm_gb * GB}
                 for s, peak in self.trials
             ],
         }
+        if self.mesh_axes:
+            out["mesh_axes"] = list(self.mesh_axes)
+            out["skipped_splits"] = [{"mesh": m, "reason": r} for m, r in self.skipped]
+        return out
 
 
 def with_setting(config: Config, setting: Setting) -> Config:
-    """`config` with the three settings replaced (validated like any config)."""
+    """`config` with the settings replaced (validated like any config)."""
     raw = config.model_dump(mode="json")
     raw["model"]["remat"] = setting.remat
     raw["loss"]["num_vocab_tiling"] = setting.num_vocab_tiling
     raw["train"]["gradient_accumulation_steps"] = setting.gradient_accumulation_steps
+    for axis, size in setting.mesh:
+        raw["mesh"][axis] = size
     return config_from_dict(raw)
+
+
+def check_mesh_axes(names: str) -> tuple[str, ...]:
+    """`--fit-mesh a,b` as a tuple of distinct mesh axis names; KilnError otherwise."""
+    axes = tuple(a.strip() for a in names.split(","))
+    for axis in axes:
+        if axis not in MESH_AXES:
+            raise KilnError(
+                f"kiln compile --fit-mesh: unknown mesh axis {axis!r} in {names!r}; "
+                f"allowed: {', '.join(MESH_AXES)} (comma-separated)"
+            )
+    if len(set(axes)) != len(axes):
+        raise KilnError(f"kiln compile --fit-mesh: {names!r} names an axis twice")
+    return axes
+
+
+def _factorizations(m: int, k: int) -> list[tuple[int, ...]]:
+    """Every k-tuple of positive integers whose product is m, largest first element first."""
+    if k == 1:
+        return [(m,)]
+    divisors = [d for d in range(m, 0, -1) if m % d == 0]
+    return [(d, *rest) for d in divisors for rest in _factorizations(m // d, k - 1)]
+
+
+def mesh_splits(config: Config, num_devices: int, axes: tuple[str, ...]) -> list[dict[str, int]]:
+    """Sizes of every mesh axis: the config's own first, then the others (first named largest)."""
+    own = check_devices(config, num_devices)
+    fixed = math.prod(size for axis, size in own.items() if axis not in axes)
+    splits = [own]
+    for sizes in _factorizations(num_devices // fixed, len(axes)):
+        split = {**own, **dict(zip(axes, sizes, strict=True))}
+        if split != own:
+            splits.append(split)
+    return splits
 
 
 def _valid(config: Config, setting: Setting, num_devices: int) -> bool:
@@ -88,9 +144,36 @@ def _valid(config: Config, setting: Setting, num_devices: int) -> bool:
     return True
 
 
-def fit(config: Config, devices: list[Any], hbm_gb: float) -> FitResult:
+def fit(
+    config: Config, devices: list[Any], hbm_gb: float, mesh_axes: tuple[str, ...] = ()
+) -> FitResult:
     """Search the settings as the module docstring says; `best` is None if nothing fits."""
     n = len(devices)
+    meshes: list[tuple[tuple[str, int], ...]] = [()]
+    skipped: list[tuple[dict[str, int], str]] = []
+    if mesh_axes:
+        meshes = []
+        batch = config.train.global_batch_size
+        own = (config.model.remat, config.loss.num_vocab_tiling)
+        for split in mesh_splits(config, n, mesh_axes):
+            mesh = tuple(split.items())
+            divisors = [a for a in range(1, batch + 1) if batch % a == 0]
+            if any(
+                _valid(config, Setting(own[0], t, a, mesh), n) for a in divisors for t in TILINGS
+            ):
+                meshes.append(mesh)
+                continue
+            reason = "no accumulation and tiling are valid on it"
+            try:  # the config's own settings on this split say why
+                check_devices(
+                    with_setting(
+                        config, Setting(*own, config.train.gradient_accumulation_steps, mesh)
+                    ),
+                    n,
+                )
+            except KilnError as e:
+                reason = str(e).replace("\n", "; ")
+            skipped.append((split, reason))
     peaks: dict[Setting, int] = {}
     trials: list[tuple[Setting, int]] = []
 
@@ -102,32 +185,34 @@ def fit(config: Config, devices: list[Any], hbm_gb: float) -> FitResult:
 
     batch = config.train.global_batch_size
     for remat in remat_policies():
+        for mesh in meshes:
 
-        def tilings(accum: int, remat: str = remat) -> list[int]:
-            return [t for t in TILINGS if _valid(config, Setting(remat, t, accum), n)]
+            def tilings(accum: int, remat: str = remat, mesh: Any = mesh) -> list[int]:
+                return [t for t in TILINGS if _valid(config, Setting(remat, t, accum, mesh), n)]
 
-        accums = [a for a in range(1, batch + 1) if batch % a == 0 and tilings(a)]
-        if not accums:
-            continue
-        if not fits(Setting(remat, tilings(accums[-1])[-1], accums[-1])):
-            continue
-        lo, hi = 0, len(accums) - 1  # accums[hi] fits
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if fits(Setting(remat, tilings(accums[mid])[-1], accums[mid])):
-                hi = mid
-            else:
-                lo = mid + 1
-        accum, ladder = accums[hi], tilings(accums[hi])
-        lo, hi = 0, len(ladder) - 1  # ladder[hi] fits
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if fits(Setting(remat, ladder[mid], accum)):
-                hi = mid
-            else:
-                lo = mid + 1
-        return FitResult(hbm_gb, trials, Setting(remat, ladder[hi], accum))
-    return FitResult(hbm_gb, trials, None)
+            accums = [a for a in range(1, batch + 1) if batch % a == 0 and tilings(a)]
+            if not accums:
+                continue
+            if not fits(Setting(remat, tilings(accums[-1])[-1], accums[-1], mesh)):
+                continue
+            lo, hi = 0, len(accums) - 1  # accums[hi] fits
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if fits(Setting(remat, tilings(accums[mid])[-1], accums[mid], mesh)):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            accum, ladder = accums[hi], tilings(accums[hi])
+            lo, hi = 0, len(ladder) - 1  # ladder[hi] fits
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if fits(Setting(remat, ladder[mid], accum, mesh)):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            best = Setting(remat, ladder[hi], accum, mesh)
+            return FitResult(hbm_gb, trials, best, mesh_axes, skipped)
+    return FitResult(hbm_gb, trials, None, mesh_axes, skipped)
 
 
 def format_fit(result: FitResult) -> str:
@@ -135,6 +220,9 @@ def format_fit(result: FitResult) -> str:
     lines = [
         f"compiled {len(result.trials)} settings (peak per device, --hbm-gb {result.hbm_gb:g}):"
     ]
+    for split, reason in result.skipped:
+        sizes = " x ".join(f"{axis}={size}" for axis, size in split.items())
+        lines.append(f"  skipped mesh {sizes}: {reason}")
     for s, peak in result.trials:
         verdict = "fits" if peak <= result.hbm_gb * GB else "too big"
         lines.append(f"  {s.overrides():<80} {peak / GB:9.3f} GB  {verdict}")
