@@ -48,12 +48,13 @@ def kiln(
     )
 
 
-def start_kiln(*args: Any, cwd: str | Path | None = None) -> subprocess.Popen:
-    """Start the `kiln` command without waiting (to signal or kill it); pipes as text."""
+def start_kiln(*args: Any, cwd: str | Path | None = None, merged: bool = False) -> subprocess.Popen:
+    """Start the `kiln` command without waiting (to signal or kill it); pipes as text.
+    `merged`: stderr into stdout, to read step lines (stdout) and messages (stderr) in order."""
     return subprocess.Popen(
         [sys.executable, "-m", "kiln.cli", *map(str, args)],
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merged else subprocess.PIPE,
         text=True,
         cwd=cwd,
         env=kiln_env(),

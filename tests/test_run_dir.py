@@ -149,9 +149,9 @@ def test_ctrl_c_twice_exits_at_once_without_a_checkpoint(tmp_path):
     config = write_config(
         tmp_path / "run.yaml", RUN, train={"output_dir": str(tmp_path / "runs"), "steps": 100000}
     )
-    proc = start_kiln("train", config)
+    proc = start_kiln("train", config, merged=True)
     seen = []
-    for line in proc.stderr:  # steps are logged to stderr, one line each (not a terminal)
+    for line in proc.stdout:  # step lines (stdout) and messages (stderr), in order
         seen.append(line)
         if line.startswith("step 3/"):
             proc.send_signal(signal.SIGINT)
@@ -160,7 +160,7 @@ def test_ctrl_c_twice_exits_at_once_without_a_checkpoint(tmp_path):
             break
     else:
         raise AssertionError("".join(seen[-20:]))
-    rest = proc.communicate(timeout=120)[1]
+    rest = proc.communicate(timeout=120)[0]
     err = "".join(seen) + rest
     assert "SIGINT: stopping after this step with a checkpoint; Ctrl-C again" in err, err
     assert proc.returncode == 130, err[-3000:]
