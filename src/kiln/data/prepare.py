@@ -7,7 +7,9 @@ Layout of an output directory:
 
 Everything is written into a hidden staging directory next to the output and renamed into
 place in one step once the manifest is in it, so an interrupted run leaves nothing that looks
-like a valid output (a killed run's staging directory is removed by the next run on the host). Re-running with the same inputs (path, size, mtime) and tokenizer is a
+like a valid output (a killed run's staging directory is removed by the next run on the host).
+An output URL (gs://, s3://, memory://, ...) is prepared in a local temporary directory and
+uploaded, shards first and the manifest last, so the same holds there. Re-running with the same inputs (path, size, mtime) and tokenizer is a
 no-op.
 """
 
@@ -20,6 +22,7 @@ import os
 import shutil
 import socket
 import sys
+import tempfile
 import time
 import zlib
 from collections.abc import Sequence
@@ -30,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln import storage
 from kiln.data.sources import (
     OnDecodeError,
     Task,
@@ -58,11 +62,11 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def prepare(
-    files: Sequence[Path],
+    files: Sequence[storage.Location],
     fmt: str,
     field: str,
     tokenizer: Tokenizer,
-    output: Path,
+    output: storage.Location,
     *,
     workers: int | None = None,
     progress: bool = False,
@@ -74,6 +78,10 @@ def prepare(
     workers: parallel workers; None = every core, or one for inputs under 8 MB.
     on_decode_error: what a text file or JSONL line that is not UTF-8 does (data.on_decode_error).
     """
+    if storage.is_remote(output):
+        return _prepare_to_url(
+            files, fmt, field, tokenizer, str(output), workers, progress, what, on_decode_error
+        )
     output = Path(output).absolute()
     inputs = input_identity(files)
     wanted = _identity(fmt, field, tokenizer, inputs, on_decode_error)
@@ -129,6 +137,51 @@ def prepare(
     return manifest, True
 
 
+def _prepare_to_url(
+    files: Sequence[storage.Location],
+    fmt: str,
+    field: str,
+    tokenizer: Tokenizer,
+    output: str,
+    workers: int | None,
+    progress: bool,
+    what: str,
+    on_decode_error: OnDecodeError,
+) -> tuple[dict[str, Any], bool]:
+    """`prepare` into a URL: tokenized locally, then uploaded with manifest.json last."""
+    wanted = _identity(fmt, field, tokenizer, input_identity(files), on_decode_error)
+    existing = _existing_manifest(output)
+    if existing is not None:
+        if {k: existing.get(k) for k in wanted} == wanted:
+            return existing, False
+        raise KilnError(
+            f"{what} {output}: already holds shards prepared from other inputs or another "
+            "tokenizer (its manifest.json differs); choose a new directory or delete it"
+        )
+    if storage.listdir(output):
+        raise KilnError(f"{what} {output}: exists and is not empty or a kiln prepare output")
+    with tempfile.TemporaryDirectory(prefix="kiln-prepare-") as tmp:
+        local = Path(tmp) / "shards"
+        manifest, _ = prepare(
+            files,
+            fmt,
+            field,
+            tokenizer,
+            local,
+            workers=workers,
+            progress=progress,
+            what=what,
+            on_decode_error=on_decode_error,
+        )
+        storage.make_dirs(output, what)
+        for entry in manifest["shards"]:
+            for suffix in (".bin", ".idx"):
+                shard = entry["name"] + suffix
+                storage.upload(local / shard, f"{output}/{shard}", what)
+        storage.upload(local / MANIFEST, f"{output}/{MANIFEST}", what)
+    return manifest, True
+
+
 def _identity(
     fmt: str, field: str, tokenizer: Tokenizer, inputs: list, on_decode_error: str
 ) -> dict[str, Any]:
@@ -167,13 +220,13 @@ def decode_error_note(manifest: dict[str, Any]) -> str | None:
     return None
 
 
-def _existing_manifest(output: Path) -> dict[str, Any] | None:
-    path = output / MANIFEST
-    if not path.is_file():
+def _existing_manifest(output: storage.Location) -> dict[str, Any] | None:
+    path = storage.join(output, MANIFEST)
+    if not storage.is_file(path):
         return None
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return json.loads(storage.read_bytes(path))
+    except (KilnError, ValueError):
         return {}
 
 
@@ -303,7 +356,7 @@ def run_prepare(
         fmt,
         field,
         tokenizer,
-        Path(output),
+        storage.location(output),
         workers=workers,
         progress=sys.stderr.isatty(),
         on_decode_error=on_decode_error,
