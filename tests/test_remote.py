@@ -13,14 +13,28 @@ import numpy as np
 import pytest
 
 from conftest import assert_user_error, kiln, make_config
-from kiln.data import load_tokenizer, make_datasets
-from kiln.data.prepare import prepare, run_prepare
+from kiln.data import make_datasets
+from kiln.data.prepare import run_prepare
 from kiln.data.remote_tokens import RemoteTokens
 from kiln.data.sources import plan_tasks, read_documents, resolve_inputs
 from kiln.errors import KilnError
 
 MEMORY = fsspec.filesystem("memory")
-WORDS = "the of kiln model token loss shard mesh step batch layer head norm".split()
+WORDS = [
+    "the",
+    "of",
+    "kiln",
+    "model",
+    "token",
+    "loss",
+    "shard",
+    "mesh",
+    "step",
+    "batch",
+    "layer",
+    "head",
+    "norm",
+]
 
 
 @pytest.fixture
@@ -83,6 +97,12 @@ def test_prepare_reads_memory_and_file_urls_and_writes_a_memory_url(tmp_path, me
         via_file = tmp_path / f"file-{fmt}"
         run_prepare([(local / name).as_uri()], fmt, "text", "byte", via_file.as_uri())
         assert shard_bytes(lfs, str(via_file)) == shard_bytes(lfs, str(ref))
+    # An object replaced by one of the same size is another input (the store's version tag).
+    MEMORY.pipe_file(f"{mem}/in/data.jsonl", MEMORY.cat_file(f"{mem}/in/data.jsonl").upper())
+    with pytest.raises(KilnError, match="already holds shards prepared from other inputs"):
+        run_prepare(
+            [f"memory://{mem}/in/data.jsonl"], "jsonl", "text", "byte", f"memory://{mem}/out-jsonl"
+        )
     assert len(resolve_inputs([f"memory://{mem}/in/txt"])) == 12  # a directory: every file
     with pytest.raises(KilnError, match="matches no files"):
         resolve_inputs([f"memory://{mem}/in/*.md"])

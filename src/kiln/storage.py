@@ -162,7 +162,7 @@ def identity(loc: Location) -> dict[str, Any]:
         info = fs.info(path)
     except OSError as e:
         raise _failure(loc, e) from None
-    keys = ("generation", "etag", "ETag", "mtime", "updated", "LastModified", "last_commit")
+    keys = ("generation", "etag", "ETag", "blob_id", "mtime", "updated", "LastModified", "created")
     version = next((str(info[k]) for k in keys if info.get(k) is not None), None)
     return {"path": loc, "size": int(info["size"]), "version": version}
 
