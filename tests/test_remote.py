@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 
 from conftest import assert_user_error, kiln, make_config
-from kiln.data import make_datasets
+from kiln.data import load_tokenizer, make_datasets
 from kiln.data.prepare import run_prepare
 from kiln.data.remote_tokens import RemoteTokens
 from kiln.data.sources import plan_tasks, read_documents, resolve_inputs
 from kiln.errors import KilnError
+from kiln.evaluation.tasks import load_perplexity, parse_task
 
 MEMORY = fsspec.filesystem("memory")
 WORDS = [
@@ -97,6 +98,11 @@ def test_prepare_reads_memory_and_file_urls_and_writes_a_memory_url(tmp_path, me
         via_file = tmp_path / f"file-{fmt}"
         run_prepare([(local / name).as_uri()], fmt, "text", "byte", via_file.as_uri())
         assert shard_bytes(lfs, str(via_file)) == shard_bytes(lfs, str(ref))
+    # A perplexity task (train.eval_tasks, kiln eval) reads a URL too.
+    task = load_perplexity(
+        parse_task(f"perplexity:memory://{mem}/in/data.parquet"), load_tokenizer("byte"), 384, 16
+    )
+    assert task.num_documents == 12 and task.num_bytes == sum(len(d) for d in docs)
     # An object replaced by one of the same size is another input (the store's version tag).
     MEMORY.pipe_file(f"{mem}/in/data.jsonl", MEMORY.cat_file(f"{mem}/in/data.jsonl").upper())
     with pytest.raises(KilnError, match="already holds shards prepared from other inputs"):
@@ -212,7 +218,10 @@ def test_bad_urls_are_refused_in_one_line(tmp_path):
     with pytest.raises(KilnError, match="Protocol not known: nosuch"):
         resolve_inputs(["nosuch://x/y.txt"])
     if importlib.util.find_spec("gcsfs") is None:
-        with pytest.raises(KilnError, match=r"gs://b/x.txt needs gcsfs, which is not installed"):
+        with pytest.raises(
+            KilnError,
+            match=r"--input: gs://b/x.txt needs gcsfs, which is not installed \(pip install 'kiln\[gcs\]'",
+        ):
             resolve_inputs(["gs://b/x.txt"], what="--input")
     for field in ("train.output_dir", "checkpoint.load_params_from", "data.cache_dir"):
         section, key = field.split(".")

@@ -17,7 +17,9 @@ from kiln.errors import KilnError
 
 Location = Path | str
 # Schemes kiln documents, with the package that gives fsspec each one (pyproject extras).
-EXTRAS = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "hf": "huggingface_hub"}
+EXTRAS = {"gs": "gcs", "gcs": "gcs", "s3": "s3", "hf": "hf"}
+PACKAGES = {"gcs": "gcsfs", "s3": "s3fs", "hf": "huggingface_hub"}
+OTHER_PACKAGES = {"az": "adlfs", "abfs": "adlfs", "abfss": "adlfs"}
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 
 
@@ -67,16 +69,23 @@ def filesystem(url: str, what: str) -> tuple[Any, str]:
     """(fsspec filesystem, path inside it) for a URL; KilnError if its backend is missing."""
     import fsspec
 
+    where = url if what in ("", url) else f"{what}: {url}"
     try:
         return fsspec.core.url_to_fs(url)
     except ImportError:
-        package = EXTRAS.get(scheme(url) or "", f"an fsspec backend for {scheme(url)}://")
+        extra = EXTRAS.get(scheme(url) or "")
+        if extra is None:
+            package = OTHER_PACKAGES.get(
+                scheme(url) or "", f"the fsspec backend of {scheme(url)}://"
+            )
+            raise KilnError(f"{where} needs {package}, which is not installed") from None
         raise KilnError(
-            f"{what}: {url} needs {package}, which is not installed (pip install {package})"
+            f"{where} needs {PACKAGES[extra]}, which is not installed (pip install "
+            f"'kiln[{extra}]', or pip install {PACKAGES[extra]})"
         ) from None
     except ValueError as e:
         raise KilnError(
-            f"{what}: {url}: {e}; allowed: local paths and URLs fsspec knows (gs://, s3://, hf://, "
+            f"{where}: {e}; allowed: local paths and URLs fsspec knows (gs://, s3://, hf://, "
             "file://, memory://)"
         ) from None
 

@@ -78,6 +78,8 @@ def open_corpus(
 def read_manifest(d: storage.Location, what: str = "data.paths") -> dict[str, Any]:
     """The manifest.json of a prepared directory (a path or URL), checked for the fields the
     reader needs."""
+    if storage.is_remote(d):
+        storage.filesystem(str(d), what)  # a missing backend named with the field
     path = storage.join(d, MANIFEST)
     if not storage.is_file(path):
         hint = "" if storage.is_dir(d) else " (no such directory)"

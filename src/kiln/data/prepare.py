@@ -149,6 +149,7 @@ def _prepare_to_url(
     on_decode_error: OnDecodeError,
 ) -> tuple[dict[str, Any], bool]:
     """`prepare` into a URL: tokenized locally, then uploaded with manifest.json last."""
+    storage.filesystem(output, what)  # a missing backend is named before any work
     wanted = _identity(fmt, field, tokenizer, input_identity(files), on_decode_error)
     existing = _existing_manifest(output)
     if existing is not None:
