@@ -173,6 +173,9 @@ def test_remote_tokens_index_like_the_array(mem):
     assert len(tokens[5:5]) == 0 and len(tokens) == len(ref)
     with pytest.raises(IndexError):
         tokens[np.array([len(ref)])]
+    MEMORY.pipe_file(f"{mem}/t.bin", ref[:-10].tobytes())  # cut short after it was opened
+    with pytest.raises(KilnError, match="shorter than the 100000 tokens its manifest records"):
+        tokens[np.array([3, len(ref) - 1])]
 
 
 def test_parquet_is_read_one_row_group_batch_at_a_time(tmp_path, monkeypatch):

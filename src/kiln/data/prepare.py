@@ -9,8 +9,8 @@ Everything is written into a hidden staging directory next to the output and ren
 place in one step once the manifest is in it, so an interrupted run leaves nothing that looks
 like a valid output (a killed run's staging directory is removed by the next run on the host).
 An output URL (gs://, s3://, memory://, ...) is prepared in a local temporary directory and
-uploaded, shards first and the manifest last, so the same holds there. Re-running with the same inputs (path, size, mtime) and tokenizer is a
-no-op.
+uploaded, shards first and the manifest last, so the same holds there. Re-running with the
+same inputs (path, size, mtime or a URL's version tag) and tokenizer is a no-op.
 """
 
 from __future__ import annotations
