@@ -1,9 +1,11 @@
 """Paths that may be URLs: `gs://`, `s3://`, `hf://`, `memory://`, ... through fsspec.
 
 A location is a `Path` (local files, and `file://` URLs turned into local paths) or a `str`
-URL of another scheme, read through fsspec (a dependency of orbax's `etils[epath]`). Every
-failure is a KilnError of one line naming the field; a scheme whose fsspec backend is not
-installed names the package to install.
+URL of another scheme, read through fsspec (a dependency of orbax's `etils[epath]`). fsspec
+rather than `etils.epath`: epath knows gs://, s3://, az:// and hf:// only (through these same
+fsspec backends when TensorFlow is absent), not file:// or memory://, and has no ranged reads.
+Every failure is a KilnError of one line naming the field; a scheme whose fsspec backend is
+not installed names the package to install.
 """
 
 from __future__ import annotations
