@@ -3,7 +3,8 @@
 A location is a `Path` (local files, and `file://` URLs turned into local paths) or a `str`
 URL of another scheme, read through fsspec (a dependency of orbax's `etils[epath]`). fsspec
 rather than `etils.epath`: epath knows gs://, s3://, az:// and hf:// only (through these same
-fsspec backends when TensorFlow is absent), not file:// or memory://, and has no ranged reads.
+fsspec backends when TensorFlow is absent), not file:// or memory://, and has no batched
+ranged reads (fsspec's cat_ranges).
 Every failure is a KilnError of one line naming the field; a scheme whose fsspec backend is
 not installed names the package to install.
 """
