@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 
 import fsspec
+import fsspec.implementations.memory
 import numpy as np
 import pytest
 
@@ -226,6 +227,23 @@ def test_bad_urls_are_refused_in_one_line(tmp_path):
             match=r"--input: gs://b/x.txt needs gcsfs, which is not installed \(pip install 'kiln\[gcs\]'",
         ):
             resolve_inputs(["gs://b/x.txt"], what="--input")
+
+    # Whatever a store's backend raises (HTTP, credentials) is one line naming the URL.
+    class Forbidden(fsspec.implementations.memory.MemoryFileSystem):
+        protocol = "kilnforbidden"
+
+        def info(self, path, **kwargs):
+            raise RuntimeError(
+                "403 Forbidden: kiln-test@example.iam lacks storage.objects.get\nbody"
+            )
+
+    fsspec.register_implementation("kilnforbidden", Forbidden, clobber=True)
+    with pytest.raises(KilnError) as e:
+        resolve_inputs(["kilnforbidden://bucket/x.txt"], what="--input")
+    assert str(e.value) == (
+        "--input: cannot list kilnforbidden://bucket/x.txt: 403 Forbidden: "
+        "kiln-test@example.iam lacks storage.objects.get"
+    )
     for field in ("train.output_dir", "checkpoint.load_params_from", "data.cache_dir"):
         section, key = field.split(".")
         with pytest.raises(KilnError, match=rf"{field}: .*s3:// URL, but {field} needs a local"):

@@ -11,6 +11,7 @@ not installed names the package to install.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
 from typing import Any
@@ -103,77 +104,81 @@ def name(loc: Location) -> str:
     return loc.name if isinstance(loc, Path) else loc.rstrip("/").rsplit("/", 1)[-1]
 
 
-def _failure(loc: Location, e: OSError) -> KilnError:
-    missing = "No such file or directory" if isinstance(e, FileNotFoundError) else None
-    return KilnError(f"cannot read {loc}: {e.strerror or missing or e}")
+@contextlib.contextmanager
+def reading(loc: Location, doing: str = "read", what: str = ""):
+    """Failures of a local file (OSError) or of a remote store (any exception its backend
+    raises, e.g. an HTTP or credentials error) as one KilnError line naming `loc`."""
+    caught = OSError if isinstance(loc, Path) else Exception
+    try:
+        yield
+    except KilnError:
+        raise
+    except caught as e:
+        missing = "No such file or directory" if isinstance(e, FileNotFoundError) else None
+        reason = getattr(e, "strerror", None) or missing or _first_line(e)
+        prefix = f"{what}: " if what else ""
+        raise KilnError(f"{prefix}cannot {doing} {loc}: {reason}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def is_file(loc: Location) -> bool:
-    if isinstance(loc, Path):
-        return loc.is_file()
-    fs, path = filesystem(loc, str(loc))
-    try:
+    with reading(loc):
+        if isinstance(loc, Path):
+            return loc.is_file()
+        fs, path = filesystem(loc, loc)
         return fs.isfile(path)
-    except OSError as e:
-        raise _failure(loc, e) from None
 
 
 def is_dir(loc: Location) -> bool:
-    if isinstance(loc, Path):
-        return loc.is_dir()
-    fs, path = filesystem(loc, str(loc))
-    try:
+    with reading(loc):
+        if isinstance(loc, Path):
+            return loc.is_dir()
+        fs, path = filesystem(loc, loc)
         return fs.isdir(path)
-    except OSError as e:
-        raise _failure(loc, e) from None
 
 
 def size(loc: Location) -> int:
     """Bytes in a file; KilnError naming it if it cannot be read."""
-    try:
+    with reading(loc):
         if isinstance(loc, Path):
             return loc.stat().st_size
-        fs, path = filesystem(loc, str(loc))
+        fs, path = filesystem(loc, loc)
         return int(fs.size(path))
-    except OSError as e:
-        raise _failure(loc, e) from None
 
 
 def open_read(loc: Location):
     """A binary file object (seekable) for reading a Path or URL."""
-    try:
+    with reading(loc):
         if isinstance(loc, Path):
             return open(loc, "rb")
-        fs, path = filesystem(loc, str(loc))
+        fs, path = filesystem(loc, loc)
         return fs.open(path, "rb")
-    except OSError as e:
-        raise _failure(loc, e) from None
 
 
 def read_bytes(loc: Location, start: int = 0, end: int | None = None) -> bytes:
     """Bytes [start, end) of a file (end None = to its end)."""
-    try:
+    with reading(loc):
         if isinstance(loc, Path):
             with open(loc, "rb") as fh:
                 fh.seek(start)
                 return fh.read() if end is None else fh.read(end - start)
-        fs, path = filesystem(loc, str(loc))
+        fs, path = filesystem(loc, loc)
         return fs.cat_file(path, start=start or None, end=end)
-    except OSError as e:
-        raise _failure(loc, e) from None
 
 
 def identity(loc: Location) -> dict[str, Any]:
     """What a cache or manifest is keyed by: path, size and modification time (ns) of a local
     file; for a URL, its size and the store's version tag (etag, generation or mtime)."""
-    try:
+    with reading(loc):
         if isinstance(loc, Path):
             st = loc.stat()
             return {"path": str(loc), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-        fs, path = filesystem(loc, str(loc))
+        fs, path = filesystem(loc, loc)
         info = fs.info(path)
-    except OSError as e:
-        raise _failure(loc, e) from None
     keys = ("generation", "etag", "ETag", "blob_id", "mtime", "updated", "LastModified", "created")
     version = next((str(info[k]) for k in keys if info.get(k) is not None), None)
     return {"path": loc, "size": int(info["size"]), "version": version}
@@ -182,10 +187,9 @@ def identity(loc: Location) -> dict[str, Any]:
 def expand(pattern: str, what: str) -> list[str]:
     """Files under a URL: a glob, every file below a directory, or the file itself; [] if none."""
     fs, path = filesystem(pattern, what)
-    try:
+    with reading(pattern, "list", what):
         if any(c in path for c in "*?["):
-            hits = fs.glob(path)
-            found = [h for h in hits if fs.isfile(h)]
+            found = [h for h in fs.glob(path) if fs.isfile(h)]
         elif fs.isdir(path):
             found = [
                 h
@@ -194,36 +198,28 @@ def expand(pattern: str, what: str) -> list[str]:
             ]
         else:
             found = [path] if fs.exists(path) else []
-    except OSError as e:
-        raise KilnError(f"{what}: cannot list {pattern}: {e.strerror or e}") from None
-    return sorted(fs.unstrip_protocol(h) for h in found)
+        return sorted(fs.unstrip_protocol(h) for h in found)
 
 
 def upload(local: Path, url: str, what: str) -> None:
     """Copy the local file `local` to `url`."""
     fs, path = filesystem(url, what)
-    try:
+    with reading(url, "write", what):
         fs.put_file(str(local), path)
-    except OSError as e:
-        raise KilnError(f"{what}: cannot write {url}: {e.strerror or e}") from None
 
 
 def make_dirs(url: str, what: str) -> None:
     fs, path = filesystem(url, what)
-    try:
+    with reading(url, "create", what):
         fs.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise KilnError(f"{what}: cannot create {url}: {e.strerror or e}") from None
 
 
 def listdir(loc: Location) -> list[str]:
     """Names in a directory ([] if it does not exist)."""
-    if isinstance(loc, Path):
-        return sorted(p.name for p in loc.iterdir()) if loc.is_dir() else []
-    fs, path = filesystem(loc, str(loc))
-    try:
+    with reading(loc, "list"):
+        if isinstance(loc, Path):
+            return sorted(p.name for p in loc.iterdir()) if loc.is_dir() else []
+        fs, path = filesystem(loc, loc)
         if not fs.isdir(path):
             return []
         return sorted(h.rstrip("/").rsplit("/", 1)[-1] for h in fs.ls(path, detail=False))
-    except OSError as e:
-        raise _failure(loc, e) from None

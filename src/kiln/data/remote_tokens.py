@@ -33,15 +33,13 @@ class RemoteTokens:
 
     def _fetch(self, starts: np.ndarray, ends: np.ndarray) -> list[bytes]:
         size = self.dtype.itemsize
-        try:
+        with storage.reading(self.url):
             blobs = self.fs.cat_ranges(
                 [self.path] * len(starts),
                 (starts * size).tolist(),
                 (ends * size).tolist(),
                 on_error="raise",
             )
-        except OSError as e:
-            raise KilnError(f"cannot read {self.url}: {e.strerror or e}") from None
         if [len(b) for b in blobs] != ((ends - starts) * size).tolist():
             raise KilnError(
                 f"{self.url}: shorter than the {self.length} tokens its manifest records; the "
