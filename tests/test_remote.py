@@ -110,6 +110,16 @@ def test_prepare_reads_memory_and_file_urls_and_writes_a_memory_url(tmp_path, me
         run_prepare(
             [f"memory://{mem}/in/data.jsonl"], "jsonl", "text", "byte", f"memory://{mem}/out-jsonl"
         )
+    # What an interrupted upload leaves (shards, no manifest) is replaced; anything else is not.
+    MEMORY.pipe_file(f"{mem}/cut/shard-00003.bin", b"stale")
+    run_prepare([f"memory://{mem}/in/txt"], "text", "text", "byte", f"memory://{mem}/cut")
+    assert shard_bytes(MEMORY, f"{mem}/cut") == shard_bytes(lfs, str(tmp_path / "ref-text"))
+    assert sorted(MEMORY.ls(f"{mem}/cut", detail=False)) == [
+        f"{mem}/cut/{n}" for n in ("manifest.json", "shard-00000.bin", "shard-00000.idx")
+    ]
+    MEMORY.pipe_file(f"{mem}/busy/notes.txt", b"mine")
+    with pytest.raises(KilnError, match=r"holds 'notes\.txt', so it is not empty"):
+        run_prepare([f"memory://{mem}/in/txt"], "text", "text", "byte", f"memory://{mem}/busy")
     assert len(resolve_inputs([f"memory://{mem}/in/txt"])) == 12  # a directory: every file
     with pytest.raises(KilnError, match="matches no files"):
         resolve_inputs([f"memory://{mem}/in/*.md"])

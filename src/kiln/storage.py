@@ -208,6 +208,13 @@ def upload(local: Path, url: str, what: str) -> None:
         fs.put_file(str(local), path)
 
 
+def remove(url: str, what: str) -> None:
+    """Delete the file at `url`."""
+    fs, path = filesystem(url, what)
+    with reading(url, "remove", what):
+        fs.rm_file(path)
+
+
 def make_dirs(url: str, what: str) -> None:
     fs, path = filesystem(url, what)
     with reading(url, "create", what):

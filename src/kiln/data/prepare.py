@@ -19,6 +19,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -54,6 +55,7 @@ _MIN_TASK_BYTES = 64 << 10
 _MAX_TASK_BYTES = 64 << 20
 # Below this much input a pool of processes costs more (start-up, imports) than it saves.
 _SERIAL_BYTES = 8 << 20
+_SHARD_FILE = re.compile(r"shard-\d{5}\.(bin|idx)")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -159,8 +161,14 @@ def _prepare_to_url(
             f"{what} {output}: already holds shards prepared from other inputs or another "
             "tokenizer (its manifest.json differs); choose a new directory or delete it"
         )
-    if storage.listdir(output):
-        raise KilnError(f"{what} {output}: exists and is not empty or a kiln prepare output")
+    # Shards without a manifest are what an interrupted upload leaves: they are removed.
+    names = storage.listdir(output)
+    others = [n for n in names if not _SHARD_FILE.fullmatch(n)]
+    if others:
+        raise KilnError(
+            f"{what} {output}: exists and holds {others[0]!r}, so it is not empty or a kiln "
+            "prepare output"
+        )
     with tempfile.TemporaryDirectory(prefix="kiln-prepare-") as tmp:
         local = Path(tmp) / "shards"
         manifest, _ = prepare(
@@ -175,6 +183,8 @@ def _prepare_to_url(
             on_decode_error=on_decode_error,
         )
         storage.make_dirs(output, what)
+        for stale in names:
+            storage.remove(f"{output}/{stale}", what)
         for entry in manifest["shards"]:
             for suffix in (".bin", ".idx"):
                 shard = entry["name"] + suffix
