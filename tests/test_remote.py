@@ -20,6 +20,7 @@ from kiln.data.remote_tokens import RemoteTokens
 from kiln.data.sources import plan_tasks, read_documents, resolve_inputs
 from kiln.errors import KilnError
 from kiln.evaluation.tasks import load_perplexity, parse_task
+from kiln.remote_runs import local_run
 
 MEMORY = fsspec.filesystem("memory")
 WORDS = [
@@ -254,7 +255,7 @@ def test_bad_urls_are_refused_in_one_line(tmp_path):
         "--input: cannot list kilnforbidden://bucket/x.txt: 403 Forbidden: "
         "kiln-test@example.iam lacks storage.objects.get"
     )
-    for field in ("train.output_dir", "checkpoint.load_params_from", "data.cache_dir"):
+    for field in ("train.output_dir", "data.cache_dir"):
         section, key = field.split(".")
         with pytest.raises(KilnError, match=rf"{field}: .*s3:// URL, but {field} needs a local"):
             make_config(**{section: {key: "s3://bucket/runs"}})
@@ -262,14 +263,14 @@ def test_bad_urls_are_refused_in_one_line(tmp_path):
     assert config.run_dir == tmp_path / "r" / "run"
 
 
-def run_config(data_path: str, output_dir: str, run_name: str, steps: int):
+def run_config(data_path: str, output_dir: str, run_name: str, steps: int, **checkpoint):
     return make_config(
         model={"vocab_size": 384, "d_model": 32, "num_layers": 1, "num_heads": 2, "d_ff": 64, "max_seq_len": 16},
         data={"source": "tokens", "paths": [data_path], "seq_len": 16, "eval_fraction": 0.0},
         mesh={"fsdp": -1},
         optim={"learning_rate": 1e-3, "schedule": "constant", "warmup_steps": 0},
         train={"output_dir": output_dir, "run_name": run_name, "global_batch_size": 8, "log_every_steps": 1, "steps": steps},
-        checkpoint={"every_steps": 2, "async_save": False},
+        checkpoint={"every_steps": 2, "async_save": False, **checkpoint},
     )  # fmt: skip
 
 
@@ -279,7 +280,7 @@ def logged_losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_training_on_memory_shards_into_a_file_url_resumes_exactly(tmp_path, shards):
+def test_training_on_memory_shards_into_a_file_url_resumes_exactly(tmp_path, mem, shards):
     from kiln import train
 
     local, url = shards
@@ -296,3 +297,47 @@ def test_training_on_memory_shards_into_a_file_url_resumes_exactly(tmp_path, sha
     assert sorted(got) == [1, 2, 3, 4]
     assert got == want  # bitwise: the same batches from the URL, the same resumed state
     assert (first.run_dir / "checkpoints" / "4").is_dir()
+
+    # checkpoint.load_params_from a URL: the run is mirrored locally, then restored like a
+    # local one (the first step's loss, before any update, is the same bitwise).
+    MEMORY.put(str(first.run_dir), f"{mem}/runs/r", recursive=True)
+    firsts = {}
+    for name, source in (("ft-local", str(first.run_dir)), ("ft-url", f"memory://{mem}/runs/r")):
+        train.run(run_config(url, output, name, steps=1, load_params_from=source))
+        firsts[name] = logged_losses(tmp_path / "url runs" / name)[1]
+    assert firsts["ft-url"] == firsts["ft-local"] != want[1]
+    mirrored = tmp_path / "url runs" / ".cache" / "remote-runs"
+    assert sorted(p.name for p in mirrored.glob("*/r/checkpoints/[0-9]*")) == ["2", "4"]
+
+
+def test_a_run_at_a_url_is_mirrored_without_its_logs_and_kept_in_step(tmp_path, mem):
+    files = {
+        "config.yaml": b"model: {}\n",
+        "metrics.jsonl": b"{}\n",
+        "tensorboard/events.out": b"e" * 10,
+        "checkpoints/2/state/data": b"2" * (2 << 20),
+        "checkpoints/4/state/data": b"4" * (2 << 20),
+    }
+    for rel, data in files.items():
+        MEMORY.pipe_file(f"{mem}/run/{rel}", data)
+    config = make_config(output_dir=tmp_path / "runs")
+    local = local_run(f"memory://{mem}/run", "distillation.teacher_run_dir", config)
+    assert local.name == "run" and local.parent.parent.name == "remote-runs"
+    got = {p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*") if p.is_file()}
+    assert got == {k: v for k, v in files.items() if k.startswith(("config", "checkpoints"))}
+    # The run moved on: a step removed there is removed here, a new one fetched.
+    MEMORY.rm(f"{mem}/run/checkpoints/2", recursive=True)
+    MEMORY.pipe_file(f"{mem}/run/checkpoints/6/state/data", b"6")
+    MEMORY.pipe_file(f"{mem}/run/config.yaml", b"model: []\n")  # same size, new bytes
+    assert local_run(f"memory://{mem}/run", "f", config) == local
+    assert sorted(p.name for p in (local / "checkpoints").iterdir()) == ["4", "6"]
+    assert (local / "config.yaml").read_bytes() == b"model: []\n"
+    # kiln compile needs the teacher's config.yaml only.
+    only = local_run(
+        f"memory://{mem}/run", "f", make_config(output_dir=tmp_path / "c"), only=("config.yaml",)
+    )
+    assert [p.name for p in only.rglob("*")] == ["config.yaml"]
+    with pytest.raises(
+        KilnError, match=r"checkpoint.load_params_from: memory://.*/none is not a directory"
+    ):
+        local_run(f"memory://{mem}/none", "checkpoint.load_params_from", config)

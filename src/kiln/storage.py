@@ -65,8 +65,15 @@ def local_dir(value: str | None, field: str) -> str | None:
         f"a {scheme(value)}:// URL, but {field} needs a local or mounted "
         "filesystem (run lock, metrics.jsonl, TensorBoard events, checkpoint checksums); "
         "allowed: a local path or file:// URL (mount buckets with gcsfuse or mountpoint-s3); "
-        "data inputs and kiln prepare shards may be URLs"
+        "data inputs, prepared shards, teacher runs and load_params_from may be URLs"
     )
+
+
+def local_or_url(value: str | None) -> str | None:
+    """A path a run only reads: a `file://` URL becomes the path it names, other URLs stay."""
+    if value is None or scheme(value) != "file":
+        return value
+    return str(location(value))
 
 
 def filesystem(url: str, what: str) -> tuple[Any, str]:

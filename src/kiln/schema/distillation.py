@@ -8,7 +8,7 @@ import pydantic
 from pydantic import Field
 
 from kiln.schema.base import DEFAULT_MAX_KD_SCALE, Section
-from kiln.storage import local_dir
+from kiln.storage import local_or_url
 
 
 class DistillationConfig(Section):
@@ -16,7 +16,7 @@ class DistillationConfig(Section):
 
     teacher_run_dir: str | None = Field(
         None,
-        description="kiln run directory of the teacher (its config.yaml and latest checkpoint): a local path or file:// URL.",
+        description="kiln run directory of the teacher (its config.yaml and latest checkpoint); a URL (gs://, s3://, ...) is mirrored into {train.output_dir}/.cache/remote-runs/ first.",
     )
     alpha: float = Field(
         0.5,
@@ -80,8 +80,8 @@ class DistillationConfig(Section):
 
     @pydantic.field_validator("teacher_run_dir")
     @classmethod
-    def _local_teacher(cls, value: str | None) -> str | None:
-        return local_dir(value, "distillation.teacher_run_dir")
+    def _teacher(cls, value: str | None) -> str | None:
+        return local_or_url(value)
 
     @pydantic.field_validator("layer_map")
     @classmethod

@@ -8,7 +8,7 @@ import pydantic
 from pydantic import Field
 
 from kiln.schema.base import INT32_MAX, Z_LOSS_MAX, Count, PositiveInt, Section, Seed
-from kiln.storage import local_dir
+from kiln.storage import local_dir, local_or_url
 
 
 class OptimConfig(Section):
@@ -219,10 +219,10 @@ class CheckpointConfig(Section):
     )
     load_params_from: str | None = Field(
         None,
-        description="Initialise parameters (only) from this run directory or checkpoint (a local path or file:// URL); the optimizer starts fresh.",
+        description="Initialise parameters (only) from this run directory or checkpoint; a URL (gs://, s3://, ...) is mirrored into {train.output_dir}/.cache/remote-runs/ first. The optimizer starts fresh.",
     )
 
     @pydantic.field_validator("load_params_from")
     @classmethod
-    def _local_source(cls, value: str | None) -> str | None:
-        return local_dir(value, "checkpoint.load_params_from")
+    def _source(cls, value: str | None) -> str | None:
+        return local_or_url(value)
