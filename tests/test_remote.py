@@ -337,6 +337,9 @@ def test_a_run_at_a_url_is_mirrored_without_its_logs_and_kept_in_step(tmp_path, 
         f"memory://{mem}/run", "f", make_config(output_dir=tmp_path / "c"), only=("config.yaml",)
     )
     assert [p.name for p in only.rglob("*")] == ["config.yaml"]
+    MEMORY.pipe_file(f"{mem}/logs/metrics.jsonl", b"{}\n")
+    with pytest.raises(KilnError, match=r"^f: memory://.*/logs has no config.yaml; is it a kiln"):
+        local_run(f"memory://{mem}/logs", "f", config, only=("config.yaml",))
     with pytest.raises(
         KilnError, match=r"checkpoint.load_params_from: memory://.*/none is not a directory"
     ):

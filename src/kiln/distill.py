@@ -95,11 +95,13 @@ def read_teacher_config(config: Config) -> tuple[Config, Path, int]:
     field = "distillation.teacher_run_dir"
     if not given:
         raise KilnError(f"{field}: not set; allowed: the run directory of a trained kiln model")
-    run_dir = local_run(given, field, config)
+    # A teacher at a URL: its config.yaml is checked before its checkpoints are fetched.
+    run_dir = local_run(given, field, config, only=("config.yaml",))
     if not run_dir.is_dir():
         raise KilnError(f"{field}: {run_dir} is not a directory; train the teacher first")
     teacher = read_run_config(run_dir, field)
     check_teacher(config, teacher, run_dir)
+    run_dir = local_run(given, field, config)
     steps = complete_steps(run_dir / "checkpoints")
     if not steps:
         raise KilnError(f"{field}: no complete checkpoint in {run_dir / 'checkpoints'}")

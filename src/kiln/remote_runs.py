@@ -50,6 +50,9 @@ def mirror(url: str, local: Path, field: str, only: tuple[str, ...] | None = Non
             for h, info in fs.find(path, detail=True).items()
         }
         remote = {r: s for r, s in remote.items() if (r in only if only else _needed(r))}
+        missing = [name for name in only or () if name not in remote]
+        if missing:
+            raise KilnError(f"{field}: {url} has no {missing[0]}; is it a kiln run directory?")
         for rel, size in remote.items():
             dest = local / rel
             if size > _ALWAYS_BYTES and dest.is_file() and dest.stat().st_size == size:
