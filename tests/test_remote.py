@@ -309,6 +309,27 @@ def test_training_on_memory_shards_into_a_file_url_resumes_exactly(tmp_path, mem
     mirrored = tmp_path / "url runs" / ".cache" / "remote-runs"
     assert sorted(p.name for p in mirrored.glob("*/r/checkpoints/[0-9]*")) == ["2", "4"]
 
+    # distillation.teacher_run_dir at a URL: the teacher restored is the local run's, bitwise.
+    import jax
+
+    from kiln.distill import load_teacher
+    from kiln.mesh import make_mesh
+
+    teachers = []
+    for source in (str(first.run_dir), f"memory://{mem}/runs/r"):
+        student = run_config(url, output, "student", steps=1)
+        student = student.model_copy(
+            update={
+                "distillation": student.distillation.model_copy(update={"teacher_run_dir": source})
+            }
+        )
+        teachers.append(load_teacher(student, make_mesh(student)))
+    assert [t.step for t in teachers] == [4, 4] and teachers[1].run_dir.is_relative_to(mirrored)
+    for a, b in zip(
+        jax.tree.leaves(teachers[0].params), jax.tree.leaves(teachers[1].params), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
 
 def test_a_run_at_a_url_is_mirrored_without_its_logs_and_kept_in_step(tmp_path, mem):
     files = {
