@@ -65,6 +65,8 @@ def mirror(url: str, local: Path, field: str, only: tuple[str, ...] | None = Non
         return
     for old in sorted(local.rglob("*"), reverse=True):
         rel = old.relative_to(local).as_posix()
+        if ".part-" in old.name:  # another process (host) may be fetching into it right now
+            continue
         if old.is_file() and rel not in remote:
             old.unlink()
         elif old.is_dir() and not any(old.iterdir()):
