@@ -341,14 +341,17 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         required=True,
         metavar="GLOB",
-        help="input files, directories or globs (quote globs); stdlib:GLOB = the Python stdlib",
+        help="input files, directories or globs (quote globs), local or URLs (gs://, s3://, hf://, "
+        "file://); stdlib:GLOB = the Python stdlib",
     )
     p.add_argument("--format", choices=("text", "jsonl", "parquet"), required=True)
     p.add_argument("--field", default="text", help="JSONL/Parquet field holding the text")
     p.add_argument(
         "--tokenizer", default="byte", help="'byte', a tokenizer.json or a sentencepiece .model"
     )
-    p.add_argument("--output", required=True, metavar="DIR", help="directory of the shards")
+    p.add_argument(
+        "--output", required=True, metavar="DIR", help="directory (or URL) of the shards"
+    )
     p.add_argument(
         "--workers",
         type=_at_least_one,

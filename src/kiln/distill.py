@@ -49,6 +49,7 @@ from kiln.errors import KilnError
 from kiln.mesh import sharded_abstract, sharded_init
 from kiln.model import DTYPES, FAMILIES, LanguageModel, build_model, flops_per_token
 from kiln.model.student import PROJECTION, FeatureProjection, student_class
+from kiln.remote_runs import local_run
 from kiln.train import Batch, Objective, TrainState, token_mean
 
 # Tags under distill/ that every step reports (besides the scheduled alpha, temperature, beta).
@@ -94,11 +95,13 @@ def read_teacher_config(config: Config) -> tuple[Config, Path, int]:
     field = "distillation.teacher_run_dir"
     if not given:
         raise KilnError(f"{field}: not set; allowed: the run directory of a trained kiln model")
-    run_dir = Path(given).expanduser()
+    # A teacher at a URL: its config.yaml is checked before its checkpoints are fetched.
+    run_dir = local_run(given, field, config, only=("config.yaml",))
     if not run_dir.is_dir():
         raise KilnError(f"{field}: {run_dir} is not a directory; train the teacher first")
     teacher = read_run_config(run_dir, field)
     check_teacher(config, teacher, run_dir)
+    run_dir = local_run(given, field, config)
     steps = complete_steps(run_dir / "checkpoints")
     if not steps:
         raise KilnError(f"{field}: no complete checkpoint in {run_dir / 'checkpoints'}")
@@ -411,7 +414,8 @@ def abstract_distillation(config: Config, mesh) -> tuple[DistillObjective, Train
 
     Needs the teacher run's config.yaml, not its checkpoint: no parameter is read.
     """
-    run_dir = Path(config.distillation.teacher_run_dir).expanduser()
+    given, field = config.distillation.teacher_run_dir, "distillation.teacher_run_dir"
+    run_dir = local_run(given, field, config, only=("config.yaml",))
     teacher_cfg = read_run_config(run_dir, "distillation.teacher_run_dir")
     check_teacher(config, teacher_cfg, run_dir)
     teacher = abstract_teacher(config, mesh, teacher_cfg, run_dir, -1)

@@ -35,6 +35,7 @@ from kiln.loop import Loop, checkpoint_tree, skip_cause  # noqa: F401 - re-expor
 from kiln.metrics import MetricsLogger
 from kiln.paths import check_output_paths
 from kiln.profiling import compilation_cache_for
+from kiln.remote_runs import local_run
 from kiln.rundir import (
     RunComplete,
     check_start,
@@ -279,7 +280,10 @@ def _prepare(config, build, command, check, lock, started, restart) -> PreparedR
         keep = objective.extra_param_keys
         target = nnx.State({k: v for k, v in state.params.items() if k not in keep})
         params, step, skipped = restore_params(
-            source, target, what="checkpoint.load_params_from", checksums=config.checkpoint.verify
+            local_run(source, "checkpoint.load_params_from", config),
+            target,
+            what="checkpoint.load_params_from",
+            checksums=config.checkpoint.verify,
         )
         state = state.replace(params=nnx.State.merge(state.params, params))
         notes[:0] = [f"parameters from {source} (step {step})", *skipped]

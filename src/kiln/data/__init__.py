@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln import storage
 from kiln.data.corpus import open_corpus, read_manifest, split_documents
 from kiln.data.pipeline import Batch, Datasets, StreamWindows, SyntheticWindows
 from kiln.data.prepare import decode_error_note, prepare
@@ -69,7 +70,7 @@ def make_datasets(config: Any) -> Datasets:
         held_corpus, held_sources, _ = _open_source(
             config, d.eval_paths, tokenizer, notes, what="data.eval_paths"
         )
-        shared = sorted(set(sources) & set(held_sources))
+        shared = sorted(set(sources) & set(held_sources), key=str)
         if shared:
             raise KilnError(
                 f"data.eval_paths: {shared[0]} is also in data.paths (and "
@@ -132,28 +133,30 @@ def small_eval_warning(held_out: StreamWindows, batch: int, eval_batches: int) -
 
 def _open_source(
     config: Any, paths: list[str], tokenizer: Tokenizer, notes: list[str], what="data.paths"
-) -> tuple[Any, list[Path], list]:
-    """The corpus of `paths`, what it was read from, and its identity for `inputs.json`:
-    prepared directories (source=tokens), or raw files, tokenized into the cache on first use."""
+) -> tuple[Any, list[storage.Location], list]:
+    """The corpus of `paths` (local paths or URLs), what it was read from, and its identity
+    for `inputs.json`: prepared directories (source=tokens), or raw files, tokenized into the
+    cache on first use."""
     d = config.data
     if d.source == "tokens":
-        dirs = [Path(p).expanduser() for p in paths]
+        dirs = [storage.location(p) for p in paths]
         if not dirs:
             raise KilnError(f"{what}: empty; source=tokens needs `kiln prepare` output directories")
         corpus = open_corpus(
             dirs, tokenizer, config.model.vocab_size, what=what, verify=d.verify_shards
         )
-        return corpus, [p.resolve() for p in dirs], [read_manifest(p)["shards"] for p in dirs]
+        where = [p if storage.is_remote(p) else p.resolve() for p in dirs]
+        return corpus, where, [read_manifest(p)["shards"] for p in dirs]
     files = resolve_inputs(paths, what=what)
     # A FIFO or device would block or never end, and its (size, mtime) cannot key the
     # cache (`kiln prepare --input` streams one once, e.g. /dev/stdin).
     for f in files:
-        if not f.is_file():
+        if isinstance(f, Path) and not f.is_file():
             raise KilnError(
                 f"{what}: {str(f)!r} is not a regular file (a FIFO, socket or device); "
                 "allowed: files, directories, globs, stdlib:GLOB"
             )
-    if not any(f.stat().st_size for f in files):
+    if not any(storage.size(f) for f in files):
         raise KilnError(f"{what}: {list(paths)} hold no text (every input file is empty)")
     cache = cache_dir_for(config, files, tokenizer)
     manifest, _ = prepare(
@@ -173,10 +176,10 @@ def _open_source(
         [cache], tokenizer, config.model.vocab_size, what="data.cache_dir", verify=d.verify_shards
     )
     identity = [(f["path"], f["size"]) for f in input_identity(files)]
-    return corpus, [f.resolve() for f in files], identity
+    return corpus, [f.resolve() if isinstance(f, Path) else f for f in files], identity
 
 
-def cache_dir_for(config: Any, files: list[Path], tokenizer: Tokenizer) -> Path:
+def cache_dir_for(config: Any, files: list[storage.Location], tokenizer: Tokenizer) -> Path:
     """Where raw inputs are tokenized to: keyed by source, field, tokenizer and the
     (path, size, mtime) of every input file, so any change gives a fresh directory."""
     d = config.data

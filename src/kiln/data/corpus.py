@@ -1,17 +1,19 @@
-"""Reading prepared shards: manifest checks, memory-mapped tokens, the document table."""
+"""Reading prepared shards: manifest checks, memory-mapped tokens (or ranges read from a URL),
+the document table."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kiln import storage
 from kiln.checksums import crc32_of
 from kiln.data.prepare import MANIFEST, MANIFEST_VERSION
+from kiln.data.remote_tokens import RemoteTokens, crc32_of_url
 from kiln.data.tokenizers import Tokenizer
 from kiln.errors import KilnError
 
@@ -20,12 +22,12 @@ from kiln.errors import KilnError
 class Corpus:
     """Documents (each ending in EOS) spread over memory-mapped shards.
 
-    shards: one 1-D token memmap per shard; paths: their .bin files.
+    shards: one 1-D token memmap per shard (RemoteTokens for a URL); paths: their .bin files.
     doc_shard, doc_start, doc_len: [num_documents] shard index, offset in it, length.
     """
 
-    shards: list[np.ndarray]
-    paths: list[Path]
+    shards: list[np.ndarray | RemoteTokens]
+    paths: list[storage.Location]
     doc_shard: np.ndarray
     doc_start: np.ndarray
     doc_len: np.ndarray
@@ -40,7 +42,7 @@ class Corpus:
 
 
 def open_corpus(
-    dirs: Sequence[Path],
+    dirs: Sequence[storage.Location],
     tokenizer: Tokenizer,
     vocab_size: int,
     what: str = "data.paths",
@@ -50,16 +52,16 @@ def open_corpus(
     """Open one or more `kiln prepare` outputs as one corpus; checks they match `tokenizer`,
     that every token id is below `vocab_size` (model.vocab_size) and, with `verify`, that each
     shard's bytes have the CRC-32 its manifest records (manifests before checksums: sizes only)."""
-    shards: list[np.ndarray] = []
-    paths: list[Path] = []
+    shards: list[np.ndarray | RemoteTokens] = []
+    paths: list[storage.Location] = []
     doc_shard, doc_start, doc_len = [], [], []
     for d in dirs:
-        manifest = read_manifest(Path(d), what)
-        _check_tokenizer(Path(d) / MANIFEST, manifest, tokenizer)
+        manifest = read_manifest(d, what)
+        _check_tokenizer(storage.join(d, MANIFEST), manifest, tokenizer)
         dtype = np.dtype(manifest["dtype"])
         for entry in manifest["shards"]:
-            tokens, offsets = _open_shard(Path(d), entry, dtype, verify)
-            paths.append(Path(d) / f"{entry['name']}.bin")
+            tokens, offsets = _open_shard(d, entry, dtype, verify)
+            paths.append(storage.join(d, f"{entry['name']}.bin"))
             _check_ids(paths[-1], tokens, entry, vocab_size)
             n = len(offsets) - 1
             doc_shard.append(np.full(n, len(shards), np.int32))
@@ -73,17 +75,20 @@ def open_corpus(
     )
 
 
-def read_manifest(d: Path, what: str = "data.paths") -> dict[str, Any]:
-    """The manifest.json of a prepared directory, checked for the fields the reader needs."""
-    path = d / MANIFEST
-    if not path.is_file():
-        hint = "" if d.is_dir() else " (no such directory)"
+def read_manifest(d: storage.Location, what: str = "data.paths") -> dict[str, Any]:
+    """The manifest.json of a prepared directory (a path or URL), checked for the fields the
+    reader needs."""
+    if storage.is_remote(d):
+        storage.filesystem(str(d), what)  # a missing backend named with the field
+    path = storage.join(d, MANIFEST)
+    if not storage.is_file(path):
+        hint = "" if storage.is_dir(d) else " (no such directory)"
         raise KilnError(
             f"{what}: {path} not found{hint}; source=tokens needs directories written by `kiln prepare`"
         )
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+        manifest = json.loads(storage.read_bytes(path))
+    except (KilnError, ValueError) as e:
         raise KilnError(f"{path}: unreadable or not JSON ({e})") from None
     needed = ("version", "tokenizer", "dtype", "shards")
     if not isinstance(manifest, dict) or any(k not in manifest for k in needed):
@@ -96,7 +101,9 @@ def read_manifest(d: Path, what: str = "data.paths") -> dict[str, Any]:
     return manifest
 
 
-def _check_tokenizer(path: Path, manifest: dict[str, Any], tokenizer: Tokenizer) -> None:
+def _check_tokenizer(
+    path: storage.Location, manifest: dict[str, Any], tokenizer: Tokenizer
+) -> None:
     theirs = manifest["tokenizer"]
     if theirs.get("sha256") != tokenizer.sha256 or theirs.get("eos_id") != tokenizer.eos_id:
         raise KilnError(
@@ -107,33 +114,47 @@ def _check_tokenizer(path: Path, manifest: dict[str, Any], tokenizer: Tokenizer)
 
 
 def _open_shard(
-    d: Path, entry: dict[str, Any], dtype: np.dtype, verify: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    bin_path, idx_path = d / f"{entry['name']}.bin", d / f"{entry['name']}.idx"
+    d: storage.Location, entry: dict[str, Any], dtype: np.dtype, verify: bool
+) -> tuple[np.ndarray | RemoteTokens, np.ndarray]:
+    remote = storage.is_remote(d)
+    bin_path = storage.join(d, f"{entry['name']}.bin")
+    idx_path = storage.join(d, f"{entry['name']}.idx")
     n_tok, n_doc = int(entry["num_tokens"]), int(entry["num_documents"])
-    for path, expect in ((bin_path, n_tok * dtype.itemsize), (idx_path, (n_doc + 1) * 8)):
+    for path, expect, kind in (
+        (bin_path, n_tok * dtype.itemsize, "bin"),
+        (idx_path, (n_doc + 1) * 8, "idx"),
+    ):
         try:
-            size = path.stat().st_size
-        except OSError as e:
-            raise KilnError(f"{path}: {e.strerror}; re-run kiln prepare") from None
+            size = storage.size(path)
+        except KilnError as e:
+            raise KilnError(f"{e}; re-run kiln prepare") from None
         if size != expect:
             raise KilnError(
                 f"{path}: {size} bytes, the manifest says {expect}; the shard is damaged, re-run kiln prepare"
             )
-        want = entry.get(f"{path.suffix[1:]}_crc32")
-        if verify and want is not None and f"{crc32_of(path):08x}" != want:
+        want = entry.get(f"{kind}_crc32")
+        crc = crc32_of_url if remote else crc32_of
+        if verify and want is not None and f"{crc(path):08x}" != want:
             raise KilnError(
-                f"{path}: its bytes do not match the CRC-32 in {d / MANIFEST}; the shard is "
-                "damaged, re-run kiln prepare"
+                f"{path}: its bytes do not match the CRC-32 in {storage.join(d, MANIFEST)}; the "
+                "shard is damaged, re-run kiln prepare"
             )
-    offsets = np.fromfile(idx_path, np.int64)
+    offsets = np.frombuffer(storage.read_bytes(idx_path), np.int64)
     if offsets[0] != 0 or offsets[-1] != n_tok or np.any(np.diff(offsets) <= 0):
         raise KilnError(f"{idx_path}: document offsets are inconsistent; re-run kiln prepare")
-    tokens = np.memmap(bin_path, dtype, mode="r") if n_tok else np.zeros(0, dtype)
-    return tokens, offsets
+    if not n_tok:
+        return np.zeros(0, dtype), offsets
+    if remote:
+        return RemoteTokens(str(bin_path), dtype, n_tok), offsets
+    return np.memmap(bin_path, dtype, mode="r"), offsets
 
 
-def _check_ids(path: Path, tokens: np.ndarray, entry: dict[str, Any], vocab_size: int) -> None:
+def _check_ids(
+    path: storage.Location,
+    tokens: np.ndarray | RemoteTokens,
+    entry: dict[str, Any],
+    vocab_size: int,
+) -> None:
     """Refuse a shard whose manifest entry records an id >= vocab_size; shards of older
     manifests, which lack the record, are scanned here."""
     top = entry.get("max_token_id")
@@ -143,7 +164,7 @@ def _check_ids(path: Path, tokens: np.ndarray, entry: dict[str, Any], vocab_size
         raise token_id_error(path, top, vocab_size)
 
 
-def token_id_error(path: Path, token: int, vocab_size: int) -> KilnError:
+def token_id_error(path: storage.Location, token: int, vocab_size: int) -> KilnError:
     """A shard holds `token` >= model.vocab_size: found at open time or in a batch being read."""
     return KilnError(
         f"{path}: holds token id {token}, but model.vocab_size is {vocab_size}; allowed: ids "
@@ -152,7 +173,7 @@ def token_id_error(path: Path, token: int, vocab_size: int) -> KilnError:
     )
 
 
-def _chunks(tokens: np.ndarray, size: int = 1 << 26):
+def _chunks(tokens: np.ndarray | RemoteTokens, size: int = 1 << 26):
     for start in range(0, len(tokens), size):
         yield tokens[start : start + size]
 

@@ -7,8 +7,10 @@ Layout of an output directory:
 
 Everything is written into a hidden staging directory next to the output and renamed into
 place in one step once the manifest is in it, so an interrupted run leaves nothing that looks
-like a valid output (a killed run's staging directory is removed by the next run on the host). Re-running with the same inputs (path, size, mtime) and tokenizer is a
-no-op.
+like a valid output (a killed run's staging directory is removed by the next run on the host).
+An output URL (gs://, s3://, memory://, ...) is prepared in a local temporary directory and
+uploaded, shards first and the manifest last, so the same holds there. Re-running with the
+same inputs (path, size, mtime or a URL's version tag) and tokenizer is a no-op.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import contextlib
 import glob
 import json
 import os
+import re
 import shutil
 import socket
 import sys
+import tempfile
 import time
 import zlib
 from collections.abc import Sequence
@@ -30,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln import storage
 from kiln.data.sources import (
     OnDecodeError,
     Task,
@@ -50,6 +55,7 @@ _MIN_TASK_BYTES = 64 << 10
 _MAX_TASK_BYTES = 64 << 20
 # Below this much input a pool of processes costs more (start-up, imports) than it saves.
 _SERIAL_BYTES = 8 << 20
+_SHARD_FILE = re.compile(r"shard-\d{5}\.(bin|idx)")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -58,11 +64,11 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def prepare(
-    files: Sequence[Path],
+    files: Sequence[storage.Location],
     fmt: str,
     field: str,
     tokenizer: Tokenizer,
-    output: Path,
+    output: storage.Location,
     *,
     workers: int | None = None,
     progress: bool = False,
@@ -74,6 +80,10 @@ def prepare(
     workers: parallel workers; None = every core, or one for inputs under 8 MB.
     on_decode_error: what a text file or JSONL line that is not UTF-8 does (data.on_decode_error).
     """
+    if storage.is_remote(output):
+        return _prepare_to_url(
+            files, fmt, field, tokenizer, str(output), workers, progress, what, on_decode_error
+        )
     output = Path(output).absolute()
     inputs = input_identity(files)
     wanted = _identity(fmt, field, tokenizer, inputs, on_decode_error)
@@ -129,6 +139,60 @@ def prepare(
     return manifest, True
 
 
+def _prepare_to_url(
+    files: Sequence[storage.Location],
+    fmt: str,
+    field: str,
+    tokenizer: Tokenizer,
+    output: str,
+    workers: int | None,
+    progress: bool,
+    what: str,
+    on_decode_error: OnDecodeError,
+) -> tuple[dict[str, Any], bool]:
+    """`prepare` into a URL: tokenized locally, then uploaded with manifest.json last."""
+    storage.filesystem(output, what)  # a missing backend is named before any work
+    wanted = _identity(fmt, field, tokenizer, input_identity(files), on_decode_error)
+    existing = _existing_manifest(output)
+    if existing is not None:
+        if {k: existing.get(k) for k in wanted} == wanted:
+            return existing, False
+        raise KilnError(
+            f"{what} {output}: already holds shards prepared from other inputs or another "
+            "tokenizer (its manifest.json differs); choose a new directory or delete it"
+        )
+    # Shards without a manifest are what an interrupted upload leaves: they are removed.
+    names = storage.listdir(output)
+    others = [n for n in names if not _SHARD_FILE.fullmatch(n)]
+    if others:
+        raise KilnError(
+            f"{what} {output}: exists and holds {others[0]!r}, so it is not empty or a kiln "
+            "prepare output"
+        )
+    with tempfile.TemporaryDirectory(prefix="kiln-prepare-") as tmp:
+        local = Path(tmp) / "shards"
+        manifest, _ = prepare(
+            files,
+            fmt,
+            field,
+            tokenizer,
+            local,
+            workers=workers,
+            progress=progress,
+            what=what,
+            on_decode_error=on_decode_error,
+        )
+        storage.make_dirs(output, what)
+        for stale in names:
+            storage.remove(f"{output}/{stale}", what)
+        for entry in manifest["shards"]:
+            for suffix in (".bin", ".idx"):
+                shard = entry["name"] + suffix
+                storage.upload(local / shard, f"{output}/{shard}", what)
+        storage.upload(local / MANIFEST, f"{output}/{MANIFEST}", what)
+    return manifest, True
+
+
 def _identity(
     fmt: str, field: str, tokenizer: Tokenizer, inputs: list, on_decode_error: str
 ) -> dict[str, Any]:
@@ -167,13 +231,13 @@ def decode_error_note(manifest: dict[str, Any]) -> str | None:
     return None
 
 
-def _existing_manifest(output: Path) -> dict[str, Any] | None:
-    path = output / MANIFEST
-    if not path.is_file():
+def _existing_manifest(output: storage.Location) -> dict[str, Any] | None:
+    path = storage.join(output, MANIFEST)
+    if not storage.is_file(path):
         return None
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return json.loads(storage.read_bytes(path))
+    except (KilnError, ValueError):
         return {}
 
 
@@ -303,7 +367,7 @@ def run_prepare(
         fmt,
         field,
         tokenizer,
-        Path(output),
+        storage.location(output),
         workers=workers,
         progress=sys.stderr.isatty(),
         on_decode_error=on_decode_error,

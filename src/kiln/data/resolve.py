@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
+from kiln import storage
 from kiln.data.corpus import read_manifest
 from kiln.data.tokenizers import load_tokenizer
 from kiln.errors import KilnError
@@ -22,7 +22,7 @@ def manifest_tokenizer(paths: list[str]) -> str:
     """The tokenizer spec that `kiln prepare` recorded for the shard directories `paths`."""
     if not paths:
         raise KilnError("data.paths: empty; source=tokens needs `kiln prepare` output directories")
-    specs = {p: read_manifest(Path(p).expanduser())["tokenizer"].get("spec") for p in paths}
+    specs = {p: read_manifest(storage.location(p))["tokenizer"].get("spec") for p in paths}
     if len(set(specs.values())) > 1:
         listed = ", ".join(f"{p}: {s!r}" for p, s in specs.items())
         raise KilnError(
@@ -47,7 +47,7 @@ def resolve_data_fields(raw: dict[str, Any], config: Any) -> dict[str, Any] | No
     if d.source == "tokens" and "tokenizer" not in d.model_fields_set:
         tokenizer = manifest_tokenizer([*d.paths, *d.eval_paths])
         if tokenizer != d.tokenizer:
-            where = f"the tokenizer recorded in {Path(d.paths[0]) / 'manifest.json'}"
+            where = f"the tokenizer recorded in {storage.join(storage.location(d.paths[0]), 'manifest.json')}"
             load_tokenizer(tokenizer, what=f"data.tokenizer ({where})")
             updates["data"] = {"tokenizer": tokenizer}
     if config.model.vocab_size == "auto":

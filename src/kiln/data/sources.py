@@ -1,4 +1,4 @@
-"""Raw inputs: resolving paths and globs (and `stdlib:`), planning work, reading documents."""
+"""Raw inputs: resolving paths, URLs and globs (and `stdlib:`), planning work, reading documents."""
 
 from __future__ import annotations
 
@@ -11,9 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from kiln import storage
 from kiln.errors import KilnError
+from kiln.storage import Location
 
 Format = Literal["text", "jsonl", "parquet"]
+# Rows per Arrow batch read from Parquet: memory is bounded by a batch, never a whole file.
+PARQUET_BATCH_ROWS = 1024
 FORMATS: tuple[str, ...] = ("text", "jsonl", "parquet")
 STDLIB_PREFIX = "stdlib:"
 _NOT_STDLIB = ("site-packages", "dist-packages", "__pycache__")
@@ -24,21 +28,26 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def resolve_inputs(patterns: Sequence[str], what: str = "data.paths") -> list[Path]:
+def resolve_inputs(patterns: Sequence[str], what: str = "data.paths") -> list[Location]:
     """Files named by paths, directories (all files below) or globs; `stdlib:GLOB` is a glob
-    inside the running interpreter's standard library (site-packages excluded)."""
+    inside the running interpreter's standard library (site-packages excluded). A URL
+    (gs://, s3://, hf://, memory://, ...; see kiln.storage) gives its files as URL strings."""
     if not patterns:
         raise KilnError(f"{what}: no input given; allowed: files, directories, globs, stdlib:GLOB")
-    found: dict[Path, None] = {}
+    found: dict[Location, None] = {}
     for pattern in patterns:
-        matches = _expand(pattern)
+        matches = _expand(pattern, what)
         if not matches:
             raise KilnError(f"{what}: {pattern!r} matches no files")
         found.update(dict.fromkeys(matches))
-    return sorted(found)
+    return sorted(found, key=str)
 
 
-def _expand(pattern: str) -> list[Path]:
+def _expand(pattern: str, what: str) -> list[Location]:
+    if storage.is_remote(storage.location(pattern)):
+        return list(storage.expand(pattern, what))
+    if storage.scheme(pattern) == "file":
+        pattern = str(storage.location(pattern))
     if pattern.startswith(STDLIB_PREFIX):
         root = stdlib_root()
         hits = glob.glob(pattern[len(STDLIB_PREFIX) :], root_dir=root, recursive=True)
@@ -62,16 +71,10 @@ def _expand(pattern: str) -> list[Path]:
     return []
 
 
-def input_identity(files: Sequence[Path]) -> list[dict[str, Any]]:
-    """(path, size, mtime) of every input: what a cache or manifest is keyed by."""
-    out = []
-    for f in files:
-        try:
-            st = f.stat()
-        except OSError as e:
-            raise KilnError(f"cannot read {f}: {e.strerror}") from None
-        out.append({"path": str(f), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
-    return out
+def input_identity(files: Sequence[Location]) -> list[dict[str, Any]]:
+    """(path, size, mtime or a URL's version tag) of every input: what a cache or manifest is
+    keyed by."""
+    return [storage.identity(f) for f in files]
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,7 @@ class Task:
 
 
 def plan_tasks(
-    fmt: str, files: Sequence[Path], sizes: Sequence[int], target_bytes: int
+    fmt: str, files: Sequence[Location], sizes: Sequence[int], target_bytes: int
 ) -> list[Task]:
     """Cut the inputs into tasks of about `target_bytes`, in input order."""
     if fmt == "text":
@@ -107,7 +110,7 @@ def plan_tasks(
     return [t for f in files for t in _parquet_tasks(f, target_bytes)]
 
 
-def _jsonl_tasks(path: Path, size: int, target_bytes: int) -> Iterator[Task]:
+def _jsonl_tasks(path: Location, size: int, target_bytes: int) -> Iterator[Task]:
     start = 0
     with _open(path) as fh:
         while start < size:
@@ -120,7 +123,7 @@ def _jsonl_tasks(path: Path, size: int, target_bytes: int) -> Iterator[Task]:
             start = end
 
 
-def _parquet_tasks(path: Path, target_bytes: int) -> Iterator[Task]:
+def _parquet_tasks(path: Location, target_bytes: int) -> Iterator[Task]:
     meta = _parquet_file(path).metadata
     group: list[int] = []
     group_bytes = 0
@@ -162,8 +165,8 @@ def read_documents(
     if task.fmt == "text":
         docs: list[str | bytes] = []
         for p in task.paths:
-            with _open(Path(p)) as fh:
-                raw = _read(fh, Path(p))
+            with _open(storage.location(p)) as fh:
+                raw = _read(fh, p)
             text = raw if want_bytes else _decode(raw, p, on_decode_error, errors)
             if text:
                 docs.append(text)
@@ -177,7 +180,7 @@ def _read_jsonl(
     task: Task, field: str, want_bytes: bool, policy: OnDecodeError, errors: DecodeErrors
 ) -> list[str | bytes]:
     path = task.paths[0]
-    with _open(Path(path)) as fh:
+    with _open(storage.location(path)) as fh:
         fh.seek(task.start)
         chunk = fh.read(task.end - task.start)
     docs: list[str | bytes] = []
@@ -219,29 +222,35 @@ def _read_jsonl(
 
 
 def _read_parquet(task: Task, field: str, want_bytes: bool) -> list[str | bytes]:
+    """The task's row groups, PARQUET_BATCH_ROWS rows at a time (never the whole file)."""
+    import pyarrow as pa
+
     path = task.paths[0]
-    pf = _parquet_file(Path(path))
+    pf = _parquet_file(storage.location(path))
     if field not in pf.schema_arrow.names:
         raise KilnError(
             f"{path}: no column {field!r} (data.field / --field); columns: {pf.schema_arrow.names}"
         )
+    kind = pf.schema_arrow.field(field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise KilnError(f"{path}: column {field!r} has type {kind}; allowed: string")
+    values: list[str] = []
     try:
-        column = pf.read_row_groups(list(task.row_groups), columns=[field]).column(field)
+        for batch in pf.iter_batches(
+            PARQUET_BATCH_ROWS, row_groups=list(task.row_groups), columns=[field]
+        ):
+            values.extend(v for v in batch.column(0).to_pylist() if v)
     except Exception as e:
         raise KilnError(f"{path}: cannot read Parquet row groups ({_first_line(e)})") from None
-    import pyarrow as pa
-
-    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-        raise KilnError(f"{path}: column {field!r} has type {column.type}; allowed: string")
-    values = [v for v in column.to_pylist() if v]
     return [v.encode("utf-8") for v in values] if want_bytes else values
 
 
-def _parquet_file(path: Path):
+def _parquet_file(path: Location):
     import pyarrow.parquet as pq
 
+    source = path if isinstance(path, Path) else _open(path)
     try:
-        return pq.ParquetFile(path)
+        return pq.ParquetFile(source)
     except OSError as e:
         if e.errno is not None:
             raise KilnError(f"cannot read {path}: {e.strerror}") from None
@@ -250,14 +259,11 @@ def _parquet_file(path: Path):
         raise KilnError(f"{path}: not a valid Parquet file ({_first_line(e)})") from None
 
 
-def _open(path: Path):
-    try:
-        return open(path, "rb")
-    except OSError as e:
-        raise KilnError(f"cannot read {path}: {e.strerror}") from None
+def _open(path: Location):
+    return storage.open_read(path)
 
 
-def _read(fh, path: Path) -> bytes:
+def _read(fh, path: str) -> bytes:
     try:
         return fh.read()
     except OSError as e:
@@ -284,8 +290,7 @@ def _not_utf8(where: str, e: UnicodeDecodeError, text_file: bool = True) -> Kiln
 
 
 def _line_number(path: str, start: int, line_in_chunk: int) -> int:
-    with open(path, "rb") as fh:
-        before = fh.read(start).count(b"\n")
+    before = storage.read_bytes(storage.location(path), 0, start).count(b"\n")
     return before + line_in_chunk + 1
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kiln import storage
 from kiln.data.corpus import Corpus
 from kiln.data.pipeline import Batch, StreamWindows
 from kiln.data.sources import STDLIB_PREFIX, plan_tasks, read_documents, resolve_inputs
@@ -117,8 +118,8 @@ def load_perplexity(spec: TaskSpec, tokenizer: Tokenizer, vocab_size: int, seq_l
     want_bytes = tokenizer.kind == "byte"
     encoded, num_bytes = [], 0
     for f in files:
-        fmt = _FORMATS.get(f.suffix.lower(), "text")
-        for task in plan_tasks(fmt, [f], [f.stat().st_size], 1 << 62):
+        fmt = _FORMATS.get(Path(storage.name(f)).suffix.lower(), "text")
+        for task in plan_tasks(fmt, [f], [storage.size(f)], 1 << 62):
             docs, _ = read_documents(task, FIELD, want_bytes)
             num_bytes += sum(len(d if isinstance(d, bytes) else d.encode("utf-8")) for d in docs)
             encoded += tokenizer.encode_batch(docs) if docs else []

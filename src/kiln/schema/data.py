@@ -8,6 +8,7 @@ import pydantic
 from pydantic import Field
 
 from kiln.schema.base import INT32_MAX, Section, Seed
+from kiln.storage import local_dir
 
 
 class DataConfig(Section):
@@ -23,7 +24,7 @@ class DataConfig(Section):
     )
     paths: list[str] = Field(
         default_factory=list,
-        description="Input files, directories or globs (one string is a list of one); 'stdlib:GLOB' globs the running Python's standard library (site-packages excluded), e.g. 'stdlib:**/*.py'. For source=tokens: `kiln prepare` output directories.",
+        description="Input files, directories or globs (one string is a list of one); 'stdlib:GLOB' globs the running Python's standard library (site-packages excluded), e.g. 'stdlib:**/*.py'. For source=tokens: `kiln prepare` output directories. Each may be a URL fsspec reads (gs://, s3://, hf://, file://, memory://; see docs/data.md for the packages each needs).",
     )
     eval_paths: list[str] = Field(
         default_factory=list,
@@ -56,7 +57,8 @@ class DataConfig(Section):
         "recorded (reads the whole corpus once; false: sizes and recorded maximum id only).",
     )
     cache_dir: str | None = Field(
-        None, description="Where raw sources are tokenized to; null = {train.output_dir}/.cache."
+        None,
+        description="Where raw sources are tokenized to (a local path or file:// URL); null = {train.output_dir}/.cache.",
     )
     prefetch_batches: int = Field(
         4,
@@ -64,6 +66,11 @@ class DataConfig(Section):
         le=64,
         description="Batches each process prepares ahead of the trainer, on background threads.",
     )
+
+    @pydantic.field_validator("cache_dir")
+    @classmethod
+    def _local_cache(cls, value: str | None) -> str | None:
+        return local_dir(value, "data.cache_dir")
 
     @pydantic.field_validator("paths", "eval_paths", mode="before")
     @classmethod

@@ -8,6 +8,7 @@ import pydantic
 from pydantic import Field
 
 from kiln.schema.base import DEFAULT_MAX_KD_SCALE, Section
+from kiln.storage import local_or_url
 
 
 class DistillationConfig(Section):
@@ -15,7 +16,7 @@ class DistillationConfig(Section):
 
     teacher_run_dir: str | None = Field(
         None,
-        description="kiln run directory of the teacher (its config.yaml and latest checkpoint).",
+        description="kiln run directory of the teacher (its config.yaml and latest checkpoint); a URL (gs://, s3://, ...) is mirrored into {train.output_dir}/.cache/remote-runs/ first.",
     )
     alpha: float = Field(
         0.5,
@@ -76,6 +77,11 @@ class DistillationConfig(Section):
         allow_inf_nan=False,
         description="beta at the last step with schedule linear/cosine; null = beta.",
     )
+
+    @pydantic.field_validator("teacher_run_dir")
+    @classmethod
+    def _teacher(cls, value: str | None) -> str | None:
+        return local_or_url(value)
 
     @pydantic.field_validator("layer_map")
     @classmethod

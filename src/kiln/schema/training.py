@@ -8,6 +8,7 @@ import pydantic
 from pydantic import Field
 
 from kiln.schema.base import INT32_MAX, Z_LOSS_MAX, Count, PositiveInt, Section, Seed
+from kiln.storage import local_dir, local_or_url
 
 
 class OptimConfig(Section):
@@ -102,7 +103,9 @@ class TrainConfig(Section):
         description="Name of the run directory under output_dir: one path component (no '/', not '.' or '..').",
     )
     output_dir: str = Field(
-        "runs", min_length=1, description="Parent directory of run directories."
+        "runs",
+        min_length=1,
+        description="Parent directory of run directories: a local (or mounted) path or a file:// URL, recorded as the path it names.",
     )
     steps: PositiveInt = Field(100, description="Total optimizer steps.")
     global_batch_size: PositiveInt = Field(
@@ -176,6 +179,11 @@ class TrainConfig(Section):
             raise ValueError(str(e).removeprefix("task: ")) from None
         return tasks
 
+    @pydantic.field_validator("output_dir")
+    @classmethod
+    def _local_output(cls, value: str) -> str:
+        return local_dir(value, "train.output_dir")
+
     @pydantic.field_validator("run_name")
     @classmethod
     def _one_component(cls, name: str) -> str:
@@ -211,5 +219,10 @@ class CheckpointConfig(Section):
     )
     load_params_from: str | None = Field(
         None,
-        description="Initialise parameters (only) from this run directory or checkpoint; the optimizer starts fresh.",
+        description="Initialise parameters (only) from this run directory or checkpoint; a URL (gs://, s3://, ...) is mirrored into {train.output_dir}/.cache/remote-runs/ first. The optimizer starts fresh.",
     )
+
+    @pydantic.field_validator("load_params_from")
+    @classmethod
+    def _source(cls, value: str | None) -> str | None:
+        return local_or_url(value)

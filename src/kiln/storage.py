@@ -1,0 +1,239 @@
+"""Paths that may be URLs: `gs://`, `s3://`, `hf://`, `memory://`, ... through fsspec.
+
+A location is a `Path` (local files, and `file://` URLs turned into local paths) or a `str`
+URL of another scheme, read through fsspec (a dependency of orbax's `etils[epath]`). fsspec
+rather than `etils.epath`: epath knows gs://, s3://, az:// and hf:// only (through these same
+fsspec backends when TensorFlow is absent), not file:// or memory://, and has no batched
+ranged reads (fsspec's cat_ranges).
+Every failure is a KilnError of one line naming the field; a scheme whose fsspec backend is
+not installed names the package to install.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from kiln.errors import KilnError
+
+Location = Path | str
+# Schemes kiln documents, with the package that gives fsspec each one (pyproject extras).
+EXTRAS = {"gs": "gcs", "gcs": "gcs", "s3": "s3", "hf": "hf"}
+PACKAGES = {"gcs": "gcsfs", "s3": "s3fs", "hf": "huggingface_hub"}
+OTHER_PACKAGES = {"az": "adlfs", "abfs": "adlfs", "abfss": "adlfs"}
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
+
+
+def scheme(path: str) -> str | None:
+    """The URL scheme of `path` ('gs', 'file', ...), or None for a plain path."""
+    m = _URL.match(str(path))
+    return m.group(1).lower() if m else None
+
+
+def is_remote(loc: Location) -> bool:
+    """Whether `loc` is read through fsspec rather than the local filesystem."""
+    return isinstance(loc, str) and scheme(loc) not in (None, "file")
+
+
+def location(path: str | Path) -> Location:
+    """A local Path (`~` expanded, `file://` URLs too) or the URL of another scheme."""
+    if isinstance(path, Path):
+        return path.expanduser()
+    s = scheme(path)
+    if s is None:
+        return Path(path).expanduser()
+    if s == "file":
+        parsed = urlparse(path)
+        if parsed.netloc not in ("", "localhost"):
+            raise KilnError(f"{path}: a file:// URL names a host; allowed: file:///absolute/path")
+        return Path(unquote(parsed.path))
+    return path.rstrip("/")
+
+
+def local_dir(value: str | None, field: str) -> str | None:
+    """A directory a run writes or resumes on the local filesystem: `file://` URLs become paths,
+    other URLs are refused (a ValueError for pydantic, naming what needs a local path)."""
+    if value is None or scheme(value) is None:
+        return value
+    loc = location(value)
+    if isinstance(loc, Path):
+        return str(loc)
+    raise ValueError(
+        f"a {scheme(value)}:// URL, but {field} needs a local or mounted "
+        "filesystem (run lock, metrics.jsonl, TensorBoard events, checkpoint checksums); "
+        "allowed: a local path or file:// URL (mount buckets with gcsfuse or mountpoint-s3); "
+        "data inputs, prepared shards, teacher runs and load_params_from may be URLs"
+    )
+
+
+def local_or_url(value: str | None) -> str | None:
+    """A path a run only reads: a `file://` URL becomes the path it names, other URLs stay."""
+    if value is None or scheme(value) != "file":
+        return value
+    return str(location(value))
+
+
+def filesystem(url: str, what: str) -> tuple[Any, str]:
+    """(fsspec filesystem, path inside it) for a URL; KilnError if its backend is missing."""
+    import fsspec
+
+    where = url if what in ("", url) else f"{what}: {url}"
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError:
+        extra = EXTRAS.get(scheme(url) or "")
+        if extra is None:
+            package = OTHER_PACKAGES.get(
+                scheme(url) or "", f"the fsspec backend of {scheme(url)}://"
+            )
+            raise KilnError(f"{where} needs {package}, which is not installed") from None
+        raise KilnError(
+            f"{where} needs {PACKAGES[extra]}, which is not installed (pip install "
+            f"'kiln[{extra}]', or pip install {PACKAGES[extra]})"
+        ) from None
+    except ValueError as e:
+        raise KilnError(
+            f"{where}: {e}; allowed: local paths and URLs fsspec knows (gs://, s3://, hf://, "
+            "file://, memory://)"
+        ) from None
+
+
+def join(loc: Location, *names: str) -> Location:
+    """`loc / name / ...` for a Path or a URL."""
+    return loc.joinpath(*names) if isinstance(loc, Path) else "/".join((loc, *names))
+
+
+def name(loc: Location) -> str:
+    """The last component of a Path or URL."""
+    return loc.name if isinstance(loc, Path) else loc.rstrip("/").rsplit("/", 1)[-1]
+
+
+@contextlib.contextmanager
+def reading(loc: Location, doing: str = "read", what: str = ""):
+    """Failures of a local file (OSError) or of a remote store (any exception its backend
+    raises, e.g. an HTTP or credentials error) as one KilnError line naming `loc`."""
+    caught = OSError if isinstance(loc, Path) else Exception
+    try:
+        yield
+    except KilnError:
+        raise
+    except caught as e:
+        missing = "No such file or directory" if isinstance(e, FileNotFoundError) else None
+        reason = getattr(e, "strerror", None) or missing or _first_line(e)
+        prefix = f"{what}: " if what else ""
+        raise KilnError(f"{prefix}cannot {doing} {loc}: {reason}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def is_file(loc: Location) -> bool:
+    with reading(loc):
+        if isinstance(loc, Path):
+            return loc.is_file()
+        fs, path = filesystem(loc, loc)
+        return fs.isfile(path)
+
+
+def is_dir(loc: Location) -> bool:
+    with reading(loc):
+        if isinstance(loc, Path):
+            return loc.is_dir()
+        fs, path = filesystem(loc, loc)
+        return fs.isdir(path)
+
+
+def size(loc: Location) -> int:
+    """Bytes in a file; KilnError naming it if it cannot be read."""
+    with reading(loc):
+        if isinstance(loc, Path):
+            return loc.stat().st_size
+        fs, path = filesystem(loc, loc)
+        return int(fs.size(path))
+
+
+def open_read(loc: Location):
+    """A binary file object (seekable) for reading a Path or URL."""
+    with reading(loc):
+        if isinstance(loc, Path):
+            return open(loc, "rb")
+        fs, path = filesystem(loc, loc)
+        return fs.open(path, "rb")
+
+
+def read_bytes(loc: Location, start: int = 0, end: int | None = None) -> bytes:
+    """Bytes [start, end) of a file (end None = to its end)."""
+    with reading(loc):
+        if isinstance(loc, Path):
+            with open(loc, "rb") as fh:
+                fh.seek(start)
+                return fh.read() if end is None else fh.read(end - start)
+        fs, path = filesystem(loc, loc)
+        return fs.cat_file(path, start=start or None, end=end)
+
+
+def identity(loc: Location) -> dict[str, Any]:
+    """What a cache or manifest is keyed by: path, size and modification time (ns) of a local
+    file; for a URL, its size and the store's version tag (etag, generation or mtime)."""
+    with reading(loc):
+        if isinstance(loc, Path):
+            st = loc.stat()
+            return {"path": str(loc), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        fs, path = filesystem(loc, loc)
+        info = fs.info(path)
+    keys = ("generation", "etag", "ETag", "blob_id", "mtime", "updated", "LastModified", "created")
+    version = next((str(info[k]) for k in keys if info.get(k) is not None), None)
+    return {"path": loc, "size": int(info["size"]), "version": version}
+
+
+def expand(pattern: str, what: str) -> list[str]:
+    """Files under a URL: a glob, every file below a directory, or the file itself; [] if none."""
+    fs, path = filesystem(pattern, what)
+    with reading(pattern, "list", what):
+        if any(c in path for c in "*?["):
+            found = [h for h in fs.glob(path) if fs.isfile(h)]
+        elif fs.isdir(path):
+            found = [
+                h
+                for h in fs.find(path)
+                if not any(p.startswith(".") for p in h[len(path) :].split("/"))
+            ]
+        else:
+            found = [path] if fs.exists(path) else []
+        return sorted(fs.unstrip_protocol(h) for h in found)
+
+
+def upload(local: Path, url: str, what: str) -> None:
+    """Copy the local file `local` to `url`."""
+    fs, path = filesystem(url, what)
+    with reading(url, "write", what):
+        fs.put_file(str(local), path)
+
+
+def remove(url: str, what: str) -> None:
+    """Delete the file at `url`."""
+    fs, path = filesystem(url, what)
+    with reading(url, "remove", what):
+        fs.rm_file(path)
+
+
+def make_dirs(url: str, what: str) -> None:
+    fs, path = filesystem(url, what)
+    with reading(url, "create", what):
+        fs.makedirs(path, exist_ok=True)
+
+
+def listdir(loc: Location) -> list[str]:
+    """Names in a directory ([] if it does not exist)."""
+    with reading(loc, "list"):
+        if isinstance(loc, Path):
+            return sorted(p.name for p in loc.iterdir()) if loc.is_dir() else []
+        fs, path = filesystem(loc, loc)
+        if not fs.isdir(path):
+            return []
+        return sorted(h.rstrip("/").rsplit("/", 1)[-1] for h in fs.ls(path, detail=False))
