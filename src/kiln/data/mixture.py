@@ -1,7 +1,8 @@
 """Weighted mixtures: training windows drawn from several sources in fixed proportions.
 
 Each source is its own endless stream of windows: shuffled by its own seed and, when its last
-window has been drawn, shuffled anew and read again (its epochs count on their own). grain's
+window has been drawn, shuffled anew and read again (its epochs count on their own; see
+`window_stream`). grain's
 `MapDataset.mix` interleaves the streams: element e of the mixture is element j of source i,
 a pure function of e and the weights, so any prefix of the mixture holds each source in
 proportion to its weight (to grain's rounding of the weights to integers, the smallest to
@@ -55,6 +56,32 @@ def _tagged(source: int, window: int) -> tuple[int, int]:
     return source, window
 
 
+# Below this many windows a source's epochs are numpy permutations: grain's index_shuffle
+# (used above it, as for a single source) takes milliseconds per index on a few windows.
+SMALL_SOURCE = 2**16
+
+
+def window_stream(grain: Any, part: SourceSplit) -> Any:
+    """The endless window ids of one source: each epoch a new order of all its windows."""
+    n = part.train.num_windows
+    if n is None:
+        return grain.MapDataset.range(sys.maxsize)
+    if n >= SMALL_SOURCE:
+        return grain.MapDataset.range(n).shuffle(seed=part.seed).repeat()
+    return grain.MapDataset.range(sys.maxsize).map(functools.partial(_permuted, n, part.seed))
+
+
+def _permuted(n: int, seed: int, index: int) -> int:
+    epoch, i = divmod(index, n)
+    return int(_permutation(n, seed, epoch)[i])
+
+
+@functools.lru_cache(maxsize=64)
+def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    """Epoch `epoch` of a small source: a permutation of its n windows (at most 256 KiB)."""
+    return np.random.default_rng([seed, epoch]).permutation(n).astype(np.int32)
+
+
 class MixedDatasets(Datasets):
     """Train and held-out batches of one process, drawn from several sources.
 
@@ -90,12 +117,7 @@ class MixedDatasets(Datasets):
         for i, (part, weight) in enumerate(zip(self.parts, self.weights)):
             if weight == 0:
                 continue
-            n = part.train.num_windows
-            if n is None:
-                ids = grain.MapDataset.range(sys.maxsize)
-            else:
-                ids = grain.MapDataset.range(n).shuffle(seed=part.seed).repeat()
-            streams.append(ids.map(functools.partial(_tagged, i)))
+            streams.append(window_stream(grain, part).map(functools.partial(_tagged, i)))
             weights.append(weight)
         mixed = grain.MapDataset.mix(streams, weights)
         blocks = mixed.batch(self.local_batch_size, drop_remainder=True)

@@ -158,7 +158,7 @@ class DataConfig(SourceFields):
                     f"data.sources.{i}.source: 'none'; allowed: synthetic, text, jsonl, parquet, "
                     "tokens"
                 )
-        total = math.fsum(s.weight for s in self.sources)
+        total = sum(s.weight for s in self.sources)  # fsum raises on overflow; this gives inf
         if not 0 < total < math.inf:
             yield (
                 f"data.sources: the weights {[s.weight for s in self.sources]} sum to {total}; "
