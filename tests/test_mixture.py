@@ -9,10 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from conftest import assert_user_error, kiln, make_config, write_config
 from kiln.compare import expand_metrics
-from kiln.config import config_from_dict
+from kiln.config import config_from_dict, load_config
 from kiln.console import step_line
 from kiln.data import make_datasets
 from kiln.errors import KilnError
@@ -207,6 +208,18 @@ def test_bad_mixtures_name_field_value_and_allowed(data, message):
     assert len(lines) == 1 and message in lines[0], lines
 
 
+def test_a_resolved_mixture_config_reads_back_and_an_inherited_source_is_refused(tmp_path):
+    config = config_from_dict({"data": {"sources": [entry(), entry(name="code", weight=2)]}})
+    assert config_from_dict(yaml.safe_load(config.to_yaml())) == config
+    # A mixture on top of a single-source config (tiny.yaml's data.source: text) would
+    # silently drop that source: refused, naming it.
+    base = write_config(tmp_path / "base.yaml", data={"source": "text", "paths": ["x"]})
+    top = tmp_path / "top.yaml"
+    top.write_text(f"base_config: {base.name}\ndata:\n  sources: [{json.dumps(entry())}]\n")
+    with pytest.raises(KilnError, match=r"^data\.source: set together with data\.sources"):
+        load_config(top)
+
+
 def test_cli_refuses_a_bad_weight_in_one_line_and_writes_nothing(tmp_path):
     config = write_config(
         tmp_path / "c.yaml",
@@ -230,3 +243,132 @@ def test_compare_expands_a_pattern_to_every_source(tmp_path):
     proc = kiln("compare", run, "--metrics", "eval/loss/*", "--out", tmp_path / "p.png")
     assert proc.returncode == 0, proc.stderr
     assert "eval/loss/code" in proc.stdout and (tmp_path / "p.png").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: `kiln train` on a 3-source mixture, killed and resumed, and on two processes
+
+
+def run_config(tmp: Path, corpus: Path, cache: Path) -> Path:
+    """Prose (text files), the json package's code (text) and a Markov chain (synthetic)."""
+    sources = [
+        {
+            "name": "prose",
+            "source": "text",
+            "paths": [str(corpus / "*.txt")],
+            "weight": 0.5,
+            "eval_fraction": 0.1,
+        },
+        {
+            "name": "code",
+            "source": "text",
+            "paths": ["stdlib:json/*.py"],
+            "weight": 0.3,
+            "eval_fraction": 0.2,
+        },
+        {"name": "markov", "source": "synthetic", "weight": 0.2},
+    ]
+    cfg = {
+        "model": {"vocab_size": 384, "d_model": 32, "num_layers": 2, "num_heads": 4, "d_ff": 64, "max_seq_len": 32, "dtype": "float32"},
+        "data": {"sources": sources, "seq_len": 32, "cache_dir": str(cache)},
+        "mesh": {"fsdp": -1},
+        "optim": {"learning_rate": 1e-3, "schedule": "constant", "warmup_steps": 0},
+        "train": {"output_dir": str(tmp / "runs"), "run_name": "r", "global_batch_size": 8, "log_every_steps": 1, "steps": 12, "eval_every_steps": 6, "eval_batches": 1},
+        "checkpoint": {"every_steps": 3, "keep": 2},
+        "distributed": {"init_timeout_s": 120, "heartbeat_timeout_s": 30},
+    }  # fmt: skip
+    return write_config(tmp / "config.yaml", cfg)
+
+
+def rows_by_step(run_dir: Path) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        out.setdefault(row["step"], {}).update(row)
+    return out
+
+
+SOURCES = ("prose", "code", "markov")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """12 uninterrupted steps of the mixture: what the interrupted runs must reproduce."""
+    from test_checkpoint import WORDS
+
+    root = tmp_path_factory.mktemp("mixture")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(30):
+        (corpus / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(WORDS, rng.integers(20, 90))))
+    config = run_config(root, corpus, root / "cache")
+    proc = kiln("train", config, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "eval/loss" in proc.stdout and "prose " in proc.stdout  # per-source eval printed
+    return root, corpus, rows_by_step(root / "runs" / "r")
+
+
+@pytest.mark.slow
+def test_kill_9_mid_run_resumes_with_the_same_batches_and_losses(tmp_path, straight):
+    import os
+    import signal
+
+    from conftest import start_kiln
+    from kiln.checkpoint import latest_complete_step
+    from kiln.config import load_config
+    from test_checkpoint import assert_bitwise, final_params, wait_for_step
+
+    root, corpus, want = straight
+    config = run_config(tmp_path, corpus, root / "cache")
+    run_dir = tmp_path / "runs" / "r"
+    proc = start_kiln("train", config, "train.steps=400", "checkpoint.every_steps=1")
+    wait_for_step(run_dir, 5, proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    complete = latest_complete_step(run_dir / "checkpoints")
+    assert complete is not None and complete >= 3
+    if complete >= 12:
+        pytest.skip("the killed run got past step 12 before the kill")
+
+    # The data state saved at `complete` continues with the straight run's next batches.
+    mixture_config = load_config(config)
+    data_state = json.loads(
+        (run_dir / "checkpoints" / str(complete) / "data" / "metadata").read_text()
+    )
+    resumed_it = make_datasets(mixture_config).train_iterator()
+    resumed_it.set_state(data_state)
+    straight_it = make_datasets(mixture_config).train_iterator()
+    assert_same_batches(take(resumed_it, 12 - complete), take(straight_it, 12)[complete:])
+
+    proc = kiln("train", config, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resuming from step {complete}" in proc.stderr
+    got = rows_by_step(run_dir)
+    for step in range(complete + 1, 13):
+        assert got[step]["learning/loss"] == want[step]["learning/loss"], step  # bitwise
+    tags = ["eval/loss", *(f"eval/loss/{n}" for n in SOURCES)]
+    assert {t: got[12][t] for t in tags} == {t: want[12][t] for t in tags}  # bitwise
+    assert_bitwise(final_params(config), final_params(run_config(root, corpus, root / "cache")))
+
+
+@pytest.mark.slow
+def test_two_processes_of_four_devices_train_on_the_same_global_batches(tmp_path, straight):
+    import subprocess
+    import sys
+
+    from conftest import REPO, kiln_env
+
+    root, corpus, want = straight
+    config = run_config(tmp_path, corpus, root / "cache")
+    two = subprocess.run(
+        ["bash", str(REPO / "scripts" / "launch_local.sh"), "2", str(config), "train.steps=4", "train.eval_every_steps=0"],
+        capture_output=True, text=True, timeout=600, env=kiln_env(PYTHON=sys.executable),
+    )  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    got = rows_by_step(tmp_path / "runs" / "r")
+    assert sorted(s for s in got if "learning/loss" in got[s]) == list(range(1, 5))
+    for step in range(1, 5):
+        # 1e-5 relative: the same batches and arithmetic; only the order of the sums across
+        # the two processes may differ (as in test_multihost).
+        assert got[step]["learning/loss"] == pytest.approx(want[step]["learning/loss"], rel=1e-5)

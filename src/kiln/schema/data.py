@@ -133,7 +133,12 @@ class DataConfig(SourceFields):
                 )
         if not self.sources:
             return
-        both = [f for f in PER_SOURCE if f in self.model_fields_set]
+        # Set to other than its default (a resolved config.yaml lists every field, defaults too).
+        both = [
+            f
+            for f in PER_SOURCE
+            if getattr(self, f) != DataConfig.model_fields[f].get_default(call_default_factory=True)
+        ]
         if both:
             yield (
                 f"data.{both[0]}: set together with data.sources; allowed: either the single-"
