@@ -103,11 +103,18 @@ class MixedDatasets(Datasets):
         self.names, self.weights, self.parts = list(names), list(weights), list(parts)
         total = math.fsum(self.weights)
         self.shares = [w / total for w in self.weights]
+        self.notes.append("data.sources: " + ", ".join(map(self._summary, range(len(parts)))))
         self.inputs = {
             key: {n: p.inputs[key] for n, p in zip(self.names, self.parts) if p.inputs}
             for key in ("corpus", "split")
             if any(p.inputs for p in self.parts)
         }
+
+    def _summary(self, i: int) -> str:
+        """'web 60% (12,345 training windows)': what a share means in repetitions."""
+        n = self.parts[i].train.num_windows
+        size = "synthetic" if n is None else f"{n:,} training windows"
+        return f"{self.names[i]} {self.shares[i]:.0%} ({size})"
 
     def train_iterator(self) -> Iterator[Batch]:
         """Endless batches of this process; the iterator has get_state() / set_state(state)."""
