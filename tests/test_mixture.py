@@ -188,7 +188,14 @@ def entry(**fields):
     [
         ({"sources": [entry(weight=-0.5)]}, "data.sources.0.weight: got -0.5; "),
         ({"sources": [entry(weight=0), entry(name="x", weight=0.0)]}, "sum to 0.0; allowed:"),
-        ({"sources": [entry(weight="lots")]}, "data.sources.0.weight: got 'lots'; allowed: a num"),
+        (
+            {"sources": [entry(weight="lots")]},
+            "data.sources.0.weight: got 'lots'; Input should be a valid number",
+        ),
+        (
+            {"sources": [entry(weight="1e-3"), entry(name="x", weight=-1)]},
+            "sources.1.weight: got -1;",
+        ),
         ({"sources": [entry(weight=True)]}, "data.sources.0.weight: got True; allowed: a number"),
         ({"sources": [entry(weight=float("nan"))]}, "data.sources.0.weight: got nan;"),
         ({"sources": [entry(weight=1e308), entry(name="x", weight=1e308)]}, "a finite sum"),

@@ -72,9 +72,9 @@ class SourceConfig(SourceFields):
 
     @pydantic.field_validator("weight", mode="before")
     @classmethod
-    def _a_number(cls, value):
-        # pydantic would read True as 1.0 and "0.5" as 0.5: a weight is written as a number.
-        if isinstance(value, bool) or not isinstance(value, int | float):
+    def _not_a_bool(cls, value):
+        # pydantic reads true as 1.0; a numeric string stays valid (PyYAML reads 1e-3 as one).
+        if isinstance(value, bool):
             raise ValueError("allowed: a number >= 0 (e.g. 0.5)")
         return value
 
