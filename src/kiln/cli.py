@@ -189,9 +189,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from kiln.compare import compare, final_values, load_runs
+    from kiln.compare import compare, expand_metrics, final_values, load_runs
 
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
+    metrics = expand_metrics(args.run_dirs, metrics)  # eval/loss/*: every source of a mixture
     notes: list[str] = []
     compare(
         args.run_dirs, metrics, args.out, window=args.smooth, log_scale=args.log_scale, notes=notes
@@ -376,7 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--metrics",
         default="learning/loss",
-        help="comma-separated tags, one panel each (default: learning/loss)",
+        help="comma-separated tags, one panel each; '*' matches any text, e.g. 'eval/loss/*' "
+        "(each source of a mixture) (default: learning/loss)",
     )
     p.add_argument("--out", required=True, metavar="FILE.png", help="image to write")
     p.add_argument(

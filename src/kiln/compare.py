@@ -8,6 +8,7 @@ last K logged points.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import struct
@@ -138,6 +139,24 @@ def run_names(run_dirs: Sequence[str | Path]) -> list[str]:
     return [str(d) for d in run_dirs]
 
 
+def expand_metrics(run_dirs: Sequence[str | Path], metrics: Sequence[str]) -> list[str]:
+    """`metrics` with each pattern holding '*' (e.g. eval/loss/*, every source of a mixture)
+    replaced by the tags of any run that match it, sorted; a pattern nothing matches is an error."""
+    if not any("*" in m for m in metrics):
+        return list(metrics)
+    tags = sorted({tag for run_dir in run_dirs for tag in read_run(run_dir)})
+    out: list[str] = []
+    for pattern in metrics:
+        found = fnmatch.filter(tags, pattern) if "*" in pattern else [pattern]
+        if not found:
+            raise KilnError(
+                f"--metrics: no metric of {', '.join(map(str, run_dirs))} matches {pattern!r}; "
+                f"available: {', '.join(tags)}"
+            )
+        out += [t for t in found if t not in out]
+    return out
+
+
 def load_runs(
     run_dirs: Sequence[str | Path], metrics: Sequence[str], notes: list[str] | None = None
 ) -> dict[str, Series]:
@@ -264,6 +283,7 @@ def compare(
     if window < 1:
         raise KilnError(f"--smooth: got {window}; must be >= 1 (1 = no smoothing)")
     out = Path(out)
+    metrics = expand_metrics(run_dirs, metrics)
     runs = load_runs(run_dirs, metrics, notes)
     fig = plot(runs, metrics, window=window, log_scale=log_scale)
     formats = fig.canvas.get_supported_filetypes()

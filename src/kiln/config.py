@@ -127,11 +127,8 @@ def _cross_field_errors(
             yield f"model.head_dim: rotary embeddings need an even head width, got {m.resolved_head_dim}"
     if ok("data", "model") and c.data.seq_len > m.max_seq_len:
         yield f"data.seq_len: {c.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}"
-    if ok("data") and c.data.eval_paths and c.data.source == "synthetic":
-        yield (
-            f"data.eval_paths: {c.data.eval_paths} given, but data.source is synthetic (its "
-            "held-out stream is generated); allowed: eval_paths with text, jsonl, parquet or tokens"
-        )
+    if ok("data"):
+        yield from c.data.errors()
     if ok("optim", "train") and c.optim.warmup_steps > t.steps:
         yield (
             f"optim.warmup_steps: {c.optim.warmup_steps} exceeds train.steps={t.steps}; "
@@ -483,14 +480,17 @@ def schema_rows(
             rows.extend(schema_rows(ann, prefix=f"{dotted}."))
             continue
         default = field.get_default(call_default_factory=True)
+        (item,) = typing.get_args(ann) if typing.get_origin(ann) is list else (None,)
+        if isinstance(item, type) and issubclass(item, BaseModel):  # data.sources: list the entry
+            rows.append((dotted, f"list[{item.__name__}]", "[]", field.description or ""))
+            rows.extend(schema_rows(item, prefix=f"{dotted}[]."))
+            continue
+        shown = yaml.safe_dump(default, default_flow_style=True) if not field.is_required() else ""
         rows.append(
             (
                 dotted,
                 _type_name(ann),
-                yaml.safe_dump(default, default_flow_style=True)
-                .strip()
-                .removesuffix("\n...")
-                .removesuffix("..."),
+                shown.strip().removesuffix("\n...").removesuffix("...") or "(required)",
                 field.description or "",
             )
         )

@@ -34,6 +34,9 @@ EVAL_COLUMNS = (("eval/loss", "eval/loss"), ("eval/perplexity", "eval/perplexity
 def step_line(step: int, total: int, values: Mapping[str, float]) -> str:
     """The scrollback line of a logged step (or of an eval row)."""
     columns = EVAL_COLUMNS if any(k.startswith("eval/") for k in values) else STEP_COLUMNS
+    if columns is EVAL_COLUMNS:  # each source of a mixture: eval/loss/<name>, shown as <name>
+        sources = sorted(k for k in values if k.startswith("eval/loss/"))
+        columns = (*columns, *((k, k.removeprefix("eval/loss/")) for k in sources))
     shown = [_cell(tag, name, values[tag]) for tag, name in columns if _shown(tag, values)]
     return f"step {step}/{total}  " + "  ".join(shown)
 

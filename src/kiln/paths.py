@@ -21,7 +21,7 @@ def check_output_paths(config: Config) -> None:
     run_dir = output_dir / config.train.run_name
     if run_dir.exists() or run_dir.is_symlink():
         check_creatable(run_dir, "train.run_name")
-    if config.data.source in _CACHED_SOURCES:
+    if any(s.source in _CACHED_SOURCES for _, s in config.data.mixture()):
         cache = config.data.cache_dir
         root = Path(cache).expanduser() if cache else output_dir / ".cache"
         if not root.is_dir():  # an existing cache may be read-only: prepared data is only read

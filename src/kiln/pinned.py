@@ -40,7 +40,10 @@ def check_data(config: Config, current: dict[str, Any]) -> None:
     before = recorded(config)
     if before is None:
         return
-    for key, field in (("corpus", "data.paths"), ("split", "data.eval_fraction")):
+    fields = (("corpus", "data.paths"), ("split", "data.eval_fraction"))
+    if config.data.sources:  # by source name: {"corpus": {name: ...}, "split": {name: ...}}
+        fields = (("corpus", "data.sources"), ("split", "data.sources"))
+    for key, field in fields:
         old, new = before.get(key), current.get(key)
         if old is None or old == new:
             continue

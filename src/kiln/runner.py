@@ -59,6 +59,7 @@ FROZEN_ON_RESUME = (
     "data.seq_len",
     "data.seed",
     "data.eval_fraction",
+    "data.sources",
     "train.global_batch_size",
     "distillation.teacher_run_dir",
 )
@@ -343,11 +344,17 @@ def run_loop(run: PreparedRun):
         eval_fn = None
         if config.train.eval_every_steps:
             eval_step = train.make_eval_step(config, mesh)
-            eval_batches = run.datasets.eval_batches(config.train.eval_batches)
+            # By source: one set, or each source of a mixture (eval/loss/<name>).
+            eval_sets = run.datasets.eval_sets(config.train.eval_batches)
             tasks = Evaluator(config, mesh, run.eval_tasks) if run.eval_tasks else None
 
             def eval_fn(state):
-                held_out = train.evaluate(eval_step, state, eval_batches, mesh, config)
+                held_out = run.datasets.combine_eval(
+                    {
+                        name: train.evaluate(eval_step, state, batches, mesh, config)
+                        for name, batches in eval_sets.items()
+                    }
+                )
                 return held_out if tasks is None else {**held_out, **tasks.metrics(state)}
 
         loop = Loop(

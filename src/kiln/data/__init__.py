@@ -13,6 +13,7 @@ import numpy as np
 
 from kiln import storage
 from kiln.data.corpus import open_corpus, read_manifest, split_documents
+from kiln.data.mixture import MixedDatasets, SourceSplit, source_seed
 from kiln.data.pipeline import Batch, Datasets, StreamWindows, SyntheticWindows
 from kiln.data.prepare import decode_error_note, prepare
 from kiln.data.resolve import rounded_vocab
@@ -22,14 +23,22 @@ from kiln.data.tokenizers import Tokenizer, load_tokenizer
 from kiln.errors import KilnError
 from kiln.humanize import plural
 
-__all__ = ["Batch", "Datasets", "Tokenizer", "cache_dir_for", "load_tokenizer", "make_datasets"]
+__all__ = [
+    "Batch",
+    "Datasets",
+    "MixedDatasets",
+    "Tokenizer",
+    "cache_dir_for",
+    "load_tokenizer",
+    "make_datasets",
+]
 
 
 def make_datasets(config: Any) -> Datasets:
     """Datasets of this process for `config` (a kiln Config); tokenizes raw files into the
     cache on first use. Raises KilnError for bad paths, tokenizer or vocabulary size."""
     d = config.data
-    if d.source == "none":
+    if not d.sources and d.source == "none":
         raise KilnError(
             "data.source: 'none' (a config written by kiln import-hf names no training data); "
             "set data.source to text, jsonl, parquet, tokens or synthetic, and data.paths"
@@ -55,90 +64,145 @@ def make_datasets(config: Any) -> Datasets:
         "seed": d.seed,
         "prefetch_batches": d.prefetch_batches,
     }
-    if d.source == "synthetic":
-        v, seed = tokenizer.vocab_size, d.seed % 2**32
-        entropy = (
-            markov_chain(v, seed).entropy_rate if d.synthetic_kind == "markov" else math.log(v)
-        )
-        train = SyntheticWindows(d.synthetic_kind, v, d.seq_len, seed, stream=0)
-        held_out = SyntheticWindows(d.synthetic_kind, v, d.seq_len, seed, stream=1)
-        return Datasets(tokenizer, train, held_out, entropy_rate=entropy, **common)
-
     notes: list[str] = []
-    corpus, sources, identity = _open_source(config, d.paths, tokenizer, notes)
-    if d.eval_paths:
-        held_corpus, held_sources, _ = _open_source(
-            config, d.eval_paths, tokenizer, notes, what="data.eval_paths"
+    warnings: list[str] = []
+    parts = [
+        open_source(config, prefix, s, tokenizer, source_seed(d.seed, i), notes, warnings)
+        for i, (prefix, s) in enumerate(d.mixture())
+    ]
+    if not d.sources:
+        (one,) = parts
+        return Datasets(
+            tokenizer,
+            one.train,
+            one.held_out,
+            entropy_rate=one.entropy_rate,
+            inputs=one.inputs,
+            notes=notes,
+            warnings=warnings,
+            **common,
         )
+    _check_held_out_is_not_trained(parts)
+    return MixedDatasets(
+        tokenizer,
+        [s.name for s in d.sources],
+        [s.weight for s in d.sources],
+        parts,
+        notes=notes,
+        warnings=warnings,
+        **common,
+    )
+
+
+def open_source(
+    config: Any,
+    prefix: str,
+    s: Any,
+    tokenizer: Tokenizer,
+    seed: int,
+    notes: list[str],
+    warnings: list[str],
+) -> SourceSplit:
+    """The train and held-out windows of one source `s` (data itself, or an entry of
+    data.sources named by `prefix` in messages); `seed` makes synthetic tokens."""
+    if s.source == "synthetic":
+        v = tokenizer.vocab_size
+        entropy = (
+            markov_chain(v, seed).entropy_rate if s.synthetic_kind == "markov" else math.log(v)
+        )
+        train = SyntheticWindows(s.synthetic_kind, v, config.data.seq_len, seed, stream=0)
+        held_out = SyntheticWindows(s.synthetic_kind, v, config.data.seq_len, seed, stream=1)
+        return SourceSplit(train, held_out, seed, entropy_rate=entropy)
+
+    batch = config.train.global_batch_size
+    corpus, sources, identity = _open_source(
+        config, s, s.paths, tokenizer, notes, f"{prefix}.paths"
+    )
+    if s.eval_paths:
+        what = f"{prefix}.eval_paths"
+        held_corpus, held_sources, _ = _open_source(config, s, s.eval_paths, tokenizer, notes, what)
         shared = sorted(set(sources) & set(held_sources), key=str)
         if shared:
             raise KilnError(
-                f"data.eval_paths: {shared[0]} is also in data.paths (and "
+                f"{what}: {shared[0]} is also in {prefix}.paths (and "
                 f"{plural(len(shared) - 1, 'more')}); allowed: inputs that are not trained on"
             )
         train_docs = np.arange(corpus.num_documents)
         eval_docs = np.arange(held_corpus.num_documents)
     else:
-        held_corpus = corpus
-        train_docs, eval_docs = split_documents(corpus.num_documents, d.eval_fraction)
-    ids = (d.seq_len, tokenizer.eos_id, tokenizer.pad_id)
+        held_corpus, held_sources = corpus, []
+        train_docs, eval_docs = split_documents(corpus.num_documents, s.eval_fraction)
+    ids = (config.data.seq_len, tokenizer.eos_id, tokenizer.pad_id)
     train = StreamWindows(corpus, train_docs, *ids, vocab_size=config.model.vocab_size)
     held_out = StreamWindows(held_corpus, eval_docs, *ids, vocab_size=config.model.vocab_size)
     if train.num_windows == 0:
         raise KilnError(
-            f"data.paths: {d.paths} give {train.num_tokens} training tokens; at least 2 are needed"
+            f"{prefix}.paths: {s.paths} give {train.num_tokens} training tokens; at least 2 are "
+            "needed"
         )
-    warnings = []
     if config.train.eval_every_steps > 0:
         if held_out.num_windows == 0:
-            what = "data.eval_paths" if d.eval_paths else "data.eval_fraction"
-            given = d.eval_paths if d.eval_paths else d.eval_fraction
+            what = f"{prefix}.eval_paths" if s.eval_paths else f"{prefix}.eval_fraction"
+            given = s.eval_paths if s.eval_paths else s.eval_fraction
             raise KilnError(
                 f"{what}: {given} holds out no tokens of the {corpus.num_documents:,} documents; "
-                f"{'give files with text' if d.eval_paths else 'raise it'} or set "
+                f"{'give files with text' if s.eval_paths else 'raise it'} or set "
                 "train.eval_every_steps: 0"
             )
         if held_out.num_windows < batch:
-            warnings.append(small_eval_warning(held_out, batch, config.train.eval_batches))
+            warnings.append(small_eval_warning(held_out, batch, config.train.eval_batches, prefix))
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     inputs = {
         "corpus": {
-            "files": len(identity) if d.source != "tokens" else sum(map(len, identity)),
+            "files": len(identity) if s.source != "tokens" else sum(map(len, identity)),
             "digest": digest,
             "documents": corpus.num_documents,
             "tokens": corpus.num_tokens,
         },
         "split": {
-            "eval_fraction": d.eval_fraction,
+            "eval_fraction": s.eval_fraction,
             "train_documents": train.num_documents,
             "eval_documents": held_out.num_documents,
         },
     }
-    return Datasets(
-        tokenizer, train, held_out, inputs=inputs, notes=notes, warnings=warnings, **common
-    )
+    return SourceSplit(train, held_out, seed, inputs=inputs, trained=sources, held=held_sources)
 
 
-def small_eval_warning(held_out: StreamWindows, batch: int, eval_batches: int) -> str:
+def _check_held_out_is_not_trained(parts: list[SourceSplit]) -> None:
+    """A file held out by one source's eval_paths must not train through another source."""
+    trained = {f: i for i, part in enumerate(parts) for f in part.trained}
+    for i, part in enumerate(parts):
+        for f in part.held:
+            if f in trained:
+                raise KilnError(
+                    f"data.sources.{i}.eval_paths: {f} is also in data.sources.{trained[f]}.paths; "
+                    "allowed: inputs that no source trains on"
+                )
+
+
+def small_eval_warning(
+    held_out: StreamWindows, batch: int, eval_batches: int, prefix: str = "data"
+) -> str:
     """The held-out split fills less than one eval batch: its windows are repeated."""
     shown = eval_batches * batch
+    whose = "" if prefix == "data" else f" of {prefix}"
     return (
-        f"the held-out set is {plural(held_out.num_documents, 'document')} "
+        f"the held-out set{whose} is {plural(held_out.num_documents, 'document')} "
         f"({plural(held_out.num_tokens, 'token')}, {plural(held_out.num_windows, 'sequence')} of "
         f"data.seq_len), fewer than one eval batch of {plural(batch, 'sequence')}: each eval "
         f"repeats them to fill {plural(shown, 'row')}, so eval/loss rests on little data; raise "
-        "data.eval_fraction or name a held-out set with data.eval_paths"
+        f"{prefix}.eval_fraction or name a held-out set with {prefix}.eval_paths"
     )
 
 
 def _open_source(
-    config: Any, paths: list[str], tokenizer: Tokenizer, notes: list[str], what="data.paths"
+    config: Any, s: Any, paths: list[str], tokenizer: Tokenizer, notes: list[str], what: str
 ) -> tuple[Any, list[storage.Location], list]:
-    """The corpus of `paths` (local paths or URLs), what it was read from, and its identity
-    for `inputs.json`: prepared directories (source=tokens), or raw files, tokenized into the
-    cache on first use."""
+    """The corpus of `paths` (local paths or URLs) of source `s`, what it was read from, and its
+    identity for `inputs.json`: prepared directories (source=tokens), or raw files, tokenized
+    into the cache on first use."""
     d = config.data
-    if d.source == "tokens":
+    if s.source == "tokens":
         dirs = [storage.location(p) for p in paths]
         if not dirs:
             raise KilnError(f"{what}: empty; source=tokens needs `kiln prepare` output directories")
@@ -158,16 +222,16 @@ def _open_source(
             )
     if not any(storage.size(f) for f in files):
         raise KilnError(f"{what}: {list(paths)} hold no text (every input file is empty)")
-    cache = cache_dir_for(config, files, tokenizer)
+    cache = cache_dir_for(config, files, tokenizer, s)
     manifest, _ = prepare(
         files,
-        d.source,
-        d.field,
+        s.source,
+        s.field,
         tokenizer,
         cache,
         progress=sys.stderr.isatty(),
         what="data.cache_dir",
-        on_decode_error=d.on_decode_error,
+        on_decode_error=s.on_decode_error,
     )
     note = decode_error_note(manifest)
     if note:
@@ -179,21 +243,25 @@ def _open_source(
     return corpus, [f.resolve() if isinstance(f, Path) else f for f in files], identity
 
 
-def cache_dir_for(config: Any, files: list[storage.Location], tokenizer: Tokenizer) -> Path:
-    """Where raw inputs are tokenized to: keyed by source, field, tokenizer and the
-    (path, size, mtime) of every input file, so any change gives a fresh directory."""
+def cache_dir_for(
+    config: Any, files: list[storage.Location], tokenizer: Tokenizer, s: Any = None
+) -> Path:
+    """Where raw inputs of source `s` (default: data itself) are tokenized to: keyed by source,
+    field, tokenizer and the (path, size, mtime) of every input file, so any change gives a
+    fresh directory."""
     d = config.data
+    s = d if s is None else s
     key = {
-        "source": d.source,
-        "field": None if d.source == "text" else d.field,
+        "source": s.source,
+        "field": None if s.source == "text" else s.field,
         "tokenizer": tokenizer.sha256,
         "inputs": input_identity(files),
     }
-    if d.on_decode_error != "error":  # skipped or replaced inputs make other shards
-        key["on_decode_error"] = d.on_decode_error
+    if s.on_decode_error != "error":  # skipped or replaced inputs make other shards
+        key["on_decode_error"] = s.on_decode_error
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     root = Path(d.cache_dir) if d.cache_dir else Path(config.train.output_dir) / ".cache"
-    return root.expanduser() / f"{d.source}-{digest}"
+    return root.expanduser() / f"{s.source}-{digest}"
 
 
 def _process_layout(config: Any) -> tuple[int, int]:

@@ -183,12 +183,15 @@ class Datasets:
                 "data.eval_fraction: no held-out documents (eval_fraction is 0 or the corpus has "
                 "a single document); set data.eval_fraction > 0 or train.eval_every_steps: 0"
             )
-        b, p, k = self.global_batch_size, self.process_index, self.local_batch_size
-        elements = np.arange(num_batches)[:, None] * b + p * k + np.arange(k)
-        if self.eval.num_windows is not None:
-            order = np.random.default_rng(self.seed).permutation(self.eval.num_windows)
-            elements = order[elements % self.eval.num_windows]
-        return [self.eval.batch(row) for row in elements]
+        return held_out_batches(self.eval, num_batches, self.seed, self)
+
+    def eval_sets(self, num_batches: int) -> dict[str, list[Batch]]:
+        """Held-out batches by source name ('' for the one source of the shorthand)."""
+        return {"": self.eval_batches(num_batches)}
+
+    def combine_eval(self, by_source: dict[str, dict[str, float]]) -> dict[str, float]:
+        """The eval metrics of the run from those of each set of `eval_sets`."""
+        return by_source[""]
 
     def describe(self) -> dict[str, Any]:
         """Sizes for logs: windows, tokens and documents of each split."""
@@ -201,3 +204,16 @@ class Datasets:
         if self.entropy_rate is not None:
             out["entropy_rate"] = self.entropy_rate
         return out
+
+
+def held_out_batches(
+    windows: StreamWindows | SyntheticWindows, num_batches: int, seed: int, layout: Datasets
+) -> list[Batch]:
+    """This process's rows of `num_batches` global batches of held-out windows, in an order
+    fixed by `seed` (repeated when there are fewer windows than rows)."""
+    b, p, k = layout.global_batch_size, layout.process_index, layout.local_batch_size
+    elements = np.arange(num_batches)[:, None] * b + p * k + np.arange(k)
+    if windows.num_windows is not None:
+        order = np.random.default_rng(seed).permutation(windows.num_windows)
+        elements = order[elements % windows.num_windows]
+    return [windows.batch(row) for row in elements]

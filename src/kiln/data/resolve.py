@@ -38,16 +38,19 @@ def manifest_tokenizer(paths: list[str]) -> str:
 def resolve_data_fields(raw: dict[str, Any], config: Any) -> dict[str, Any] | None:
     """Updates to the nested config dict `raw` that fill in values derived from the data, or None.
 
-    - data.tokenizer, for source=tokens when the config does not give it: the manifest's.
+    - data.tokenizer, for source=tokens (of any source of a mixture) when the config does not
+      give it: the manifests'.
     - model.vocab_size: auto -> the tokenizer's size rounded up to a multiple of 128.
     """
     d = config.data
     updates: dict[str, dict[str, Any]] = {}
     tokenizer = d.tokenizer
-    if d.source == "tokens" and "tokenizer" not in d.model_fields_set:
-        tokenizer = manifest_tokenizer([*d.paths, *d.eval_paths])
+    shards = [s for _, s in d.mixture() if s.source == "tokens"]
+    if shards and "tokenizer" not in d.model_fields_set:
+        tokenizer = manifest_tokenizer([p for s in shards for p in (*s.paths, *s.eval_paths)])
         if tokenizer != d.tokenizer:
-            where = f"the tokenizer recorded in {storage.join(storage.location(d.paths[0]), 'manifest.json')}"
+            first = next(p for s in shards for p in (*s.paths, *s.eval_paths))
+            where = f"the tokenizer recorded in {storage.join(storage.location(first), 'manifest.json')}"
             load_tokenizer(tokenizer, what=f"data.tokenizer ({where})")
             updates["data"] = {"tokenizer": tokenizer}
     if config.model.vocab_size == "auto":

@@ -1,7 +1,10 @@
-"""The config schema: where the tokens come from."""
+"""The config schema: where the tokens come from (one source, or a weighted mixture)."""
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Iterator
 from typing import Literal
 
 import pydantic
@@ -10,9 +13,13 @@ from pydantic import Field
 from kiln.schema.base import INT32_MAX, Section, Seed
 from kiln.storage import local_dir
 
+# Source names end up in metric tags (eval/loss/<name>) and directory-safe keys.
+SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
-class DataConfig(Section):
-    """Where tokens come from and how they are cut into sequences."""
+
+class SourceFields(Section):
+    """What one source reads: kind, inputs, held-out split. `data` itself holds one source
+    (the single-source shorthand), and every entry of `data.sources` holds one."""
 
     source: Literal["synthetic", "text", "jsonl", "parquet", "tokens", "none"] = Field(
         "synthetic",
@@ -28,21 +35,12 @@ class DataConfig(Section):
     )
     eval_paths: list[str] = Field(
         default_factory=list,
-        description="A held-out set of its own, given like data.paths (files, directories, globs; for source=tokens prepared directories): every document of data.paths then trains and data.eval_fraction is not used. Empty = hold out data.eval_fraction of data.paths.",
+        description="A held-out set of its own, given like paths (files, directories, globs; for source=tokens prepared directories): every document of paths then trains and eval_fraction is not used. Empty = hold out eval_fraction of paths.",
     )
     field: str = Field("text", description="JSONL/Parquet field holding the document text.")
-    tokenizer: str = Field(
-        "byte",
-        description="'byte' (built-in byte-level), or a local path to a tokenizer.json or sentencepiece .model file. For source=tokens, when not given, the tokenizer named in the shards' manifest.json.",
-    )
     on_decode_error: Literal["error", "skip", "replace"] = Field(
         "error",
         description="A text file (or JSONL line) that is not UTF-8, with a tokenizer file: error (stop and name it), skip (leave it out), replace (invalid bytes become U+FFFD). Skipped and replaced counts are printed. The byte tokenizer reads any file as bytes and never decodes.",
-    )
-    seq_len: int = Field(256, gt=1, le=INT32_MAX, description="Tokens per training sequence.")
-    seed: Seed = Field(
-        0,
-        description="Seed of shuffling and of synthetic data; 0 <= seed < 2^32.",
     )
     eval_fraction: float = Field(
         0.01,
@@ -50,6 +48,59 @@ class DataConfig(Section):
         lt=1,
         allow_inf_nan=False,
         description="Fraction of documents held out for evaluation.",
+    )
+
+    @pydantic.field_validator("paths", "eval_paths", mode="before")
+    @classmethod
+    def _one_path_is_a_list(cls, value):
+        # `data.paths=/dir` on the command line: one path, not a list of characters.
+        return [value] if isinstance(value, str) else value
+
+
+class SourceConfig(SourceFields):
+    """One source of a mixture: the fields of a single source, a name and a weight."""
+
+    name: str = Field(
+        description="Names the source in logs and metrics (eval/loss/<name>): letters, digits, "
+        "'_', '.', '-', at most 64, unique in data.sources.",
+    )
+    weight: float = Field(
+        ge=0,
+        allow_inf_nan=False,
+        description="Share of training sequences drawn from this source: weight / (sum of the "
+        "weights). 0 = evaluated (eval/loss/<name>) but never trained on.",
+    )
+
+    @pydantic.field_validator("weight", mode="before")
+    @classmethod
+    def _not_a_bool(cls, value):
+        # pydantic reads true as 1.0; a numeric string stays valid (PyYAML reads 1e-3 as one).
+        if isinstance(value, bool):
+            raise ValueError("allowed: a number >= 0 (e.g. 0.5)")
+        return value
+
+
+# The fields of SourceFields that data.sources replaces; set beside it, they would be ignored.
+PER_SOURCE = tuple(SourceFields.model_fields)
+
+
+class DataConfig(SourceFields):
+    """Where tokens come from and how they are cut into sequences."""
+
+    sources: list[SourceConfig] = Field(
+        default_factory=list,
+        description="A weighted mixture: each entry is one source with its own fields (source, "
+        "paths, eval_paths, field, ...) plus name and weight. Empty = the single source given by "
+        "data.source, data.paths, ... With entries, those single-source fields are not set.",
+    )
+    tokenizer: str = Field(
+        "byte",
+        description="'byte' (built-in byte-level), or a local path to a tokenizer.json or sentencepiece .model file. For source=tokens, when not given, the tokenizer named in the shards' manifest.json.",
+    )
+    seq_len: int = Field(256, gt=1, le=INT32_MAX, description="Tokens per training sequence.")
+    seed: Seed = Field(
+        0,
+        description="Seed of shuffling and of synthetic data; 0 <= seed < 2^32.",
     )
     verify_shards: bool = Field(
         True,
@@ -72,8 +123,56 @@ class DataConfig(Section):
     def _local_cache(cls, value: str | None) -> str | None:
         return local_dir(value, "data.cache_dir")
 
-    @pydantic.field_validator("paths", "eval_paths", mode="before")
-    @classmethod
-    def _one_path_is_a_list(cls, value):
-        # `data.paths=/dir` on the command line: one path, not a list of characters.
-        return [value] if isinstance(value, str) else value
+    def mixture(self) -> list[tuple[str, SourceFields]]:
+        """(field prefix for messages, source) of every source: data itself when single."""
+        if not self.sources:
+            return [("data", self)]
+        return [(f"data.sources.{i}", s) for i, s in enumerate(self.sources)]
+
+    def errors(self) -> Iterator[str]:
+        """The rules between data's fields, one line each."""
+        for prefix, s in self.mixture():
+            if s.eval_paths and s.source == "synthetic":
+                yield (
+                    f"{prefix}.eval_paths: {s.eval_paths} given, but {prefix}.source is synthetic "
+                    "(its held-out stream is generated); allowed: eval_paths with text, jsonl, "
+                    "parquet or tokens"
+                )
+        if not self.sources:
+            return
+        # Set to other than its default (a resolved config.yaml lists every field, defaults too).
+        both = [
+            f
+            for f in PER_SOURCE
+            if getattr(self, f) != DataConfig.model_fields[f].get_default(call_default_factory=True)
+        ]
+        if both:
+            yield (
+                f"data.{both[0]}: set together with data.sources; allowed: either the single-"
+                f"source fields ({', '.join(PER_SOURCE)}) or data.sources, whose entries each "
+                "give their own"
+            )
+        seen: dict[str, int] = {}
+        for i, s in enumerate(self.sources):
+            if not SOURCE_NAME.fullmatch(s.name):
+                yield (
+                    f"data.sources.{i}.name: {s.name!r}; allowed: 1 to 64 letters, digits, '_', "
+                    "'.', '-', starting with a letter or digit"
+                )
+            elif s.name in seen:
+                yield (
+                    f"data.sources.{i}.name: {s.name!r} is also the name of data.sources."
+                    f"{seen[s.name]}; allowed: a name no other source has"
+                )
+            seen.setdefault(s.name, i)
+            if s.source == "none":
+                yield (
+                    f"data.sources.{i}.source: 'none'; allowed: synthetic, text, jsonl, parquet, "
+                    "tokens"
+                )
+        total = sum(s.weight for s in self.sources)  # fsum raises on overflow; this gives inf
+        if not 0 < total < math.inf:
+            yield (
+                f"data.sources: the weights {[s.weight for s in self.sources]} sum to {total}; "
+                "allowed: weights >= 0 with at least one > 0 and a finite sum"
+            )
