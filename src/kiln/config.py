@@ -132,6 +132,17 @@ def _cross_field_errors(
             f"data.eval_paths: {c.data.eval_paths} given, but data.source is synthetic (its "
             "held-out stream is generated); allowed: eval_paths with text, jsonl, parquet or tokens"
         )
+    if ok("data") and c.data.format != "text" and c.data.source != "jsonl":
+        yield (
+            f"data.format: {c.data.format!r} reads JSONL records, but data.source is "
+            f"{c.data.source!r}; allowed: data.source jsonl (shards of source=tokens carry the "
+            "loss weights that kiln prepare --record-format stored)"
+        )
+    if ok("data") and c.data.chat_template is not None and c.data.format != "chat":
+        yield (
+            f"data.chat_template: given, but data.format is {c.data.format!r}; allowed: a "
+            "template with data.format chat, or null"
+        )
     if ok("optim", "train") and c.optim.warmup_steps > t.steps:
         yield (
             f"optim.warmup_steps: {c.optim.warmup_steps} exceeds train.steps={t.steps}; "

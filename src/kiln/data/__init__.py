@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.data.chat import record_format
 from kiln.data.corpus import open_corpus, read_manifest, split_documents
 from kiln.data.pipeline import Batch, Datasets, StreamWindows, SyntheticWindows
 from kiln.data.prepare import decode_error_note, prepare
@@ -155,6 +156,7 @@ def _open_source(
             )
     if not any(f.stat().st_size for f in files):
         raise KilnError(f"{what}: {list(paths)} hold no text (every input file is empty)")
+    fmt = record_format(d.format, tokenizer, d.chat_template)
     cache = cache_dir_for(config, files, tokenizer)
     manifest, _ = prepare(
         files,
@@ -165,6 +167,7 @@ def _open_source(
         progress=sys.stderr.isatty(),
         what="data.cache_dir",
         on_decode_error=d.on_decode_error,
+        record_format=fmt,
     )
     note = decode_error_note(manifest)
     if note:
@@ -188,6 +191,9 @@ def cache_dir_for(config: Any, files: list[Path], tokenizer: Tokenizer) -> Path:
     }
     if d.on_decode_error != "error":  # skipped or replaced inputs make other shards
         key["on_decode_error"] = d.on_decode_error
+    fmt = record_format(d.format, tokenizer, d.chat_template)
+    if fmt is not None:  # absent for text, so the caches of text runs keep their names
+        key["record_format"] = fmt.identity()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     root = Path(d.cache_dir) if d.cache_dir else Path(config.train.output_dir) / ".cache"
     return root.expanduser() / f"{d.source}-{digest}"

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from kiln.checksums import crc32_of
-from kiln.data.prepare import MANIFEST, MANIFEST_VERSION
+from kiln.data.prepare import MANIFEST, READ_VERSIONS
 from kiln.data.tokenizers import Tokenizer
 from kiln.errors import KilnError
 
@@ -22,6 +22,8 @@ class Corpus:
 
     shards: one 1-D token memmap per shard; paths: their .bin files.
     doc_shard, doc_start, doc_len: [num_documents] shard index, offset in it, length.
+    weights: per shard, a uint8 memmap of loss weights beside its tokens (chat and
+    prompt/completion shards), or None (every token weighs 1); None = no shard has them.
     """
 
     shards: list[np.ndarray]
@@ -29,6 +31,7 @@ class Corpus:
     doc_shard: np.ndarray
     doc_start: np.ndarray
     doc_len: np.ndarray
+    weights: list[np.ndarray | None] | None = None
 
     @property
     def num_documents(self) -> int:
@@ -53,6 +56,7 @@ def open_corpus(
     shards: list[np.ndarray] = []
     paths: list[Path] = []
     doc_shard, doc_start, doc_len = [], [], []
+    weights: list[np.ndarray | None] = []
     for d in dirs:
         manifest = read_manifest(Path(d), what)
         _check_tokenizer(Path(d) / MANIFEST, manifest, tokenizer)
@@ -66,10 +70,16 @@ def open_corpus(
             doc_start.append(offsets[:-1])
             doc_len.append(np.diff(offsets))
             shards.append(tokens)
+            weights.append(_open_weights(Path(d), entry, len(tokens), verify))
     if not shards or not sum(len(s) for s in shards):
         raise KilnError(f"{what}: {[str(d) for d in dirs]} hold no tokens")
     return Corpus(
-        shards, paths, np.concatenate(doc_shard), np.concatenate(doc_start), np.concatenate(doc_len)
+        shards,
+        paths,
+        np.concatenate(doc_shard),
+        np.concatenate(doc_start),
+        np.concatenate(doc_len),
+        weights if any(w is not None for w in weights) else None,
     )
 
 
@@ -88,10 +98,10 @@ def read_manifest(d: Path, what: str = "data.paths") -> dict[str, Any]:
     needed = ("version", "tokenizer", "dtype", "shards")
     if not isinstance(manifest, dict) or any(k not in manifest for k in needed):
         raise KilnError(f"{path}: not a kiln manifest (needs {', '.join(needed)})")
-    if manifest["version"] != MANIFEST_VERSION:
+    if manifest["version"] not in READ_VERSIONS:
         raise KilnError(
-            f"{path}: manifest version {manifest['version']!r}; this kiln reads version "
-            f"{MANIFEST_VERSION} (re-run kiln prepare)"
+            f"{path}: manifest version {manifest['version']!r}; this kiln reads versions "
+            f"{', '.join(map(str, READ_VERSIONS))} (re-run kiln prepare)"
         )
     return manifest
 
@@ -131,6 +141,29 @@ def _open_shard(
         raise KilnError(f"{idx_path}: document offsets are inconsistent; re-run kiln prepare")
     tokens = np.memmap(bin_path, dtype, mode="r") if n_tok else np.zeros(0, dtype)
     return tokens, offsets
+
+
+def _open_weights(d: Path, entry: dict[str, Any], num_tokens: int, verify: bool):
+    """The .wts loss weights of a shard whose manifest entry records them, else None."""
+    want = entry.get("wts_crc32")
+    if want is None:
+        return None
+    path = d / f"{entry['name']}.wts"
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise KilnError(f"{path}: {e.strerror}; re-run kiln prepare") from None
+    if size != num_tokens:
+        raise KilnError(
+            f"{path}: {size} bytes, one loss weight per token needs {num_tokens}; the shard is "
+            "damaged, re-run kiln prepare"
+        )
+    if verify and f"{crc32_of(path):08x}" != want:
+        raise KilnError(
+            f"{path}: its bytes do not match the CRC-32 in {d / MANIFEST}; the shard is "
+            "damaged, re-run kiln prepare"
+        )
+    return np.memmap(path, np.uint8, mode="r") if num_tokens else np.zeros(0, np.uint8)
 
 
 def _check_ids(path: Path, tokens: np.ndarray, entry: dict[str, Any], vocab_size: int) -> None:

@@ -177,17 +177,43 @@ def _read_jsonl(
     task: Task, field: str, want_bytes: bool, policy: OnDecodeError, errors: DecodeErrors
 ) -> list[str | bytes]:
     path = task.paths[0]
+    docs: list[str | bytes] = []
+    for n, record in jsonl_records(task, policy, errors):
+        if not isinstance(record, dict) or field not in record:
+            where = line_number(path, task.start, n)
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise KilnError(
+                f"{path}:{where}: no field {field!r} (data.field / --field); the record has {keys}"
+            )
+        value = record[field]
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            where = line_number(path, task.start, n)
+            raise KilnError(
+                f"{path}:{where}: field {field!r} is {type(value).__name__}; allowed: a string"
+            )
+        if value:
+            docs.append(value.encode("utf-8") if want_bytes else value)
+    return docs
+
+
+def jsonl_records(
+    task: Task, policy: OnDecodeError, errors: DecodeErrors
+) -> Iterator[tuple[int, Any]]:
+    """(line index in the task's byte range, parsed JSON) of every non-blank line of a JSONL
+    task; `line_number(path, task.start, index)` names a line in messages."""
+    path = task.paths[0]
     with _open(Path(path)) as fh:
         fh.seek(task.start)
         chunk = fh.read(task.end - task.start)
-    docs: list[str | bytes] = []
     for n, line in enumerate(chunk.split(b"\n")):
         if not line.strip():
             continue
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as e:
-            where = f"{path}:{_line_number(path, task.start, n)}"
+            where = f"{path}:{line_number(path, task.start, n)}"
             if policy == "error":
                 raise _not_utf8(where, e, text_file=False) from None
             errors.add(policy, where)
@@ -197,25 +223,9 @@ def _read_jsonl(
         try:
             record = json.loads(text)
         except ValueError as e:
-            where = _line_number(path, task.start, n)
+            where = line_number(path, task.start, n)
             raise KilnError(f"{path}:{where}: invalid JSON ({e.args[0]})") from None
-        if not isinstance(record, dict) or field not in record:
-            where = _line_number(path, task.start, n)
-            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise KilnError(
-                f"{path}:{where}: no field {field!r} (data.field / --field); the record has {keys}"
-            )
-        value = record[field]
-        if value is None:
-            continue
-        if not isinstance(value, str):
-            where = _line_number(path, task.start, n)
-            raise KilnError(
-                f"{path}:{where}: field {field!r} is {type(value).__name__}; allowed: a string"
-            )
-        if value:
-            docs.append(value.encode("utf-8") if want_bytes else value)
-    return docs
+        yield n, record
 
 
 def _read_parquet(task: Task, field: str, want_bytes: bool) -> list[str | bytes]:
@@ -283,7 +293,8 @@ def _not_utf8(where: str, e: UnicodeDecodeError, text_file: bool = True) -> Kiln
     )
 
 
-def _line_number(path: str, start: int, line_in_chunk: int) -> int:
+def line_number(path: str, start: int, line_in_chunk: int) -> int:
+    """1-based line number in `path` of line `line_in_chunk` of the chunk at byte `start`."""
     with open(path, "rb") as fh:
         before = fh.read(start).count(b"\n")
     return before + line_in_chunk + 1

@@ -30,6 +30,14 @@ class DataConfig(Section):
         description="A held-out set of its own, given like data.paths (files, directories, globs; for source=tokens prepared directories): every document of data.paths then trains and data.eval_fraction is not used. Empty = hold out data.eval_fraction of data.paths.",
     )
     field: str = Field("text", description="JSONL/Parquet field holding the document text.")
+    format: Literal["text", "chat", "prompt_completion"] = Field(
+        "text",
+        description="What a JSONL record is: text (data.field is the document; every token is a target), chat (`messages: [{role, content}]` rendered with the chat template; only assistant turns, with their end-of-turn token, get loss weight 1) or prompt_completion (`prompt` and `completion` strings; only the completion and the EOS after it get weight 1). chat and prompt_completion need data.source jsonl.",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="For format=chat: a Jinja chat template (Hugging Face conventions: `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`). null = the `chat_template` of the tokenizer_config.json next to data.tokenizer, or kiln's built-in template for the byte tokenizer.",
+    )
     tokenizer: str = Field(
         "byte",
         description="'byte' (built-in byte-level), or a local path to a tokenizer.json or sentencepiece .model file. For source=tokens, when not given, the tokenizer named in the shards' manifest.json.",
