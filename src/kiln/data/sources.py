@@ -16,7 +16,13 @@ from kiln.errors import KilnError
 Format = Literal["text", "jsonl", "parquet"]
 FORMATS: tuple[str, ...] = ("text", "jsonl", "parquet")
 STDLIB_PREFIX = "stdlib:"
+BUNDLED_PREFIX = "kiln:"  # data files shipped inside the kiln package (kiln/data/bundled/)
 _NOT_STDLIB = ("site-packages", "dist-packages", "__pycache__")
+
+
+def bundled_root() -> Path:
+    """The directory of the data files shipped with kiln (e.g. its embedded chat set)."""
+    return Path(__file__).resolve().parent / "bundled"
 
 
 def stdlib_root() -> Path:
@@ -26,9 +32,12 @@ def stdlib_root() -> Path:
 
 def resolve_inputs(patterns: Sequence[str], what: str = "data.paths") -> list[Path]:
     """Files named by paths, directories (all files below) or globs; `stdlib:GLOB` is a glob
-    inside the running interpreter's standard library (site-packages excluded)."""
+    inside the running interpreter's standard library (site-packages excluded), `kiln:GLOB`
+    one among the data files shipped with kiln."""
     if not patterns:
-        raise KilnError(f"{what}: no input given; allowed: files, directories, globs, stdlib:GLOB")
+        raise KilnError(
+            f"{what}: no input given; allowed: files, directories, globs, stdlib:GLOB, kiln:GLOB"
+        )
     found: dict[Path, None] = {}
     for pattern in patterns:
         matches = _expand(pattern)
@@ -39,6 +48,10 @@ def resolve_inputs(patterns: Sequence[str], what: str = "data.paths") -> list[Pa
 
 
 def _expand(pattern: str) -> list[Path]:
+    if pattern.startswith(BUNDLED_PREFIX):
+        root = bundled_root()
+        hits = glob.glob(pattern[len(BUNDLED_PREFIX) :], root_dir=root, recursive=True)
+        return [(root / h).absolute() for h in hits if (root / h).is_file()]
     if pattern.startswith(STDLIB_PREFIX):
         root = stdlib_root()
         hits = glob.glob(pattern[len(STDLIB_PREFIX) :], root_dir=root, recursive=True)

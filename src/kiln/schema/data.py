@@ -23,7 +23,7 @@ class DataConfig(Section):
     )
     paths: list[str] = Field(
         default_factory=list,
-        description="Input files, directories or globs (one string is a list of one); 'stdlib:GLOB' globs the running Python's standard library (site-packages excluded), e.g. 'stdlib:**/*.py'. For source=tokens: `kiln prepare` output directories.",
+        description="Input files, directories or globs (one string is a list of one); 'stdlib:GLOB' globs the running Python's standard library (site-packages excluded), e.g. 'stdlib:**/*.py'; 'kiln:GLOB' the data files shipped with kiln (e.g. 'kiln:stdlib_chat.jsonl', the chat set of configs/sft_tiny.yaml). For source=tokens: `kiln prepare` output directories.",
     )
     eval_paths: list[str] = Field(
         default_factory=list,
