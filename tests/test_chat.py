@@ -1,6 +1,7 @@
 """Chat and prompt/completion data: loss weights from chat templates, shards, batches, losses."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ from kiln.data.pipeline import StreamWindows
 from kiln.data.prepare import prepare
 from kiln.data.sources import resolve_inputs
 from kiln.data.tokenizers import load_tokenizer
+from kiln.errors import KilnError
 
 # A ChatML template as Hugging Face tokenizer_config.json files write them (Qwen-style).
 CHATML = (
@@ -335,5 +337,65 @@ def test_config_template_syntax_error_and_format_without_jsonl_exit_2(tmp_path):
     proc = kiln("train", cfg)
     assert_user_error(proc, "data.chat_template: template line 2: not a valid Jinja template")
     assert not (tmp_path / "runs").exists()
-    proc = kiln("config", cfg, "data.source=text", "data.chat_template=null")
-    assert_user_error(proc, "data.format: 'chat' reads JSONL records", "allowed: data.source jsonl")
+    with pytest.raises(
+        KilnError,
+        match=re.escape("data.format: 'chat' reads JSONL records, but data.source is 'text'"),
+    ):
+        make_config(data={"source": "text", "format": "chat"})
+    with pytest.raises(
+        KilnError, match=re.escape("data.chat_template: given, but data.format is 'text'")
+    ):
+        make_config(data={"source": "jsonl", "chat_template": "{{ messages }}"})
+
+
+@pytest.mark.slow
+def test_chat_weights_flow_through_the_train_step_and_accumulation(tmp_path):
+    """A chat batch through train.loss_and_grads: total_weights counts the assistant targets,
+    accumulation agrees, and targets of weight 0 change neither the loss nor the gradients."""
+    from kiln import train
+
+    tok = load_tokenizer("byte")
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION}] * 4)
+    fmt = chat.record_format("chat", tok, None)
+    prepare(resolve_inputs([str(src)]), "jsonl", "text", tok, tmp_path / "out", record_format=fmt)
+    corpus = open_corpus([tmp_path / "out"], tok, 384)
+    windows = StreamWindows(corpus, np.arange(4), 32, tok.eos_id, tok.pad_id, vocab_size=384)
+    batch = windows.batch(np.arange(16))
+    assert 0 < batch["weights"].sum() < batch["weights"].size
+    model = {"vocab_size": 384, "d_model": 32, "num_layers": 1, "num_heads": 2, "d_ff": 64, "max_seq_len": 32}  # fmt: skip
+
+    from kiln.config import MESH_AXES
+
+    # One device: the weights' path is under test here, not sharding (test_train covers it).
+    mesh = jax.make_mesh(
+        (1,) * len(MESH_AXES), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
+        devices=jax.devices()[:1],
+    )  # fmt: skip
+    configs = {
+        accum: make_config(
+            model=model,
+            data={"seq_len": 32},
+            train={"global_batch_size": 16, "gradient_accumulation_steps": accum},
+            mesh={"fsdp": 1},
+        )
+        for accum in (1, 2)
+    }
+    state = train.init_state(configs[1], mesh)
+
+    def run(accum, b):
+        loss, aux, grads = train.loss_and_grads(configs[accum], state, b)
+        return float(loss), float(aux["total_weights"]), jax.tree.map(np.asarray, grads)
+
+    loss, total, grads = run(1, batch)
+    assert total == batch["weights"].sum()
+    loss2, total2, grads2 = run(2, batch)
+    np.testing.assert_allclose(loss2, loss, rtol=1e-5)  # f32 sums in another order: 1e-5
+    assert total2 == total
+    for g2, g in zip(jax.tree.leaves(grads2), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(g2, g, rtol=1e-5, atol=1e-5 * np.abs(g).max())  # f32: 1e-5
+    masked = batch["weights"] == 0
+    other = {**batch, "targets": np.where(masked, (batch["targets"] + 1) % 256, batch["targets"])}
+    loss3, _, grads3 = run(1, other)
+    assert loss3 == loss
+    for g3, g in zip(jax.tree.leaves(grads3), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_array_equal(g3, g)
