@@ -6,8 +6,9 @@
    workers and native tokenizer threads included) is the per-core figure: one worker of
    the `tokenizers` library already runs on every core through its own threads.
 2. pipeline: batches/s of `Datasets.train_iterator()` for configs/tiny.yaml (the stdlib
-   corpus), the same at seq_len 512 / batch 8, and the synthetic Markov source; first-use
-   tokenization time of the stdlib cache included.
+   corpus), the same at seq_len 512 / batch 8, the synthetic Markov source, and the chat
+   set of configs/sft_tiny.yaml (chat template and loss weights); first-use tokenization
+   time of each cache included.
    `*_per_cpu_second` figures divide by CPU time instead, which stays put when other jobs
    share the machine.
 3. trainer: tokens/s of the jitted train step of the same configs on the default devices
@@ -35,6 +36,14 @@ CONFIGS = {
     "tiny": [],
     "seq512_batch8": ["data.seq_len=512", "model.max_seq_len=512", "train.global_batch_size=8"],
     "synthetic_markov_tiny": ["data.source=synthetic", "data.synthetic_kind=markov"],
+    # configs/sft_tiny.yaml's data: chat records rendered and weighted on first use.
+    "chat_sft_tiny": [
+        "data.source=jsonl",
+        "data.format=chat",
+        "data.paths=[kiln:stdlib_chat.jsonl]",
+        "data.seq_len=256",
+        "train.global_batch_size=16",
+    ],
 }
 
 
