@@ -84,7 +84,7 @@ def record_format(
         if template is None:
             raise KilnError(
                 f"{what}: not given, and {config_path} has no chat_template; allowed: a Jinja "
-                "chat template string"
+                "chat template (data.chat_template, or kiln prepare --chat-template FILE)"
             )
     elif template is None:
         template, origin = BYTE_TEMPLATE, "kiln's byte-tokenizer template"
