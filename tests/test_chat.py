@@ -185,6 +185,17 @@ def test_chat_config_trains_on_cached_weighted_shards(tmp_path):
     assert cache_dir_for(text_cfg, [src], load_tokenizer("byte")).name != cache
 
 
+def test_bad_record_in_a_training_config_leaves_no_cache_behind(tmp_path):
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION}, {"prompt": "x"}])
+    cfg = make_config(
+        data={"source": "jsonl", "format": "chat", "paths": [str(src)]},
+        output_dir=tmp_path / "runs",
+    )
+    with pytest.raises(KilnError, match=re.escape("c.jsonl:2: format chat needs 'messages'")):
+        make_datasets(cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
+
+
 # --- the weights flow into the losses --------------------------------------------------------------
 
 

@@ -106,6 +106,9 @@ def prepare(
     tasks = plan_tasks(fmt, files, [i["size"] for i in inputs], target)
     workers = max(1, min(workers, len(tasks)))
 
+    # Directories this call makes, deepest first: removed again if it fails (a bad record
+    # leaves nothing behind, not even an empty cache directory).
+    made = [p for p in (output.parent, *output.parent.parents) if not p.exists()]
     output.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_staging(output)
     staging = output.parent / f".{output.name}.partial-{socket.gethostname()}-{os.getpid()}"
@@ -138,6 +141,12 @@ def prepare(
             }
             _write_json(staging / MANIFEST, manifest)
             _publish(staging, output)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            for path in made:
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+            raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     with contextlib.suppress(OSError):
