@@ -60,17 +60,22 @@ class RecordFormat:
 
 
 def record_format(
-    kind: str, tokenizer: Tokenizer, template: str | None, what: str = "data.chat_template"
+    kind: str,
+    tokenizer: Tokenizer,
+    template: str | None,
+    what: str = "data.chat_template",
+    kind_field: str = "data.format",
 ) -> RecordFormat | None:
     """The format of data.format / --record-format (None for text); the template is compiled
-    now, so a syntax error stops the run before anything is tokenized."""
+    now, so a syntax error stops the run before anything is tokenized. `what` and
+    `kind_field` name the template's and the format's settings in messages."""
     if kind == "text":
         return None
     if kind == "prompt_completion":
         return RecordFormat(kind)
     if tokenizer.kind not in ("byte", "huggingface"):
         raise KilnError(
-            f"data.format: chat needs character offsets of tokens, which a {tokenizer.kind} "
+            f"{kind_field}: chat needs character offsets of tokens, which a {tokenizer.kind} "
             f"tokenizer ({tokenizer.spec!r}) does not give; allowed: the byte tokenizer or a "
             "tokenizer.json (or format prompt_completion)"
         )

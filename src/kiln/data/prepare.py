@@ -373,7 +373,11 @@ def run_prepare(
         except (OSError, UnicodeDecodeError) as e:
             raise KilnError(f"--chat-template: cannot read {chat_template!r} ({e})") from None
     record_format = chat.record_format(
-        record_kind, tokenizer, template, what=chat_template or "--chat-template"
+        record_kind,
+        tokenizer,
+        template,
+        what=chat_template or "--chat-template",
+        kind_field="--record-format",
     )
     start = time.perf_counter()
     manifest, did_work = prepare(
