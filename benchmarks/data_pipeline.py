@@ -9,6 +9,9 @@
    corpus), the same at seq_len 512 / batch 8, the synthetic Markov source, and a 3-source
    mixture (data.sources: the stdlib's .py, .decTest and .txt files, weights 0.6/0.25/0.15);
    first-use tokenization time of the stdlib cache included.
+   corpus), the same at seq_len 512 / batch 8, the synthetic Markov source, and the chat
+   set of configs/sft_tiny.yaml (chat template and loss weights); first-use tokenization
+   time of each cache included.
    `*_per_cpu_second` figures divide by CPU time instead, which stays put when other jobs
    share the machine.
 3. trainer: tokens/s of the jitted train step of the same configs on the default devices
@@ -36,13 +39,28 @@ CONFIGS = {
     "tiny": [],
     "seq512_batch8": ["data.seq_len=512", "model.max_seq_len=512", "train.global_batch_size=8"],
     "synthetic_markov_tiny": ["data.source=synthetic", "data.synthetic_kind=markov"],
+    # configs/sft_tiny.yaml's data: chat records rendered and weighted on first use.
+    "chat_sft_tiny": [
+        "data.source=jsonl",
+        "data.format=chat",
+        "data.paths=[kiln:stdlib_chat.jsonl]",
+        "data.seq_len=256",
+        "train.global_batch_size=16",
+    ],
 }
-# configs/tiny.yaml with data.sources in place of its one source: three parts of the stdlib.
+# configs/tiny.yaml with data.sources in place of its one source: two parts of the stdlib and
+# the chat set of configs/sft_tiny.yaml (rendered and weighted on first use).
 MIXTURE = {
     "mixture3_tiny": [
         {"name": "code", "source": "text", "paths": ["stdlib:**/*.py"], "weight": 0.6},
-        {"name": "dectest", "source": "text", "paths": ["stdlib:**/*.decTest"], "weight": 0.25},
         {"name": "prose", "source": "text", "paths": ["stdlib:**/*.txt"], "weight": 0.15},
+        {
+            "name": "chat",
+            "source": "jsonl",
+            "format": "chat",
+            "paths": ["kiln:stdlib_chat.jsonl"],
+            "weight": 0.25,
+        },
     ]
 }
 

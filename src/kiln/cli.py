@@ -183,6 +183,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             args.output,
             args.workers,
             args.on_decode_error,
+            args.record_format,
+            args.chat_template,
         )
     )
     return 0
@@ -365,6 +367,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="error",
         help="a text file or JSONL line that is not UTF-8: stop (default), leave it out, or "
         "replace its invalid bytes (the counts are printed)",
+    )
+    p.add_argument(
+        "--record-format",
+        choices=("text", "chat", "prompt_completion"),
+        default="text",
+        help="JSONL records: text (--field), chat (messages; only assistant turns get loss "
+        "weight 1) or prompt_completion (only the completion does); as data.format",
+    )
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        default=None,
+        help="a Jinja chat template file for --record-format chat (default: the chat_template "
+        "of the tokenizer_config.json next to --tokenizer; a built-in one for byte)",
     )
     p.set_defaults(func=cmd_prepare)
 

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from kiln import storage
+from kiln.data.chat import record_format
 from kiln.data.corpus import open_corpus, read_manifest, split_documents
 from kiln.data.mixture import MixedDatasets, SourceSplit, source_seed
 from kiln.data.pipeline import Batch, Datasets, StreamWindows, SyntheticWindows
@@ -222,6 +223,7 @@ def _open_source(
             )
     if not any(storage.size(f) for f in files):
         raise KilnError(f"{what}: {list(paths)} hold no text (every input file is empty)")
+    fmt = record_format(s.format, tokenizer, s.chat_template)
     cache = cache_dir_for(config, files, tokenizer, s)
     manifest, _ = prepare(
         files,
@@ -232,6 +234,7 @@ def _open_source(
         progress=sys.stderr.isatty(),
         what="data.cache_dir",
         on_decode_error=s.on_decode_error,
+        record_format=fmt,
     )
     note = decode_error_note(manifest)
     if note:
@@ -259,6 +262,9 @@ def cache_dir_for(
     }
     if s.on_decode_error != "error":  # skipped or replaced inputs make other shards
         key["on_decode_error"] = s.on_decode_error
+    fmt = record_format(s.format, tokenizer, s.chat_template)
+    if fmt is not None:  # absent for text, so the caches of text runs keep their names
+        key["record_format"] = fmt.identity()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     root = Path(d.cache_dir) if d.cache_dir else Path(config.train.output_dir) / ".cache"
     return root.expanduser() / f"{s.source}-{digest}"

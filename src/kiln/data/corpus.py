@@ -12,7 +12,7 @@ import numpy as np
 
 from kiln import storage
 from kiln.checksums import crc32_of
-from kiln.data.prepare import MANIFEST, MANIFEST_VERSION
+from kiln.data.prepare import MANIFEST, READ_VERSIONS
 from kiln.data.remote_tokens import RemoteTokens, crc32_of_url
 from kiln.data.tokenizers import Tokenizer
 from kiln.errors import KilnError
@@ -24,6 +24,8 @@ class Corpus:
 
     shards: one 1-D token memmap per shard (RemoteTokens for a URL); paths: their .bin files.
     doc_shard, doc_start, doc_len: [num_documents] shard index, offset in it, length.
+    weights: per shard, a uint8 memmap of loss weights beside its tokens (chat and
+    prompt/completion shards), or None (every token weighs 1); None = no shard has them.
     """
 
     shards: list[np.ndarray | RemoteTokens]
@@ -31,6 +33,7 @@ class Corpus:
     doc_shard: np.ndarray
     doc_start: np.ndarray
     doc_len: np.ndarray
+    weights: list[np.ndarray | None] | None = None
 
     @property
     def num_documents(self) -> int:
@@ -55,6 +58,7 @@ def open_corpus(
     shards: list[np.ndarray | RemoteTokens] = []
     paths: list[storage.Location] = []
     doc_shard, doc_start, doc_len = [], [], []
+    weights: list[np.ndarray | None] = []
     for d in dirs:
         manifest = read_manifest(d, what)
         _check_tokenizer(storage.join(d, MANIFEST), manifest, tokenizer)
@@ -68,10 +72,16 @@ def open_corpus(
             doc_start.append(offsets[:-1])
             doc_len.append(np.diff(offsets))
             shards.append(tokens)
+            weights.append(_open_weights(d, entry, len(tokens), verify))
     if not shards or not sum(len(s) for s in shards):
         raise KilnError(f"{what}: {[str(d) for d in dirs]} hold no tokens")
     return Corpus(
-        shards, paths, np.concatenate(doc_shard), np.concatenate(doc_start), np.concatenate(doc_len)
+        shards,
+        paths,
+        np.concatenate(doc_shard),
+        np.concatenate(doc_start),
+        np.concatenate(doc_len),
+        weights if any(w is not None for w in weights) else None,
     )
 
 
@@ -93,10 +103,10 @@ def read_manifest(d: storage.Location, what: str = "data.paths") -> dict[str, An
     needed = ("version", "tokenizer", "dtype", "shards")
     if not isinstance(manifest, dict) or any(k not in manifest for k in needed):
         raise KilnError(f"{path}: not a kiln manifest (needs {', '.join(needed)})")
-    if manifest["version"] != MANIFEST_VERSION:
+    if manifest["version"] not in READ_VERSIONS:
         raise KilnError(
-            f"{path}: manifest version {manifest['version']!r}; this kiln reads version "
-            f"{MANIFEST_VERSION} (re-run kiln prepare)"
+            f"{path}: manifest version {manifest['version']!r}; this kiln reads versions "
+            f"{', '.join(map(str, READ_VERSIONS))} (re-run kiln prepare)"
         )
     return manifest
 
@@ -147,6 +157,32 @@ def _open_shard(
     if remote:
         return RemoteTokens(str(bin_path), dtype, n_tok), offsets
     return np.memmap(bin_path, dtype, mode="r"), offsets
+
+
+def _open_weights(d: storage.Location, entry: dict[str, Any], num_tokens: int, verify: bool):
+    """The .wts loss weights of a shard whose manifest entry records them, else None."""
+    want = entry.get("wts_crc32")
+    if want is None:
+        return None
+    path = storage.join(d, f"{entry['name']}.wts")
+    remote = storage.is_remote(d)
+    size = storage.size(path)
+    if size != num_tokens:
+        raise KilnError(
+            f"{path}: {size} bytes, one loss weight per token needs {num_tokens}; the shard is "
+            "damaged, re-run kiln prepare"
+        )
+    crc = crc32_of_url if remote else crc32_of
+    if verify and f"{crc(path):08x}" != want:
+        raise KilnError(
+            f"{path}: its bytes do not match the CRC-32 in {storage.join(d, MANIFEST)}; the "
+            "shard is damaged, re-run kiln prepare"
+        )
+    if not num_tokens:
+        return np.zeros(0, np.uint8)
+    if remote:
+        return RemoteTokens(str(path), np.dtype(np.uint8), num_tokens)
+    return np.memmap(path, np.uint8, mode="r")
 
 
 def _check_ids(

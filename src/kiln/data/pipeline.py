@@ -6,6 +6,11 @@ exactly once per epoch; the last window is padded (weights 0). Inside a window a
 starts at every EOS *input*: the EOS acts as the beginning-of-sequence of the next document,
 so `segment_ids` (1, 2, ...; 0 = padding) and `positions` restart there and the model can mask
 attention between documents.
+
+Shards of chat or prompt/completion records carry a loss weight per token (0 for prompts and
+template text): a target's weight is its own, and segments start at the recorded document
+ends rather than at every EOS, since a chat template may use the EOS token inside a
+conversation (e.g. as its end-of-turn token).
 """
 
 from __future__ import annotations
@@ -25,8 +30,20 @@ from kiln.errors import KilnError
 Batch = dict[str, np.ndarray]
 
 
-def pack(tokens_BxT: np.ndarray, valid_BxT: np.ndarray, eos_id: int | None, pad_id: int) -> Batch:
-    """Model inputs from windows of T = seq_len + 1 tokens; `eos_id` None = no documents."""
+def pack(
+    tokens_BxT: np.ndarray,
+    valid_BxT: np.ndarray,
+    eos_id: int | None,
+    pad_id: int,
+    *,
+    weights_BxT: np.ndarray | None = None,
+    ends_BxT: np.ndarray | None = None,
+) -> Batch:
+    """Model inputs from windows of T = seq_len + 1 tokens; `eos_id` None = no documents.
+
+    weights_BxT: each token's loss weight as a target (None = 1); ends_BxT: True at the EOS
+    that ends a document (None = at every EOS).
+    """
     tokens_BxT = np.where(valid_BxT, tokens_BxT, pad_id).astype(np.int32)
     inputs, targets = tokens_BxT[:, :-1], tokens_BxT[:, 1:]
     in_valid = valid_BxT[:, :-1]
@@ -36,7 +53,8 @@ def pack(tokens_BxT: np.ndarray, valid_BxT: np.ndarray, eos_id: int | None, pad_
         segment_ids = np.ones_like(inputs)
         positions = np.broadcast_to(idx, inputs.shape).copy()
     else:
-        starts = (inputs == eos_id) & in_valid
+        ends = inputs == eos_id if ends_BxT is None else ends_BxT[:, :-1]
+        starts = ends & in_valid
         segment_ids = 1 + np.cumsum(starts, axis=1, dtype=np.int32)
         positions = idx - np.maximum.accumulate(np.where(starts, idx, 0), axis=1)
     return {
@@ -44,7 +62,9 @@ def pack(tokens_BxT: np.ndarray, valid_BxT: np.ndarray, eos_id: int | None, pad_
         "targets": targets,
         "positions": np.where(in_valid, positions, 0).astype(np.int32),
         "segment_ids": np.where(in_valid, segment_ids, 0).astype(np.int32),
-        "weights": valid_BxT[:, 1:].astype(np.float32),
+        "weights": (
+            valid_BxT[:, 1:] if weights_BxT is None else valid_BxT[:, 1:] * weights_BxT[:, 1:]
+        ).astype(np.float32),
     }
 
 
@@ -80,29 +100,44 @@ class StreamWindows:
         self.run_cum = np.zeros(len(first) + 1, np.int64)
         if len(first):
             np.cumsum(np.add.reduceat(length, first), out=self.run_cum[1:])
+        self.weights = corpus.weights
+        # Stream offsets where each document ends (after its EOS): segment boundaries of
+        # weighted corpora, whose documents may hold EOS tokens inside.
+        self.doc_ends = np.cumsum(length) if corpus.weights is not None else None
         self.num_documents = len(doc_ids)
         self.num_tokens = int(self.run_cum[-1])
         self.num_windows = max(0, math.ceil((self.num_tokens - 1) / seq_len))
 
     def gather(self, q: np.ndarray) -> np.ndarray:
         """Tokens at stream positions `q` (any shape, each in [0, num_tokens))."""
+        return self._gather(q)[0]
+
+    def _gather(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """Tokens at stream positions `q` and, for a weighted corpus, their loss weights."""
         r = np.searchsorted(self.run_cum, q, side="right") - 1
         local = self.run_start[r] + (q - self.run_cum[r])
         shard = self.run_shard[r]
         out = np.empty(q.shape, np.int32)
+        weights = None if self.weights is None else np.ones(q.shape, np.float32)
         for s in np.unique(shard):
             m = shard == s
             tokens = self.shards[s][local[m]]
             if tokens.max() >= self.vocab_size:
                 raise token_id_error(self.paths[s], int(tokens.max()), self.vocab_size)
             out[m] = tokens
-        return out
+            if weights is not None and self.weights[s] is not None:
+                weights[m] = self.weights[s][local[m]]
+        return out, weights
 
     def batch(self, window_ids: np.ndarray) -> Batch:
         q = np.asarray(window_ids, np.int64)[:, None] * self.seq_len + np.arange(self.seq_len + 1)
         valid = q < self.num_tokens
-        tokens = self.gather(np.minimum(q, self.num_tokens - 1))
-        return pack(tokens, valid, self.eos_id, self.pad_id)
+        tokens, weights = self._gather(np.minimum(q, self.num_tokens - 1))
+        if weights is None:
+            return pack(tokens, valid, self.eos_id, self.pad_id)
+        at = np.minimum(np.searchsorted(self.doc_ends, q + 1), len(self.doc_ends) - 1)
+        ends = self.doc_ends[at] == q + 1
+        return pack(tokens, valid, self.eos_id, self.pad_id, weights_BxT=weights, ends_BxT=ends)
 
 
 class SyntheticWindows:

@@ -3,7 +3,12 @@
 Layout of an output directory:
   shard-00000.bin   tokens of the shard's documents, each followed by EOS (uint16 or uint32)
   shard-00000.idx   int64 document offsets into the .bin, num_documents + 1 entries
+  shard-00000.wts   chat and prompt/completion records only: one uint8 loss weight (0 or 1)
+                    per token of the .bin, the weight of predicting that token
   manifest.json     written last: tokenizer identity, dtype, counts, shards, input files
+
+Text shards are manifest version 1; shards with loss weights are version 2, so a kiln that
+knows only version 1 refuses them instead of training on prompts it would not know to mask.
 
 Everything is written into a hidden staging directory next to the output and renamed into
 place in one step once the manifest is in it, so an interrupted run leaves nothing that looks
@@ -35,6 +40,8 @@ from typing import Any
 import numpy as np
 
 from kiln import storage
+from kiln.data import chat
+from kiln.data.chat import RecordFormat, encode_records, eos_weight
 from kiln.data.sources import (
     OnDecodeError,
     Task,
@@ -50,12 +57,13 @@ from kiln.errors import KilnError
 from kiln.humanize import plural
 
 MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # the newest this kiln writes (with loss weights)
+READ_VERSIONS = (1, 2)  # 1: tokens only, every token a target; 2: may carry .wts weights
 _MIN_TASK_BYTES = 64 << 10
 _MAX_TASK_BYTES = 64 << 20
 # Below this much input a pool of processes costs more (start-up, imports) than it saves.
 _SERIAL_BYTES = 8 << 20
-_SHARD_FILE = re.compile(r"shard-\d{5}\.(bin|idx)")
+_SHARD_FILE = re.compile(r"shard-\d{5}\.(bin|idx|wts)")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -74,19 +82,30 @@ def prepare(
     progress: bool = False,
     what: str = "--output",
     on_decode_error: OnDecodeError = "error",
+    record_format: RecordFormat | None = None,
 ) -> tuple[dict[str, Any], bool]:
     """Tokenize `files` into shards under `output`; returns (manifest, whether work was done).
 
     workers: parallel workers; None = every core, or one for inputs under 8 MB.
     on_decode_error: what a text file or JSONL line that is not UTF-8 does (data.on_decode_error).
+    record_format: JSONL records as chat or prompt/completion, with loss weights (data.format).
     """
     if storage.is_remote(output):
         return _prepare_to_url(
-            files, fmt, field, tokenizer, str(output), workers, progress, what, on_decode_error
+            files,
+            fmt,
+            field,
+            tokenizer,
+            str(output),
+            workers,
+            progress,
+            what,
+            on_decode_error,
+            record_format,
         )
     output = Path(output).absolute()
     inputs = input_identity(files)
-    wanted = _identity(fmt, field, tokenizer, inputs, on_decode_error)
+    wanted = _identity(fmt, field, tokenizer, inputs, on_decode_error, record_format)
     existing = _existing_manifest(output)
     if existing is not None:
         if {k: existing.get(k) for k in wanted} == wanted:
@@ -106,6 +125,9 @@ def prepare(
     tasks = plan_tasks(fmt, files, [i["size"] for i in inputs], target)
     workers = max(1, min(workers, len(tasks)))
 
+    # Directories this call makes, deepest first: removed again if it fails (a bad record
+    # leaves nothing behind, not even an empty cache directory).
+    made = [p for p in (output.parent, *output.parent.parents) if not p.exists()]
     output.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_staging(output)
     staging = output.parent / f".{output.name}.partial-{socket.gethostname()}-{os.getpid()}"
@@ -115,7 +137,12 @@ def prepare(
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir()
             shards = _run(
-                tasks, field, tokenizer, staging, workers, progress, total, on_decode_error
+                tasks,
+                (field, tokenizer.spec, str(staging), on_decode_error, record_format),
+                staging,
+                workers,
+                progress,
+                total,
             )
             manifest = {
                 **wanted,
@@ -124,6 +151,7 @@ def prepare(
                 "max_token_id": max((s["max_token_id"] for s in shards), default=-1),
                 "num_tokens": sum(s["num_tokens"] for s in shards),
                 "num_documents": sum(s["num_documents"] for s in shards),
+                **_scored(shards, record_format),
                 "num_input_bytes": total,
                 "decode_errors": _decode_errors(shards),
                 "seconds": round(time.perf_counter() - start, 3),
@@ -132,6 +160,12 @@ def prepare(
             }
             _write_json(staging / MANIFEST, manifest)
             _publish(staging, output)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            for path in made:
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+            raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     with contextlib.suppress(OSError):
@@ -149,10 +183,11 @@ def _prepare_to_url(
     progress: bool,
     what: str,
     on_decode_error: OnDecodeError,
+    record_format: RecordFormat | None,
 ) -> tuple[dict[str, Any], bool]:
     """`prepare` into a URL: tokenized locally, then uploaded with manifest.json last."""
     storage.filesystem(output, what)  # a missing backend is named before any work
-    wanted = _identity(fmt, field, tokenizer, input_identity(files), on_decode_error)
+    wanted = _identity(fmt, field, tokenizer, input_identity(files), on_decode_error, record_format)
     existing = _existing_manifest(output)
     if existing is not None:
         if {k: existing.get(k) for k in wanted} == wanted:
@@ -181,12 +216,13 @@ def _prepare_to_url(
             progress=progress,
             what=what,
             on_decode_error=on_decode_error,
+            record_format=record_format,
         )
         storage.make_dirs(output, what)
         for stale in names:
             storage.remove(f"{output}/{stale}", what)
         for entry in manifest["shards"]:
-            for suffix in (".bin", ".idx"):
+            for suffix in (".bin", ".idx", ".wts") if "wts_crc32" in entry else (".bin", ".idx"):
                 shard = entry["name"] + suffix
                 storage.upload(local / shard, f"{output}/{shard}", what)
         storage.upload(local / MANIFEST, f"{output}/{MANIFEST}", what)
@@ -194,10 +230,15 @@ def _prepare_to_url(
 
 
 def _identity(
-    fmt: str, field: str, tokenizer: Tokenizer, inputs: list, on_decode_error: str
+    fmt: str,
+    field: str,
+    tokenizer: Tokenizer,
+    inputs: list,
+    on_decode_error: str,
+    record_format: RecordFormat | None = None,
 ) -> dict[str, Any]:
     out = {
-        "version": MANIFEST_VERSION,
+        "version": 1 if record_format is None else MANIFEST_VERSION,
         "format": fmt,
         "field": None if fmt == "text" else field,
         "tokenizer": identity(tokenizer),
@@ -205,7 +246,16 @@ def _identity(
     }
     if on_decode_error != "error":  # absent for the default, so older outputs stay up to date
         out["on_decode_error"] = on_decode_error
+    if record_format is not None:
+        out["record_format"] = record_format.identity()
     return out
+
+
+def _scored(shards: list[dict[str, Any]], record_format: RecordFormat | None) -> dict[str, int]:
+    """Tokens with loss weight 1, for manifests of weighted shards."""
+    if record_format is None:
+        return {}
+    return {"num_scored_tokens": sum(s["num_scored_tokens"] for s in shards)}
 
 
 def _decode_errors(shards: list[dict[str, Any]]) -> dict[str, Any]:
@@ -273,20 +323,16 @@ def _publish(staging: Path, output: Path) -> None:
 
 def _run(
     tasks: list[Task],
-    field: str,
-    tokenizer: Tokenizer,
+    common: tuple,
     staging: Path,
     workers: int,
     progress: bool,
     total_bytes: int,
-    on_decode_error: OnDecodeError,
 ) -> list[dict[str, Any]]:
+    """Every task tokenized (`_tokenize_task(task, name, *common)`); their manifest entries."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-    jobs = [
-        (t, field, tokenizer.spec, str(staging), f"shard-{i:05d}", on_decode_error)
-        for i, t in enumerate(tasks)
-    ]
+    jobs = [(t, f"shard-{i:05d}", *common) for i, t in enumerate(tasks)]
     # Built now, started (with its refresh thread) only once the workers exist: see worker_pool.
     bar = Progress(
         "[progress.description]{task.description}",
@@ -314,13 +360,25 @@ def _run(
 
 
 def _tokenize_task(
-    task: Task, field: str, spec: str, staging: str, name: str, on_decode_error: OnDecodeError
+    task: Task,
+    name: str,
+    field: str,
+    spec: str,
+    staging: str,
+    on_decode_error: OnDecodeError,
+    record_format: RecordFormat | None,
 ) -> dict[str, Any]:
     """Read, tokenize and write one shard; returns its manifest entry."""
     tokenizer = load_tokenizer(spec)
     dtype = token_dtype(tokenizer.vocab_size)
-    docs, errors = read_documents(task, field, tokenizer.kind == "byte", on_decode_error)
-    encoded = tokenizer.encode_batch(docs) if docs else []
+    doc_weights = None
+    if record_format is None:
+        docs, errors = read_documents(task, field, tokenizer.kind == "byte", on_decode_error)
+        encoded = tokenizer.encode_batch(docs) if docs else []
+    else:
+        encoded, doc_weights, errors = encode_records(
+            task, record_format, tokenizer, on_decode_error
+        )
     lengths = np.fromiter((len(e) + 1 for e in encoded), np.int64, len(encoded))
     offsets = np.zeros(len(encoded) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -330,6 +388,17 @@ def _tokenize_task(
         tokens[b - 1] = tokenizer.eos_id
     tokens.tofile(Path(staging) / f"{name}.bin")
     offsets.tofile(Path(staging) / f"{name}.idx")
+    weighted = {}
+    if doc_weights is not None:
+        weights = np.empty(len(tokens), np.uint8)
+        for w, a, b in zip(doc_weights, offsets[:-1], offsets[1:]):
+            weights[a : b - 1] = w
+            weights[b - 1] = eos_weight(record_format)
+        weights.tofile(Path(staging) / f"{name}.wts")
+        weighted = {
+            "wts_crc32": f"{zlib.crc32(weights):08x}",
+            "num_scored_tokens": int(weights.sum(dtype=np.int64)),
+        }
     return {
         "name": name,
         # Checked when the shard is opened: bytes damaged after prepare are refused.
@@ -340,6 +409,7 @@ def _tokenize_task(
         "num_documents": len(encoded),
         "inputs": list(task.paths),
         "decode_errors": asdict(errors),
+        **weighted,
     }
 
 
@@ -357,10 +427,33 @@ def run_prepare(
     output: str,
     workers: int | None = None,
     on_decode_error: OnDecodeError = "error",
+    record_kind: str = "text",
+    chat_template: str | None = None,
 ) -> str:
-    """`kiln prepare`: resolve inputs, tokenize (progress bar on a terminal); a summary line."""
+    """`kiln prepare`: resolve inputs, tokenize (progress bar on a terminal); a summary line.
+    record_kind / chat_template: --record-format and the file named by --chat-template."""
+    if record_kind != "text" and fmt != "jsonl":
+        raise KilnError(
+            f"--record-format: {record_kind!r} reads JSONL records, but --format is {fmt!r}; "
+            "allowed: --format jsonl"
+        )
+    if chat_template is not None and record_kind != "chat":
+        raise KilnError("--chat-template: given without --record-format chat")
     files = resolve_inputs(patterns, what="--input")
     tokenizer = load_tokenizer(tokenizer_spec, what="--tokenizer")
+    template = None
+    if chat_template is not None:
+        try:
+            template = Path(chat_template).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise KilnError(f"--chat-template: cannot read {chat_template!r} ({e})") from None
+    record_format = chat.record_format(
+        record_kind,
+        tokenizer,
+        template,
+        what=chat_template or "--chat-template",
+        kind_field="--record-format",
+    )
     start = time.perf_counter()
     manifest, did_work = prepare(
         files,
@@ -371,12 +464,15 @@ def run_prepare(
         workers=workers,
         progress=sys.stderr.isatty(),
         on_decode_error=on_decode_error,
+        record_format=record_format,
     )
     counts = (
         f"{plural(manifest['num_documents'], 'document')}, "
         f"{plural(manifest['num_tokens'], 'token')} ({manifest['dtype']}) from "
         f"{plural(len(files), 'file')}"
     )
+    if "num_scored_tokens" in manifest:
+        counts += f", {plural(manifest['num_scored_tokens'], 'token')} with loss weight 1"
     note = decode_error_note(manifest)
     counts += f"; {note}" if note else ""
     if not did_work:

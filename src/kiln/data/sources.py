@@ -20,7 +20,13 @@ Format = Literal["text", "jsonl", "parquet"]
 PARQUET_BATCH_ROWS = 1024
 FORMATS: tuple[str, ...] = ("text", "jsonl", "parquet")
 STDLIB_PREFIX = "stdlib:"
+BUNDLED_PREFIX = "kiln:"  # data files shipped inside the kiln package (kiln/data/bundled/)
 _NOT_STDLIB = ("site-packages", "dist-packages", "__pycache__")
+
+
+def bundled_root() -> Path:
+    """The directory of the data files shipped with kiln (e.g. its embedded chat set)."""
+    return Path(__file__).resolve().parent / "bundled"
 
 
 def stdlib_root() -> Path:
@@ -30,10 +36,13 @@ def stdlib_root() -> Path:
 
 def resolve_inputs(patterns: Sequence[str], what: str = "data.paths") -> list[Location]:
     """Files named by paths, directories (all files below) or globs; `stdlib:GLOB` is a glob
-    inside the running interpreter's standard library (site-packages excluded). A URL
-    (gs://, s3://, hf://, memory://, ...; see kiln.storage) gives its files as URL strings."""
+    inside the running interpreter's standard library (site-packages excluded), `kiln:GLOB`
+    one among the data files shipped with kiln. A URL (gs://, s3://, hf://, memory://, ...;
+    see kiln.storage) gives its files as URL strings."""
     if not patterns:
-        raise KilnError(f"{what}: no input given; allowed: files, directories, globs, stdlib:GLOB")
+        raise KilnError(
+            f"{what}: no input given; allowed: files, directories, globs, stdlib:GLOB, kiln:GLOB"
+        )
     found: dict[Location, None] = {}
     for pattern in patterns:
         matches = _expand(pattern, what)
@@ -44,6 +53,10 @@ def resolve_inputs(patterns: Sequence[str], what: str = "data.paths") -> list[Lo
 
 
 def _expand(pattern: str, what: str) -> list[Location]:
+    if pattern.startswith(BUNDLED_PREFIX):
+        root = bundled_root()
+        hits = glob.glob(pattern[len(BUNDLED_PREFIX) :], root_dir=root, recursive=True)
+        return [(root / h).absolute() for h in hits if (root / h).is_file()]
     if storage.is_remote(storage.location(pattern)):
         return list(storage.expand(pattern, what))
     if storage.scheme(pattern) == "file":
@@ -180,17 +193,43 @@ def _read_jsonl(
     task: Task, field: str, want_bytes: bool, policy: OnDecodeError, errors: DecodeErrors
 ) -> list[str | bytes]:
     path = task.paths[0]
+    docs: list[str | bytes] = []
+    for n, record in jsonl_records(task, policy, errors):
+        if not isinstance(record, dict) or field not in record:
+            where = line_number(path, task.start, n)
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise KilnError(
+                f"{path}:{where}: no field {field!r} (data.field / --field); the record has {keys}"
+            )
+        value = record[field]
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            where = line_number(path, task.start, n)
+            raise KilnError(
+                f"{path}:{where}: field {field!r} is {type(value).__name__}; allowed: a string"
+            )
+        if value:
+            docs.append(value.encode("utf-8") if want_bytes else value)
+    return docs
+
+
+def jsonl_records(
+    task: Task, policy: OnDecodeError, errors: DecodeErrors
+) -> Iterator[tuple[int, Any]]:
+    """(line index in the task's byte range, parsed JSON) of every non-blank line of a JSONL
+    task; `line_number(path, task.start, index)` names a line in messages."""
+    path = task.paths[0]
     with _open(storage.location(path)) as fh:
         fh.seek(task.start)
         chunk = fh.read(task.end - task.start)
-    docs: list[str | bytes] = []
     for n, line in enumerate(chunk.split(b"\n")):
         if not line.strip():
             continue
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as e:
-            where = f"{path}:{_line_number(path, task.start, n)}"
+            where = f"{path}:{line_number(path, task.start, n)}"
             if policy == "error":
                 raise _not_utf8(where, e, text_file=False) from None
             errors.add(policy, where)
@@ -200,25 +239,9 @@ def _read_jsonl(
         try:
             record = json.loads(text)
         except ValueError as e:
-            where = _line_number(path, task.start, n)
+            where = line_number(path, task.start, n)
             raise KilnError(f"{path}:{where}: invalid JSON ({e.args[0]})") from None
-        if not isinstance(record, dict) or field not in record:
-            where = _line_number(path, task.start, n)
-            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise KilnError(
-                f"{path}:{where}: no field {field!r} (data.field / --field); the record has {keys}"
-            )
-        value = record[field]
-        if value is None:
-            continue
-        if not isinstance(value, str):
-            where = _line_number(path, task.start, n)
-            raise KilnError(
-                f"{path}:{where}: field {field!r} is {type(value).__name__}; allowed: a string"
-            )
-        if value:
-            docs.append(value.encode("utf-8") if want_bytes else value)
-    return docs
+        yield n, record
 
 
 def _read_parquet(task: Task, field: str, want_bytes: bool) -> list[str | bytes]:
@@ -289,7 +312,8 @@ def _not_utf8(where: str, e: UnicodeDecodeError, text_file: bool = True) -> Kiln
     )
 
 
-def _line_number(path: str, start: int, line_in_chunk: int) -> int:
+def line_number(path: str, start: int, line_in_chunk: int) -> int:
+    """1-based line number in `path` of line `line_in_chunk` of the chunk at byte `start`."""
     before = storage.read_bytes(storage.location(path), 0, start).count(b"\n")
     return before + line_in_chunk + 1
 

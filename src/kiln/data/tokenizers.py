@@ -63,6 +63,13 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of `text` and each token's [start, end) in characters of `text`."""
+        ids = np.frombuffer(text.encode("utf-8"), np.uint8)
+        widths = np.fromiter((len(c.encode("utf-8")) for c in text), np.int64, len(text))
+        char = np.repeat(np.arange(len(text), dtype=np.int64), widths)  # each byte's character
+        return ids, np.stack([char, char + 1], axis=1).reshape(len(ids), 2)
+
 
 class HuggingFaceTokenizer:
     """A `tokenizers` tokenizer.json; EOS/BOS/PAD found among its added special tokens."""
@@ -102,6 +109,11 @@ class HuggingFaceTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of `text` and each token's [start, end) in characters of `text`."""
+        e = self._tok.encode(text, add_special_tokens=False)
+        return np.asarray(e.ids, np.uint32), np.asarray(e.offsets, np.int64).reshape(-1, 2)
 
 
 class SentencePieceTokenizer:

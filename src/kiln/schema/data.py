@@ -31,13 +31,21 @@ class SourceFields(Section):
     )
     paths: list[str] = Field(
         default_factory=list,
-        description="Input files, directories or globs (one string is a list of one); 'stdlib:GLOB' globs the running Python's standard library (site-packages excluded), e.g. 'stdlib:**/*.py'. For source=tokens: `kiln prepare` output directories. Each may be a URL fsspec reads (gs://, s3://, hf://, file://, memory://; see docs/data.md for the packages each needs).",
+        description="Input files, directories or globs (one string is a list of one); 'stdlib:GLOB' globs the running Python's standard library (site-packages excluded), e.g. 'stdlib:**/*.py'; 'kiln:GLOB' the data files shipped with kiln (e.g. 'kiln:stdlib_chat.jsonl', the chat set of configs/sft_tiny.yaml). For source=tokens: `kiln prepare` output directories. Each may be a URL fsspec reads (gs://, s3://, hf://, file://, memory://; see docs/data.md for the packages each needs).",
     )
     eval_paths: list[str] = Field(
         default_factory=list,
         description="A held-out set of its own, given like paths (files, directories, globs; for source=tokens prepared directories): every document of paths then trains and eval_fraction is not used. Empty = hold out eval_fraction of paths.",
     )
     field: str = Field("text", description="JSONL/Parquet field holding the document text.")
+    format: Literal["text", "chat", "prompt_completion"] = Field(
+        "text",
+        description="What a JSONL record is: text (data.field is the document; every token is a target), chat (`messages: [{role, content}]` rendered with the chat template; only assistant turns, with their end-of-turn token, get loss weight 1) or prompt_completion (`prompt` and `completion` strings; only the completion and the EOS after it get weight 1). chat and prompt_completion need source jsonl.",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="For format=chat: a Jinja chat template (Hugging Face conventions: `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`). null = the `chat_template` of the tokenizer_config.json next to data.tokenizer, or kiln's built-in template for the byte tokenizer.",
+    )
     on_decode_error: Literal["error", "skip", "replace"] = Field(
         "error",
         description="A text file (or JSONL line) that is not UTF-8, with a tokenizer file: error (stop and name it), skip (leave it out), replace (invalid bytes become U+FFFD). Skipped and replaced counts are printed. The byte tokenizer reads any file as bytes and never decodes.",
@@ -137,6 +145,17 @@ class DataConfig(SourceFields):
                     f"{prefix}.eval_paths: {s.eval_paths} given, but {prefix}.source is synthetic "
                     "(its held-out stream is generated); allowed: eval_paths with text, jsonl, "
                     "parquet or tokens"
+                )
+            if s.format != "text" and s.source != "jsonl":
+                yield (
+                    f"{prefix}.format: {s.format!r} reads JSONL records, but {prefix}.source is "
+                    f"{s.source!r}; allowed: source jsonl (shards of source=tokens carry the "
+                    "loss weights that kiln prepare --record-format stored)"
+                )
+            if s.chat_template is not None and s.format != "chat":
+                yield (
+                    f"{prefix}.chat_template: given, but {prefix}.format is {s.format!r}; "
+                    "allowed: a template with format chat, or null"
                 )
         if not self.sources:
             return
