@@ -21,7 +21,15 @@ scaled to 32768 so the head matters, `loss.num_vocab_tiling=4`, float32, one dev
 Steps are timed in interleaved rounds; medians of wall-clock seconds and of the process's
 CPU seconds per step (the second is less sensitive to other work on a shared machine).
 
-    nice python benchmarks/distill_step.py [--steps 4] [--rounds 3] [key=value overrides]
+One run measures three variants (keys prefixed `dynamic_`, `none_`, `ga2_`): the shape as
+shipped (dynamic balancing, one micro-batch), `distillation.balance=none`, and
+`train.gradient_accumulation_steps=2`. `losses_alone` times the hard and soft losses without
+the models (gradient w.r.t. the student's hidden states and head, dynamic coefficients) for
+both ways, with XLA's FLOP, transcendental and byte counts per step, and the head matmuls of
+each in units of one student product, so the step's time splits into losses and the rest.
+
+    nice python benchmarks/distill_step.py [--steps 4] [--rounds 3] [--variants ...]
+        [--no-split] [key=value overrides]
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import platform
 import statistics
 import time
@@ -252,15 +261,84 @@ def batches(config, count: int):
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4, help="steps per timed round")
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up")
-    parser.add_argument("overrides", nargs="*", help="student config overrides (a.b=c)")
-    a = parser.parse_args()
+VARIANTS = {
+    "dynamic": [],  # the shape of configs/distill_tiny.yaml: dynamic balancing, one micro-batch
+    "none": ["distillation.balance=none"],
+    "ga2": ["train.gradient_accumulation_steps=2"],
+}
 
-    teacher_cfg = load_config(CONFIGS / "tiny.yaml", SHAPE)
-    config = load_config(CONFIGS / "distill_tiny.yaml", [*SHAPE, *a.overrides])
+
+def _timed(fn, args, rounds: int):
+    """Median (wall, CPU) seconds of `fn(*args)` over `rounds` calls after one warm-up."""
+    jax.block_until_ready(fn(*args))
+    wall, cpu = [], []
+    for _ in range(rounds):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        jax.block_until_ready(fn(*args))
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def head_split(config, teacher_cfg, rounds: int) -> dict:
+    """The two ways of computing the hard and soft losses alone: time and XLA's counts.
+
+    Gradient w.r.t. the student's hidden states and head of `hard + c soft` with c from the
+    batch's own sums under stop_gradient (dynamic balancing on one micro-batch), on random
+    states of the benchmark's shapes. XLA's cost analysis counts one iteration of a scan, so
+    its figures (one chunk of tokens) are multiplied by the number of chunks.
+    """
+    g, s, n = config.train.global_batch_size, config.data.seq_len, config.loss.num_vocab_tiling
+    d, e, v = config.model.d_model, teacher_cfg.model.d_model, config.model.vocab_size
+    z, eps = config.loss.z_loss_multiplier, config.loss.label_smoothing
+    k = jax.random.split(jax.random.key(0), 5)
+    hs, ht = jax.random.normal(k[0], (g, s, d)), jax.random.normal(k[1], (g, s, e))
+    ws, wt = 0.05 * jax.random.normal(k[2], (d, v)), 0.05 * jax.random.normal(k[3], (e, v))
+    y, w = jax.random.randint(k[4], (g, s), 0, v), jnp.ones((g, s), F32)
+    sg = jax.lax.stop_gradient
+
+    def kiln_head(hs, ws, ht, wt, t):
+        out = losses.distill_loss_sums(
+            hs, ws, ht, wt, y, w, temperature=t, z_loss_multiplier=z, label_smoothing=eps,
+            num_vocab_tiling=n,
+        )  # fmt: skip
+        hard, soft = out["loss_sum"], out["soft_sum"]
+        return hard + 0.5 * sg(hard) / sg(soft) * soft
+
+    def old_head(hs, ws, ht, wt, t):
+        hard, _ = old_hard_sums((n, z, eps), hs, ws, y, w)
+        soft, _ = old_soft_sums(n, hs, ws, ht, wt, y, w, t)
+        return hard + 0.5 * sg(hard) / sg(soft) * soft
+
+    args = (hs, ws, ht, wt, jnp.float32(config.distillation.temperature))
+    out = {}
+    for name, fn in (("kiln", kiln_head), ("pre_redesign", old_head)):
+        step = jax.jit(jax.grad(fn, argnums=(0, 1)))
+        cost = step.lower(*args).compile().cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        wall, cpu = _timed(step, args, rounds)
+        out[name] = {
+            "cpu_seconds": round(cpu, 4),
+            "seconds": round(wall, 4),
+            **{
+                key.replace(" ", "_"): float(n * cost[key])
+                for key in ("flops", "transcendentals", "bytes accessed")
+            },
+        }
+    # Head products per step in units of one student product (tokens x d_model x vocab);
+    # the teacher's head is e / d units.
+    unit = 2.0 * g * s * d * v
+    out["student_head_product_units"] = {
+        "kiln": {"logits": 1, "teacher_logits": e / d, "gradient_products": 4},
+        "pre_redesign": {"logits": 2, "teacher_logits": e / d, "gradient_products": 4},
+        "flops_per_unit": unit,
+    }
+    return out
+
+
+def measure(teacher_cfg, overrides: list[str], steps_per_round: int, rounds: int) -> dict:
+    """kiln's step and the pre-redesign step on one config: step times, losses, their ratio."""
+    config = load_config(CONFIGS / "distill_tiny.yaml", [*SHAPE, *overrides])
     mesh = make_mesh(config)
     t_state = train.init_state(teacher_cfg, mesh)
     teacher = distill.Teacher(
@@ -273,14 +351,14 @@ def main() -> None:
         "pre_redesign": PreRedesign.create(config, mesh, teacher),
     }
     steps = {name: train.make_step(obj, shardings) for name, obj in objectives.items()}
-    data = [train.place_batch(b, mesh, config) for b in batches(config, a.steps)]
+    data = [train.place_batch(b, mesh, config) for b in batches(config, steps_per_round)]
 
     def copy(state):
         return jax.tree.map(jnp.copy, state)
 
     losses_of = {}
     wall, cpu = ({name: [] for name in steps} for _ in range(2))
-    for round_ in range(a.rounds + 1):
+    for round_ in range(rounds + 1):
         for name, step in steps.items():
             state = copy(student)
             jax.block_until_ready(state)
@@ -291,42 +369,76 @@ def main() -> None:
                 trace.append(metrics["learning/loss"])
             jax.block_until_ready(state)
             if round_:  # round 0 compiles and warms up
-                wall[name].append((time.perf_counter() - start) / a.steps)
-                cpu[name].append((time.process_time() - start_cpu) / a.steps)
+                wall[name].append((time.perf_counter() - start) / steps_per_round)
+                cpu[name].append((time.process_time() - start_cpu) / steps_per_round)
             losses_of[name] = [float(x) for x in trace]
 
     ref, got = np.array(losses_of["pre_redesign"]), np.array(losses_of["kiln"])
     med = {
         k: {n: statistics.median(v[n]) for n in steps} for k, v in (("wall", wall), ("cpu", cpu))
     }
-    print(
-        json.dumps(
-            {
-                "config": "configs/distill_tiny.yaml " + " ".join([*SHAPE, *a.overrides]),
-                "teacher": "configs/tiny.yaml " + " ".join(SHAPE),
-                "tokens_per_step": config.train.global_batch_size * config.data.seq_len,
-                "steps_per_round": a.steps,
-                "rounds": a.rounds,
-                "kiln_step_seconds": round(med["wall"]["kiln"], 4),
-                "pre_redesign_step_seconds": round(med["wall"]["pre_redesign"], 4),
-                "time_ratio": round(med["wall"]["kiln"] / med["wall"]["pre_redesign"], 4),
-                "kiln_step_cpu_seconds": round(med["cpu"]["kiln"], 4),
-                "pre_redesign_step_cpu_seconds": round(med["cpu"]["pre_redesign"], 4),
-                "cpu_time_ratio": round(med["cpu"]["kiln"] / med["cpu"]["pre_redesign"], 4),
-                "time_ratios_per_round": [
-                    round(k / r, 4) for k, r in zip(wall["kiln"], wall["pre_redesign"])
-                ],
-                "losses_kiln": got.tolist(),
-                "losses_pre_redesign": ref.tolist(),
-                "loss_max_rel_diff": float(np.max(np.abs(got - ref) / np.abs(ref))),
-                "device": str(jax.devices()[0]),
-                "device_count": jax.device_count(),
-                "jax": jax.__version__,
-                "machine": platform.machine(),
-            },
-            indent=2,
-        )
+    return {
+        "config": "configs/distill_tiny.yaml " + " ".join([*SHAPE, *overrides]),
+        "kiln_step_seconds": round(med["wall"]["kiln"], 4),
+        "pre_redesign_step_seconds": round(med["wall"]["pre_redesign"], 4),
+        "time_ratio": round(med["wall"]["kiln"] / med["wall"]["pre_redesign"], 4),
+        "kiln_step_cpu_seconds": round(med["cpu"]["kiln"], 4),
+        "pre_redesign_step_cpu_seconds": round(med["cpu"]["pre_redesign"], 4),
+        "cpu_time_ratio": round(med["cpu"]["kiln"] / med["cpu"]["pre_redesign"], 4),
+        "time_ratios_per_round": [
+            round(k / r, 4) for k, r in zip(wall["kiln"], wall["pre_redesign"])
+        ],
+        "cpu_time_ratios_per_round": [
+            round(k / r, 4) for k, r in zip(cpu["kiln"], cpu["pre_redesign"])
+        ],
+        "losses_kiln": got.tolist(),
+        "losses_pre_redesign": ref.tolist(),
+        "loss_max_rel_diff": float(np.max(np.abs(got - ref) / np.abs(ref))),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4, help="steps per timed round")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS),
+        default=list(VARIANTS),
+        help="shapes to measure: dynamic (distill_tiny's), balance none, 2 micro-batches",
     )
+    parser.add_argument(
+        "--no-split", action="store_true", help="skip timing the hard and soft losses alone"
+    )
+    parser.add_argument("overrides", nargs="*", help="student config overrides (a.b=c)")
+    a = parser.parse_args()
+
+    teacher_cfg = load_config(CONFIGS / "tiny.yaml", SHAPE)
+    results = {
+        name: measure(teacher_cfg, [*VARIANTS[name], *a.overrides], a.steps, a.rounds)
+        for name in a.variants
+    }
+    report = {
+        "teacher": "configs/tiny.yaml " + " ".join(SHAPE),
+        "steps_per_round": a.steps,
+        "rounds": a.rounds,
+        **{f"{name}_{k}": v for name, r in results.items() for k, v in r.items()},
+    }
+    config = load_config(CONFIGS / "distill_tiny.yaml", [*SHAPE, *a.overrides])
+    report["tokens_per_step"] = config.train.global_batch_size * config.data.seq_len
+    if not a.no_split:
+        report["losses_alone"] = head_split(config, teacher_cfg, a.rounds + 1)
+    report.update(
+        {
+            "load_average": [round(x, 2) for x in os.getloadavg()],
+            "device": str(jax.devices()[0]),
+            "device_count": jax.device_count(),
+            "jax": jax.__version__,
+            "machine": platform.machine(),
+        }
+    )
+    print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
