@@ -410,3 +410,41 @@ def test_chat_weights_flow_through_the_train_step_and_accumulation(tmp_path):
     assert loss3 == loss
     for g3, g in zip(jax.tree.leaves(grads3), jax.tree.leaves(grads), strict=True):
         np.testing.assert_array_equal(g3, g)
+
+
+def test_weighted_shards_at_a_url_mix_with_a_text_source(tmp_path):
+    """Loss weights survive an upload (`.wts` beside the tokens at a memory:// URL) and a
+    mixture: rows of the prompt/completion source carry its mask, rows of the text source
+    weigh every real target."""
+    tok = load_tokenizer("byte")
+    src = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "QQQQ", "completion": "AA"}] * 40)
+    fmt = chat.record_format("prompt_completion", tok, None)
+    url = f"memory://{tmp_path.name}/pc"
+    manifest, _ = prepare(resolve_inputs([str(src)]), "jsonl", "text", tok, url, record_format=fmt)
+    assert manifest["version"] == 2
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "a.txt").write_text("x" * 600)
+    sources = [
+        {"name": "pc", "source": "tokens", "paths": [url], "weight": 1.0},
+        {"name": "text", "source": "text", "paths": [str(tmp_path / "t")], "weight": 1.0},
+    ]
+    cfg = make_config(
+        data={"seq_len": 12, "cache_dir": str(tmp_path / "cache"), "sources": sources},
+        model={"vocab_size": 384},
+        train={"global_batch_size": 16},
+        output_dir=tmp_path / "runs",
+    )
+    batch = next(make_datasets(cfg).train_iterator())
+    eos, seen = tok.eos_id, set()
+    for inputs, targets, weights in zip(batch["inputs"], batch["targets"], batch["weights"]):
+        if (inputs == ord("x")).any():
+            seen.add("text")
+            np.testing.assert_array_equal(weights, (targets != tok.pad_id).astype(np.float32))
+        else:
+            seen.add("pc")
+            # Weight 1 exactly on the completion's "A"s and the EOS after them.
+            want = ((targets == ord("A")) | ((targets == eos) & (inputs == ord("A")))).astype(
+                np.float32
+            )
+            np.testing.assert_array_equal(weights, want)
+    assert seen == {"pc", "text"}
