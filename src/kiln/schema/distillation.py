@@ -17,6 +17,10 @@ class DistillationConfig(Section):
         None,
         description="kiln run directory of the teacher (its config.yaml and latest checkpoint).",
     )
+    teacher_logits_dir: str | None = Field(
+        None,
+        description="A directory written by `kiln teacher-logits`: kiln distill reads the teacher's stored top-k logits instead of running the teacher (no teacher parameters in memory).",
+    )
     alpha: float = Field(
         0.5,
         ge=0,
