@@ -5,13 +5,15 @@ bytes, and a store that does not fit the student's config is refused."""
 import json
 import shutil
 import signal
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_user_error, kiln, make_config, start_kiln
+from conftest import REPO, assert_user_error, kiln, kiln_env, make_config, start_kiln
 from kiln import losses, train
 from kiln.checkpoint import Checkpointer
 from kiln.data import make_datasets
@@ -222,3 +224,29 @@ def test_killed_writer_resumes_to_the_same_bytes(teacher_dir, store, tmp_path):
     for rel in written:
         if (store / rel).is_file():
             assert (store / rel).read_bytes() == (out / rel).read_bytes(), rel
+
+
+@pytest.mark.slow
+def test_two_processes_write_the_store_of_one(teacher_dir, store, tmp_path):
+    path = tmp_path / "student.yaml"
+    path.write_text(make_config(student_raw(teacher_dir)).to_yaml())
+    out = tmp_path / "store"
+    args = ("--out", out, "--top-k", K, "--dtype", "float32", "--shard-steps", 2)
+    launch = REPO / "scripts" / "launch_local.sh"
+    proc = subprocess.run(
+        ["bash", *map(str, (launch, "--teacher-logits", 2, path, *args))],
+        capture_output=True, text=True, timeout=300, env=kiln_env(PYTHON=sys.executable),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two, one = read_manifest(out), read_manifest(store)
+    assert two["writer_processes"] == 2 and {**two, "writer_processes": 1} == one
+    assert sorted({n.split(".rows-")[1] for _, _, n in shards(two)}) == ["000000-000004", "000004-000008"]  # fmt: skip
+    whole = reader.StoreReader(store, one, 0, 1, verify=True)
+    halves = reader.StoreReader(out, two, 0, 1, verify=True)
+    for step in range(STEPS):
+        want, got = whole.read(step), halves.read(step)
+        for key in ("teacher_ids", "row_crc"):
+            np.testing.assert_array_equal(got[key], want[key])
+        for key in ("teacher_values", "teacher_lse"):
+            # The same float32 arithmetic on the same mesh, split over two processes: 1e-5.
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5)

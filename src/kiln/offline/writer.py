@@ -100,6 +100,7 @@ def write_store(
     from kiln.distributed import initialize
     from kiln.mesh import make_mesh
 
+    initialize(config)  # before any device is touched
     out = Path(out).expanduser().absolute()
     if dtype not in DTYPES:
         raise KilnError(f"--dtype: {dtype!r}; allowed: {', '.join(DTYPES)}")
@@ -113,7 +114,6 @@ def write_store(
     checks.check_constant_temperature(config)
     read_teacher_config(config)  # the teacher's config is checked before any data is read
     existing = read_manifest(out, "--out") if (out / MANIFEST).is_file() else None
-    initialize(config)
     mesh = make_mesh(config)
     datasets = make_datasets(config)
     teacher = _teacher(config, mesh, existing)
