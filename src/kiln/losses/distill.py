@@ -24,7 +24,7 @@ from kiln.losses.core import (
 )
 from kiln.losses.cross_entropy import CrossEntropy, weighted_cross_entropy
 from kiln.losses.kl import SoftKL, _soft_loss
-from kiln.losses.top_k import TopKKL, teacher_stats, top_k_soft_loss
+from kiln.losses.top_k import TopKKL, teacher_stats
 
 sg = jax.lax.stop_gradient
 
@@ -253,8 +253,9 @@ def top_k_distill_loss_sums(
     whole distribution at T = 1, which the store does not hold; instead the result has
     `teacher_top_k_hit_sum` (weight of the tokens whose target is among the stored ids) and
     `teacher_tail_mass_sum` (sum of w * p_tail). `loss_sum`, `z_loss_sum`, `weight_sum`,
-    `objective_sum` and both gradient modes are those of `distill_loss_sums`; tiled, the top-k
-    targets are matched to each block of the student's logits, which are never whole.
+    `objective_sum` and both gradient modes are those of `distill_loss_sums`. The top-k targets
+    are matched to each block of the student's logits: tiled, those are never whole; untiled,
+    each device makes its tokens' logits once, in one chunk of the same engine.
     """
     z, eps = check_z(z_loss_multiplier), check_smoothing(label_smoothing)
     check_temperature(temperature)
@@ -283,27 +284,16 @@ def top_k_distill_loss_sums(
     top = TopK(*(sg(x) for x in teacher_top_k))
     hit, tail = teacher_stats(top, targets_BS, t, vocab)
     wf = weights_BS.astype(f32)
-    teacher = {
+    # Untiled too, the loss runs in the engine (one chunk: each device's whole logits, once):
+    # matching the top-k ids to a vocabulary sharded over the mesh needs its explicit collectives.
+    tl.check_tiling(tiling, student_hidden_BSD.shape, student_head_DV.shape)
+    inputs = tl.Inputs(student_hidden_BSD, student_head_DV, targets_BS, weights_BS)
+    inputs = inputs._replace(temperature=t, teacher_top_k=top)
+    return {
+        **engine.run(tiling, inputs, coefs),
         "teacher_top_k_hit_sum": weighted_sum(hit, wf),
         "teacher_tail_mass_sum": weighted_sum(tail, wf),
     }
-    if tiling.tiled:
-        inputs = tl.Inputs(student_hidden_BSD, student_head_DV, targets_BS, weights_BS)
-        inputs = inputs._replace(temperature=t, teacher_top_k=top)
-        return {**engine.run(tiling, inputs, coefs), **teacher}
-    x = tl.whole_logits(student_hidden_BSD, student_head_DV, tiling.student_cap, mesh, tiling.axes)
-    loss, z_loss = weighted_cross_entropy(x, targets_BS, weights_BS, z=z, eps=eps)
-    sums = {
-        "loss_sum": weighted_sum(loss, wf),
-        "z_loss_sum": weighted_sum(z_loss, wf),
-        "soft_sum": weighted_sum(top_k_soft_loss(x, top, t, renormalize=renormalize), wf),
-        "weight_sum": jnp.sum(wf),
-    }
-    if coefficients is not None:
-        objective = coefs[0] * sums["loss_sum"] + coefs[1] * sums["soft_sum"]
-        sums = {k: _value_only(v) if k != "weight_sum" else v for k, v in sums.items()}
-        sums["objective_sum"] = objective
-    return {**sums, **teacher}
 
 
 # --------------------------------------------------------------------------- features, balance
