@@ -371,6 +371,10 @@ def run(config: Config, restart: bool = False) -> TrainState | None:
     """`kiln distill`: validate config, teacher, data and any earlier run; then distil and save."""
     from kiln.runner import execute
 
+    if config.distillation.teacher_logits_dir:
+        from kiln.offline import distill as offline
+
+        return offline.run(config, restart)
     # The teacher's config is checked before any data or parameters are touched.
     return execute(
         config, _distillation, command="kiln distill", check=read_teacher_config, restart=restart
