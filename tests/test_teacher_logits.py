@@ -39,13 +39,19 @@ COMMON = {
 
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory):
-    """A teacher run directory: config.yaml and one checkpoint (step 2) of an initialised model."""
+    """A teacher run directory: config.yaml and one checkpoint (step 2) of an initialised model
+    whose final norm is scaled by 30, so its distributions are far from uniform, as a trained
+    teacher's are."""
     root = tmp_path_factory.mktemp("teacher-logits")
     config = make_config(
         model=TEACHER, train={"run_name": "teacher", "global_batch_size": BATCH, "steps": 2},
         output_dir=root / "runs", **COMMON,
     )  # fmt: skip
     state = train.init_state(config)
+    peaked = jax.tree_util.tree_map_with_path(
+        lambda path, x: x * 30 if "final_norm" in jax.tree_util.keystr(path) else x, state.params
+    )
+    state = state.replace(params=peaked)
     ckpt = Checkpointer(config.run_dir, config.checkpoint)
     ckpt.save(2, checkpoint_tree(state), {})
     ckpt.close()
@@ -250,3 +256,76 @@ def test_two_processes_write_the_store_of_one(teacher_dir, store, tmp_path):
         for key in ("teacher_values", "teacher_lse"):
             # The same float32 arithmetic on the same mesh, split over two processes: 1e-5.
             np.testing.assert_allclose(got[key], want[key], rtol=1e-5)
+
+
+# --- kiln distill from the store ----------------------------------------------------------------
+
+
+def run_metrics(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if "learning/loss" in r}
+
+
+def fresh_student(config):
+    from kiln.distill import init_student
+    from kiln.offline.distill import stored_teacher
+
+    teacher = stored_teacher(config, read_manifest(config.distillation.teacher_logits_dir))
+    return init_student(config, make_mesh(config), teacher.config)
+
+
+def final_state(config):
+    from kiln.checkpoint import abstract_like, latest_complete_step, restore
+
+    state = fresh_student(config)
+    directory = config.run_dir / "checkpoints"
+    step = latest_complete_step(directory)
+    tree, data_state = restore(directory, step, abstract_like(checkpoint_tree(state)))
+    return step, jax.tree.map(np.asarray, tree), data_state
+
+
+@pytest.mark.slow
+def test_distill_from_the_store_trains_and_a_killed_run_resumes_bitwise(teacher_dir, store, tmp_path):  # fmt: skip
+    def student(name):
+        config = offline(
+            teacher_dir, store, train={"run_name": name, "log_every_steps": 1},
+            optim={"schedule": "constant", "learning_rate": 1e-2},
+            loss={"num_vocab_tiling": 2}, checkpoint={"every_steps": 2, "async_save": False},
+            distillation={"teacher_run_dir": None, "alpha": 1.0},  # loss = soft
+        )  # fmt: skip
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(config.to_yaml())
+        return path, config
+
+    path, straight = student("straight")
+    proc = kiln("distill", path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"teacher logits from {store}" in proc.stderr
+    want = run_metrics(straight.run_dir)
+    assert sorted(want) == [1, 2, 3, 4, 5]
+    for step, record in want.items():  # alpha 1, balance none: the loss is the soft loss
+        assert record["learning/loss"] == record["distill/soft_loss"] > 0, (step, record)
+        assert 0 < record["distill/teacher_tail_mass"] < 1 and "distill/teacher_loss" not in record
+
+    path, killed = student("killed")
+    proc = start_kiln("distill", path, merged=True)
+    for line in proc.stdout:
+        if line.startswith("step 3/5"):  # the checkpoint of step 2 is written (synchronously)
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    proc = kiln("distill", path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from step" in proc.stderr, proc.stderr[-3000:]
+    got = run_metrics(killed.run_dir)
+    for step in (3, 4, 5):
+        for key in ("learning/loss", "distill/soft_loss", "distill/hard_loss"):
+            assert got[step][key] == want[step][key], (step, key)  # bitwise
+    (a_step, a, a_data), (b_step, b, b_data) = final_state(straight), final_state(killed)
+    assert a_step == b_step == 5 and a_data == b_data
+    fresh = jax.tree.map(np.asarray, fresh_student(straight).params)
+    moved = [not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(fresh), jax.tree.leaves(a["params"]))]  # fmt: skip
+    assert all(moved)  # every parameter trained
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)  # bitwise
