@@ -141,6 +141,8 @@ def write_store(
                 f"--out: {out} holds a store with {key} {stored!r}, this run would write {mine!r}; "
                 "finish it with the settings it was started with, or choose a new directory"
             )
+    if writers > 1:  # every process has read `out` before process 0 writes into it
+        multihost_utils.sync_global_devices("kiln: teacher-logits validated")
     if me == 0 and existing is None:
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / MANIFEST, manifest)
