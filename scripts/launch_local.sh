@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start N kiln processes on this machine, as N hosts of one multi-host run would be started.
 #
-#   scripts/launch_local.sh [--distill] [--devices-per-process K] N CONFIG [key=value ...]
+#   scripts/launch_local.sh [--distill | --teacher-logits] [--devices-per-process K] N CONFIG [ARGS ...]
 #
 # Each process gets K simulated CPU devices (default 8/N), the coordinator is process 0 on
 # 127.0.0.1 and a free port, and process i's output goes to the console prefixed "[i]".
@@ -10,7 +10,7 @@
 set -euo pipefail
 
 usage() {
-  echo "usage: $0 [--distill] [--devices-per-process K] N CONFIG [key=value ...]" >&2
+  echo "usage: $0 [--distill | --teacher-logits] [--devices-per-process K] N CONFIG [ARGS ...]" >&2
   exit 2
 }
 
@@ -19,6 +19,7 @@ per_process=
 while [[ $# -gt 0 && $1 == --* ]]; do
   case $1 in
     --distill) command=distill; shift ;;
+    --teacher-logits) command=teacher-logits; shift ;;
     --devices-per-process) [[ $# -ge 2 ]] || usage; per_process=$2; shift 2 ;;
     *) usage ;;
   esac

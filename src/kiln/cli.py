@@ -102,6 +102,14 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_teacher_logits(args: argparse.Namespace) -> int:
+    config = _load(args)
+    from kiln.offline.writer import run
+
+    print(run(config, args.out, top_k=args.top_k, dtype=args.dtype, shard_steps=args.shard_steps))
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     from kiln import config as cfg
 
@@ -296,6 +304,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_restart_arg(p)
     p.set_defaults(func=cmd_distill)
 
+    p = sub.add_parser(
+        "teacher-logits",
+        help="store a teacher's top-k logits over the config's training stream (offline distill)",
+    )
+    _add_config_args(p)
+    p.add_argument("--out", required=True, metavar="DIR", help="store directory (resumes it)")
+    p.add_argument(
+        "--top-k", type=_at_least_one, default=64, metavar="K", help="logits kept per token"
+    )
+    p.add_argument(
+        "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="of stored values"
+    )
+    p.add_argument(
+        "--shard-steps",
+        type=_at_least_one,
+        default=None,
+        metavar="N",
+        help="steps per shard (default: about 256 MB per shard and process)",
+    )
+    p.set_defaults(func=cmd_teacher_logits)
+
     p = sub.add_parser("config", help="print the resolved config, its summary, or the schema")
     _add_config_args(p, optional=True)
     p.add_argument(
@@ -483,7 +512,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        if args.command in ("train", "distill"):
+        if args.command in ("train", "distill", "teacher-logits"):
             from kiln.interrupt import exit_on_signals
 
             # Until the loop takes over the signals, start-up stops at once, with one line.

@@ -1,9 +1,14 @@
 """`kiln distill`: a frozen teacher from a run directory trains a student through the trainer's loop.
 
 The teacher is the model of `distillation.teacher_run_dir` (its `config.yaml` and latest
-checkpoint, parameters only), restored straight into its shardings on the student's mesh. It is
-an argument of the jitted step, not part of the train state: no optimizer state, no gradients,
-forward only. The student is an ordinary kiln train state; when `distillation.layer_map` pairs
+checkpoint, parameters only; `kiln.teacher`), restored straight into its shardings on the
+student's mesh. It is an argument of the jitted step, not part of the train state: no optimizer
+state, no gradients, forward only. Offline (`distillation.teacher_logits_dir`) there is no
+teacher model at all: each batch carries the teacher's stored top-k logits (`TOP_K_KEYS`), the
+soft loss is `kiln.losses.top_k_distill_loss_sums` (a tail bucket, or renormalised), the feature
+loss is refused, and `distill/teacher_loss` (the teacher's cross-entropy, which needs its whole
+distribution at T = 1) is replaced by `distill/teacher_top_k_hit` (the fraction of tokens whose
+target is among the stored ids) and `distill/teacher_tail_mass` (mean p_tail). The student is an ordinary kiln train state; when `distillation.layer_map` pairs
 layers of different widths, a learned `FeatureProjection` (one [D_student, D_teacher] map per
 pair) is attached to the student model as `distill_projection`, so it is a trainable parameter
 like any other, checkpointed and resumed with the student. Its keys sit beside the
@@ -27,13 +32,12 @@ balancing and one micro-batch they come from that batch's own sums (under stop_g
 With dynamic balancing and several micro-batches they need the global means first, so the step
 makes two passes: a forward-only scan over the micro-batches for the global sums, then the
 usual scan of forward and backward passes with the coefficients fixed. That costs one more
-forward pass of both models per step, which is less than carrying three gradient trees (one
+forward pass of both models (of the student, offline) per step, which is less than carrying three gradient trees (one
 per loss) through the scan and combining them afterwards.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
@@ -42,14 +46,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from kiln import losses, pinned, train
-from kiln.checkpoint import complete_steps, restore_params
+from kiln import losses, train
 from kiln.config import Config, DistillationConfig, read_run_config
 from kiln.errors import KilnError
-from kiln.mesh import sharded_abstract, sharded_init
-from kiln.model import DTYPES, FAMILIES, LanguageModel, build_model, flops_per_token
+from kiln.mesh import sharded_init
+from kiln.model import DTYPES, FAMILIES, LanguageModel, flops_per_token
 from kiln.model.student import PROJECTION, FeatureProjection, student_class
 from kiln.remote_runs import local_run
+from kiln.teacher import (
+    Teacher,
+    abstract_teacher,
+    check_teacher,
+    load_teacher,
+    read_teacher_config,
+)
 from kiln.train import Batch, Objective, TrainState, token_mean
 
 # Tags under distill/ that every step reports (besides the scheduled alpha, temperature, beta).
@@ -62,116 +72,20 @@ METRICS = (
     "kd_mag_scale",
     "teacher_loss",
 )
+# Offline (distillation.teacher_logits_dir) the teacher's cross-entropy is not known (it needs
+# its whole distribution at T = 1): these two tags replace distill/teacher_loss.
+TOP_K_METRICS = ("teacher_top_k_hit", "teacher_tail_mass")
 SUM_KEYS = ("hard_sum", "z_loss_sum", "soft_sum", "feature_sum", "teacher_loss_sum", "weight_sum")
+TOP_K_SUM_KEYS = (
+    *(k for k in SUM_KEYS if k != "teacher_loss_sum"),
+    *(f"{m}_sum" for m in TOP_K_METRICS),
+)
+# The batch arrays of the stored top-k (kiln teacher-logits): [B, S, K], [B, S, K], [B, S].
+TOP_K_KEYS = ("teacher_values", "teacher_ids", "teacher_lse")
 
 
 # ---------------------------------------------------------------------------------------------
 # Teacher and student
-
-
-@dataclasses.dataclass(frozen=True)
-class Teacher:
-    """The frozen teacher: its run's config, and its model split into graph and parameters."""
-
-    config: Config
-    run_dir: Path
-    step: int
-    graphdef: nnx.GraphDef
-    params: nnx.State
-    rest: nnx.State
-    notes: tuple[str, ...] = ()  # damaged teacher checkpoints skipped
-
-    def model(self, params: nnx.State | None = None) -> LanguageModel:
-        return nnx.merge(self.graphdef, self.params if params is None else params, self.rest)
-
-
-def read_teacher_config(config: Config) -> tuple[Config, Path, int]:
-    """(teacher config, run directory, step), checked against the student; KilnError if not.
-
-    The step is the teacher's latest for a new student run, and the one the run started with
-    (pinned in its inputs.json) for a resumed one.
-    """
-    given = config.distillation.teacher_run_dir
-    field = "distillation.teacher_run_dir"
-    if not given:
-        raise KilnError(f"{field}: not set; allowed: the run directory of a trained kiln model")
-    # A teacher at a URL: its config.yaml is checked before its checkpoints are fetched.
-    run_dir = local_run(given, field, config, only=("config.yaml",))
-    if not run_dir.is_dir():
-        raise KilnError(f"{field}: {run_dir} is not a directory; train the teacher first")
-    teacher = read_run_config(run_dir, field)
-    check_teacher(config, teacher, run_dir)
-    run_dir = local_run(given, field, config)
-    steps = complete_steps(run_dir / "checkpoints")
-    if not steps:
-        raise KilnError(f"{field}: no complete checkpoint in {run_dir / 'checkpoints'}")
-    step = pinned.teacher_step(config)
-    if step is not None and step not in steps:
-        raise KilnError(
-            f"{field}: this run was started with the teacher's step {step}, which is no longer "
-            f"in {run_dir / 'checkpoints'} (it has {sorted(steps)}); a resumed student keeps its "
-            "teacher step (keep it in the teacher run with checkpoint.keep_every, or start a new "
-            "train.run_name)"
-        )
-    return teacher, run_dir, steps[0] if step is None else step
-
-
-def check_teacher(config: Config, teacher: Config, run_dir: Path) -> None:
-    """Tokenizer, vocabulary, sequence length and layer_map of the student against the teacher."""
-    if config.model.vocab_size != teacher.model.vocab_size:
-        raise KilnError(
-            f"model.vocab_size: the student has {config.model.vocab_size}, the teacher in "
-            f"{run_dir} has {teacher.model.vocab_size}; distillation compares their output "
-            "distributions, so they must be equal"
-        )
-    if not _same_tokenizer(config.data.tokenizer, teacher.data.tokenizer):
-        raise KilnError(
-            f"data.tokenizer: the student uses {config.data.tokenizer!r}, the teacher in "
-            f"{run_dir} used {teacher.data.tokenizer!r}; they must be the same tokenizer"
-        )
-    if config.data.seq_len > teacher.model.max_seq_len:
-        raise KilnError(
-            f"data.seq_len: {config.data.seq_len} exceeds the teacher's model.max_seq_len="
-            f"{teacher.model.max_seq_len} ({run_dir})"
-        )
-    layers = teacher.model.num_layers
-    for s, t in config.distillation.layer_map:
-        if not 0 <= t < layers:
-            raise KilnError(
-                f"distillation.layer_map: teacher layer {t} in [{s}, {t}] is out of range; "
-                f"the teacher in {run_dir} has model.num_layers={layers} (allowed: 0..{layers - 1})"
-            )
-
-
-def _same_tokenizer(a: str, b: str) -> bool:
-    if a == b:
-        return True
-    pa, pb = Path(a).expanduser(), Path(b).expanduser()
-    return pa.is_file() and pb.is_file() and pa.read_bytes() == pb.read_bytes()
-
-
-def load_teacher(config: Config, mesh) -> Teacher:
-    """The teacher's parameters, restored from its latest checkpoint into shardings on `mesh`."""
-    teacher_cfg, run_dir, step = read_teacher_config(config)
-    abstract = abstract_teacher(config, mesh, teacher_cfg, run_dir, step)
-    # A pinned step must be intact; a new run falls back from a damaged latest (with a note).
-    source = run_dir if pinned.teacher_step(config) is None else run_dir / "checkpoints" / str(step)
-    params, step, notes = restore_params(
-        source, abstract.params, what="distillation.teacher_run_dir",
-        checksums=config.checkpoint.verify,
-    )  # fmt: skip
-    return dataclasses.replace(abstract, params=params, step=step, notes=tuple(notes))
-
-
-def abstract_teacher(
-    config: Config, mesh, teacher_cfg: Config, run_dir: Path, step: int
-) -> Teacher:
-    """The teacher with sharded ShapeDtypeStructs for parameters (the restore target)."""
-    graphdef, abstract = sharded_abstract(
-        lambda: build_model(teacher_cfg.model, rngs=nnx.Rngs(0)), mesh, config.mesh.rules
-    )
-    target, rest = nnx.split_state(abstract, nnx.Param, ...)
-    return Teacher(teacher_cfg, run_dir, step, graphdef, target, rest)
 
 
 def init_student(config: Config, mesh, teacher_cfg: Config) -> TrainState:
@@ -224,11 +138,12 @@ class DistillObjective(Objective):
     """Distillation: hard, soft and feature losses of the student against a frozen teacher.
 
     The teacher's parameters are pytree fields (arguments of the compiled step, never
-    differentiated); its config and graph are static. See the module docstring for how the
-    balancing coefficients make the accumulated gradient exact.
+    differentiated); its config and graph are static. Offline (`distillation.teacher_logits_dir`)
+    there is no teacher model: the soft loss reads the stored top-k of each batch (`TOP_K_KEYS`).
+    See the module docstring for how the balancing coefficients make the accumulated gradient
+    exact.
     """
 
-    sum_keys: ClassVar[tuple[str, ...]] = SUM_KEYS
     extra_param_keys: ClassVar[tuple[str, ...]] = (PROJECTION,)
 
     teacher_params: nnx.State = None
@@ -240,7 +155,17 @@ class DistillObjective(Objective):
     teacher_step: int = struct.field(pytree_node=False, default=None)
 
     @classmethod
-    def create(cls, config: Config, mesh, teacher: Teacher) -> DistillObjective:
+    def create(cls, config: Config, mesh, teacher: Teacher | None) -> DistillObjective:
+        """The objective around a loaded teacher; offline, the teacher only names the store's
+        (its parameters, if any, are not kept) and may be None. KilnError if offline cannot work."""
+        if config.distillation.teacher_logits_dir:
+            check_offline(config)
+            if teacher is None:
+                return cls(config=config, mesh=mesh)
+            return cls(
+                config=config, mesh=mesh, teacher_config=teacher.config,
+                teacher_run=str(Path(teacher.run_dir).absolute()), teacher_step=teacher.step,
+            )  # fmt: skip
         return cls(
             config=config,
             mesh=mesh,
@@ -252,8 +177,18 @@ class DistillObjective(Objective):
             teacher_step=teacher.step,
         )
 
+    @property
+    def offline(self) -> bool:
+        return self.config.distillation.teacher_logits_dir is not None
+
+    @property
+    def sum_keys(self) -> tuple[str, ...]:
+        return TOP_K_SUM_KEYS if self.offline else SUM_KEYS
+
     def pinned_inputs(self) -> dict:
         """The teacher's run and step: a resumed student keeps them."""
+        if self.teacher_run is None:
+            return {}
         return {"teacher": {"run_dir": self.teacher_run, "step": self.teacher_step}}
 
     @property
@@ -274,6 +209,33 @@ class DistillObjective(Objective):
         )
         return jax.lax.stop_gradient((out.hidden, out.features, model.head_weight()))
 
+    def _soft_and_hard(self, model, hidden, batch: Batch, teacher, coefficients):
+        """Hard and soft sums of one pass over the student's logits (`losses.distill_loss_sums`)."""
+        config = self.config
+        kw = dict(
+            temperature=self.knobs["temperature"],
+            z_loss_multiplier=config.loss.z_loss_multiplier,
+            label_smoothing=config.loss.label_smoothing,
+            student_softcap=config.model.logit_softcap,
+            num_vocab_tiling=config.loss.num_vocab_tiling,
+            vocab_chunk_size=config.loss.vocab_chunk_size,
+            mesh=self.mesh,
+            rules=config.mesh.rules,
+            coefficients=None if coefficients is None else coefficients[:2],
+        )
+        head, targets, weights = model.head_weight(), batch["targets"], batch["weights"]
+        if self.offline:
+            top = losses.TopK(*(batch[k] for k in TOP_K_KEYS))
+            renormalize = config.distillation.top_k_renormalize
+            return losses.top_k_distill_loss_sums(
+                hidden, head, top, targets, weights, renormalize=renormalize, **kw
+            )
+        t_hidden, _, t_head = teacher
+        cap = self.teacher_config.model.logit_softcap
+        return losses.distill_loss_sums(
+            hidden, head, t_hidden, t_head, targets, weights, teacher_softcap=cap, **kw
+        )
+
     def loss_sums(self, model, batch: Batch, coefficients):
         """Weighted loss sums of one micro-batch and `c . (hard, soft, feature)` to differentiate.
 
@@ -282,35 +244,21 @@ class DistillObjective(Objective):
         combined logit gradient; otherwise (dynamic balancing on one micro-batch) it makes
         both and the coefficients follow from this micro-batch's own sums.
         """
-        config, dist = self.config, self.config.distillation
+        dist = self.config.distillation
         if coefficients is None and not self.needs_global_sums:
             # balance=none: the coefficients do not depend on the sums.
             coefficients = self.coefficients(dict.fromkeys(self.sum_keys, jnp.zeros(())))
-        t_hidden, t_feats, t_head = self._teacher_outputs(batch)
         layers = [s for s, _ in dist.layer_map]
+        if layers and self.offline:  # create_offline refuses it first: never dropped silently
+            raise KilnError(OFFLINE_FEATURES.format(len(layers)))
+        teacher = None if self.offline else self._teacher_outputs(batch)
         out = model.hidden_states(
             batch["inputs"], batch["positions"], batch["segment_ids"], collect=layers
         )
-        fused = losses.distill_loss_sums(
-            out.hidden,
-            model.head_weight(),
-            t_hidden,
-            t_head,
-            batch["targets"],
-            batch["weights"],
-            temperature=self.knobs["temperature"],
-            z_loss_multiplier=config.loss.z_loss_multiplier,
-            label_smoothing=config.loss.label_smoothing,
-            student_softcap=config.model.logit_softcap,
-            teacher_softcap=self.teacher_config.model.logit_softcap,
-            num_vocab_tiling=config.loss.num_vocab_tiling,
-            vocab_chunk_size=config.loss.vocab_chunk_size,
-            mesh=self.mesh,
-            rules=config.mesh.rules,
-            coefficients=None if coefficients is None else coefficients[:2],
-        )
+        fused = self._soft_and_hard(model, out.hidden, batch, teacher, coefficients)
         feature_sum = jnp.zeros((), jnp.float32)
         if layers:
+            t_feats = teacher[1]
             per_token = losses.feature_loss(model.project(out.features), t_feats, dist.feature_loss)
             feature_sum = jnp.sum(per_token * batch["weights"].astype(jnp.float32))
         sums = {
@@ -318,8 +266,8 @@ class DistillObjective(Objective):
             "z_loss_sum": fused["z_loss_sum"],
             "weight_sum": fused["weight_sum"],
             "soft_sum": fused["soft_sum"],
-            "teacher_loss_sum": fused["teacher_loss_sum"],
             "feature_sum": feature_sum,
+            **{k: fused[k] for k in self.sum_keys if k.startswith("teacher_")},
         }
         if coefficients is None:
             c = self.coefficients(sums)
@@ -360,9 +308,10 @@ class DistillObjective(Objective):
             "distill/total_loss": total,
             "distill/feature_mag_scale": scales["feature_mag_scale"],
             "distill/kd_mag_scale": scales["kd_mag_scale"],
-            "distill/teacher_loss": token_mean(sums["teacher_loss_sum"], sums),
+            **{f"distill/{k[:-4]}": token_mean(sums[k], sums) for k in self.sum_keys
+               if k.startswith("teacher_")},
             **{f"distill/{k}": v for k, v in self.knobs.items()},
-        }
+        }  # fmt: skip
         return total, aux
 
     def flops_per_token(self) -> float:
@@ -370,10 +319,38 @@ class DistillObjective(Objective):
         config, teacher_cfg = self.config, self.teacher_config
         seq = config.data.seq_len
         student = flops_per_token(config.model, seq)
+        if self.offline:
+            return student  # the teacher ran once, when its logits were stored
         teacher = flops_per_token(teacher_cfg.model, seq) / 3.0
         pairs = len(config.distillation.layer_map)
         d_s, d_t = config.model.d_model, teacher_cfg.model.d_model
         return student + teacher + (6.0 * pairs * d_s * d_t if d_s != d_t else 0.0)
+
+
+OFFLINE_FEATURES = (
+    "distillation.layer_map: {} pairs given, but with distillation.teacher_logits_dir the "
+    "teacher's hidden states are not stored, so the feature loss cannot be computed; allowed: "
+    "an empty layer_map (or train online with distillation.teacher_run_dir)"
+)
+
+
+def check_offline(config: Config) -> None:
+    """KilnError unless the distillation settings can train from stored top-k logits."""
+    dist = config.distillation
+    if not dist.teacher_logits_dir:
+        raise KilnError(
+            "distillation.teacher_logits_dir: not set; allowed: a directory written by "
+            "kiln teacher-logits"
+        )
+    if dist.layer_map:
+        raise KilnError(OFFLINE_FEATURES.format(len(dist.layer_map)))
+    t_end = dist.temperature_end
+    if dist.schedule != "constant" and t_end is not None and t_end != dist.temperature:
+        raise KilnError(
+            f"distillation.temperature_end: {t_end} with schedule {dist.schedule!r}, but the "
+            "stored teacher log-normaliser was computed at one temperature "
+            f"(distillation.temperature={dist.temperature}); allowed: null or {dist.temperature}"
+        )
 
 
 def loss_and_grads(config: Config, teacher: Teacher, state: TrainState, batch):
@@ -395,6 +372,10 @@ def run(config: Config, restart: bool = False) -> TrainState | None:
     """`kiln distill`: validate config, teacher, data and any earlier run; then distil and save."""
     from kiln.runner import execute
 
+    if config.distillation.teacher_logits_dir:
+        from kiln.offline import distill as offline
+
+        return offline.run(config, restart)
     # The teacher's config is checked before any data or parameters are touched.
     return execute(
         config, _distillation, command="kiln distill", check=read_teacher_config, restart=restart
@@ -426,11 +407,14 @@ def abstract_distillation(config: Config, mesh) -> tuple[DistillObjective, Train
 
 __all__ = [
     "METRICS",
+    "TOP_K_KEYS",
+    "TOP_K_METRICS",
     "DistillObjective",
     "FeatureProjection",
     "Teacher",
     "abstract_distillation",
     "abstract_teacher",
+    "check_offline",
     "check_teacher",
     "init_student",
     "load_teacher",

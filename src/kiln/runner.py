@@ -62,6 +62,7 @@ FROZEN_ON_RESUME = (
     "data.sources",
     "train.global_batch_size",
     "distillation.teacher_run_dir",
+    "distillation.teacher_logits_dir",
 )
 
 
@@ -199,6 +200,7 @@ def execute(
     command: str,
     check: Callable[[Config], Any] | None = None,
     restart: bool = False,
+    wrap_batches: Callable[[Config, Any, Iterator], Iterator] | None = None,
 ):
     """`prepare_run`, then `run_loop`, with the run's persistent compilation cache in use.
 
@@ -207,7 +209,10 @@ def execute(
     """
     with compilation_cache_for(config):
         try:
-            run = prepare_run(config, build, command=command, check=check, restart=restart)
+            run = prepare_run(
+                config, build, command=command, check=check, restart=restart,
+                wrap_batches=wrap_batches,
+            )  # fmt: skip
         except RunComplete as done:
             if jax.process_index() == 0:
                 print(f"kiln: {done}", file=sys.stderr)
@@ -222,6 +227,7 @@ def prepare_run(
     command: str,
     check: Callable[[Config], Any] | None = None,
     restart: bool = False,
+    wrap_batches: Callable[[Config, Any, Iterator], Iterator] | None = None,
 ) -> PreparedRun:
     """Validate against devices, data and any earlier run; build the state; resume or load.
 
@@ -230,7 +236,9 @@ def prepare_run(
     run's latest checkpoint (with the data iterator's position) or, for a new run, takes
     `checkpoint.load_params_from`'s parameters (those the objective adds to the model, e.g. a
     distillation projection, stay fresh). `restart`: start over; the earlier run is moved aside
-    when the run directory is opened. Raises RunComplete when there is nothing to train.
+    when the run directory is opened. `wrap_batches(config, datasets, iterator)` adds keys to
+    the training batches (an iterator with the data's get_state/set_state, restored with it).
+    Raises RunComplete when there is nothing to train.
     """
     from kiln.distributed import initialize
 
@@ -241,7 +249,7 @@ def prepare_run(
     # An existing run is locked before its checkpoints are read; a new one when it is written.
     taken = lock.acquire() if jax.process_index() == 0 and config.run_dir.is_dir() else None
     try:
-        run = _prepare(config, build, command, check, lock, started, restart)
+        run = _prepare(config, build, command, check, lock, started, restart, wrap_batches)
     except BaseException:
         lock.release()
         raise
@@ -250,7 +258,7 @@ def prepare_run(
     return run
 
 
-def _prepare(config, build, command, check, lock, started, restart) -> PreparedRun:
+def _prepare(config, build, command, check, lock, started, restart, wrap) -> PreparedRun:
     from kiln.data import make_datasets
     from kiln.mesh import make_mesh
     from kiln.model.attention import check as check_attention
@@ -270,6 +278,8 @@ def _prepare(config, build, command, check, lock, started, restart) -> PreparedR
         pinned.check_data(config, datasets.inputs)
     objective, state, built_notes = build(config, mesh)
     batches = datasets.train_iterator()
+    if wrap is not None:
+        batches = wrap(config, datasets, batches)
     restart_to = restart_target(config.run_dir) if restart else None
     if restart_to is not None:
         notes.append(f"--restart: the earlier run in {config.run_dir} moves to {restart_to}")

@@ -197,7 +197,7 @@ def micro_batches(batch: Batch, accum: int, mesh: Mesh, rules) -> Batch:
         x = x.reshape(g // accum, accum, *x.shape[1:]).swapaxes(0, 1)
         return jax.lax.with_sharding_constraint(x, sharding)
 
-    return {k: split(batch[k]) for k in BATCH_KEYS}
+    return {k: split(x) for k, x in batch.items()}
 
 
 def objective_loss_and_grads(objective: Objective, state: TrainState, batch: Batch):
@@ -283,7 +283,8 @@ def place_batch(batch: Mapping[str, Any], mesh: Mesh, config: Config) -> Batch:
     """
     sharding = batch_sharding(mesh, config.mesh.rules)
     out = {}
-    for k in BATCH_KEYS:
+    # Keys beyond the token stream's (e.g. stored teacher logits) share its leading [B, S] layout.
+    for k in (*BATCH_KEYS, *(k for k in batch if k not in BATCH_KEYS)):
         x = batch[k]
         if isinstance(x, jax.Array) and x.sharding == sharding:
             out[k] = x
@@ -332,7 +333,7 @@ def make_step(objective: Objective, shardings: TrainState) -> InMesh:
     data = batch_sharding(mesh, config.mesh.rules)
     jitted = jax.jit(
         step,
-        in_shardings=(shardings_of(objective), shardings, {k: data for k in BATCH_KEYS}),
+        in_shardings=(shardings_of(objective), shardings, data),  # every batch key: [B, S, ...]
         out_shardings=(shardings, NamedSharding(mesh, P())),
         donate_argnums=1,
     )

@@ -1,24 +1,27 @@
 """kiln's losses: cross-entropy with z-loss, one tiled engine, and the distillation losses.
 
 Modules: `core` (the head logits, the mergeable log-normaliser, argument checks),
-`cross_entropy` and `kl` (the two per-chunk callbacks and their per-token APIs), `tiling`
+`cross_entropy`, `kl` and `top_k` (the per-chunk callbacks and their per-token APIs), `tiling`
 (a call's static settings: mesh axes, chunking, and their checks), `engine` (the tiled chunk
 loop, its shard_map plumbing and custom VJP), `lm` (the LM loss) and `distill` (soft, fused
 hard + soft, feature and combined distillation losses).
 """
 
-from kiln.losses.core import logits
+from kiln.losses.core import TopK, logits
 from kiln.losses.cross_entropy import cross_entropy
 from kiln.losses.distill import (
     distill_loss_sums,
     distillation_loss,
     feature_loss,
     soft_loss_sums,
+    top_k_distill_loss_sums,
 )
 from kiln.losses.kl import soft_loss
 from kiln.losses.lm import lm_loss
+from kiln.losses.top_k import top_k_soft_loss
 
 __all__ = [
+    "TopK",
     "cross_entropy",
     "distill_loss_sums",
     "distillation_loss",
@@ -27,4 +30,6 @@ __all__ = [
     "logits",
     "soft_loss",
     "soft_loss_sums",
+    "top_k_distill_loss_sums",
+    "top_k_soft_loss",
 ]

@@ -72,16 +72,26 @@ def softcap_grad(g_nV: jax.Array, capped_nV: jax.Array, cap: float | None) -> ja
     return g_nV * (1.0 - jnp.square(capped_nV / cap)) if cap else g_nV
 
 
+class TopK(NamedTuple):
+    """A teacher's stored top-k logits per token (offline distillation)."""
+
+    values: jax.Array  # [..., K] float32: the teacher's logits after its soft-cap, not over T
+    ids: jax.Array  # [..., K] int32: their vocabulary ids, distinct per token
+    lse: jax.Array  # [...] float32: logsumexp(teacher logits / T) over the whole vocabulary
+
+
 class ChunkLogits(NamedTuple):
     """The float32 logits of a block of tokens x vocabulary entries, as the loss callbacks see them."""
 
     student: jax.Array  # [n, c], soft-capped as the student is
     teacher: jax.Array | None  # [n, c], soft-capped as the teacher is; None without a teacher
-    hit: jax.Array  # [n, c] bool: the entry is the token's target
+    hit: jax.Array | None  # [n, c] bool: the entry is the token's target
     temperature: jax.Array | None  # scalar T of the soft loss
     # [n] int: the target's column when the block holds each row's whole vocabulary, so target
     # logits are gathered instead of summed from `hit` over an [n, c] array; else None.
     target: jax.Array | None = None
+    top: TopK | None = None  # the rows' stored teacher top-k ([n, K], [n, K], [n])
+    top_col: jax.Array | None = None  # [n, K] int: each top-k id's column in the block, else c
 
 
 class Normaliser(NamedTuple):

@@ -12,6 +12,7 @@ from kiln.config import DEFAULT_MAX_KD_SCALE
 from kiln.losses import engine
 from kiln.losses import tiling as tl
 from kiln.losses.core import (
+    TopK,
     as_number,
     check_cap,
     check_smoothing,
@@ -23,6 +24,7 @@ from kiln.losses.core import (
 )
 from kiln.losses.cross_entropy import CrossEntropy, weighted_cross_entropy
 from kiln.losses.kl import SoftKL, _soft_loss
+from kiln.losses.top_k import TopKKL, teacher_stats
 
 sg = jax.lax.stop_gradient
 
@@ -50,7 +52,7 @@ def _prepare(losses, sets, hs, ws, ht, wt, targets, weights, temperature, settin
 
 def _untiled(tiling: tl.Tiling, inputs: tl.Inputs, hard: CrossEntropy | None) -> dict:
     """Each model's logits made once, whole; the losses on them; gradients by autodiff."""
-    hs, ws, y, w, ht, wt, t = inputs
+    hs, ws, y, w, ht, wt, t, _ = inputs
     x_s = tl.whole_logits(hs, ws, tiling.student_cap, tiling.mesh, tiling.axes)
     x_t = tl.whole_logits(ht, wt, tiling.teacher_cap, tiling.mesh, tiling.axes)
     wf = w.astype(f32)
@@ -207,6 +209,91 @@ def distill_loss_sums(
         sums = {k: _value_only(v) if k != "weight_sum" else v for k, v in sums.items()}
         sums["objective_sum"] = objective
     return sums
+
+
+# --------------------------------------------------------------------------- offline: stored top-k
+
+
+def _check_top_k(top: TopK, hidden_BSD, vocab: int) -> None:
+    batch, seq = hidden_BSD.shape[:2]
+    k = top.ids.shape[-1]
+    want = {"values": (batch, seq, k), "ids": (batch, seq, k), "lse": (batch, seq)}
+    for name, shape in want.items():
+        got = getattr(top, name).shape
+        if got != shape:
+            raise ValueError(f"teacher top-k {name}: shape {got}, expected {shape}")
+    if not 1 <= k <= vocab:
+        raise ValueError(f"teacher top-k: K={k} ids per token, allowed 1..{vocab} (the vocabulary)")
+    if not jnp.issubdtype(top.ids.dtype, jnp.integer):
+        raise ValueError(f"teacher top-k ids: dtype {top.ids.dtype}, expected an integer dtype")
+
+
+def top_k_distill_loss_sums(
+    student_hidden_BSD: jax.Array,
+    student_head_DV: jax.Array,
+    teacher_top_k: TopK,
+    targets_BS: jax.Array,
+    weights_BS: jax.Array,
+    *,
+    temperature: float | jax.Array,
+    renormalize: bool = False,
+    z_loss_multiplier: float = 0.0,
+    label_smoothing: float = 0.0,
+    student_softcap: float | None = None,
+    num_vocab_tiling: int = 1,
+    vocab_chunk_size: int | None = None,
+    mesh: Mesh | None = None,
+    rules: dict[str, list[str]] | None = None,
+    coefficients: tuple[jax.Array, jax.Array] | None = None,
+) -> dict[str, jax.Array]:
+    """`distill_loss_sums` against a teacher's stored top-k (`TopK` of [B,S,K], [B,S,K], [B,S]).
+
+    `soft_sum = sum(w * top_k_soft_loss(student, top_k, T))` (tail bucket, or renormalised), at
+    the temperature T the stored lse was computed at. The teacher's cross-entropy needs its
+    whole distribution at T = 1, which the store does not hold; instead the result has
+    `teacher_top_k_hit_sum` (weight of the tokens whose target is among the stored ids) and
+    `teacher_tail_mass_sum` (sum of w * p_tail). `loss_sum`, `z_loss_sum`, `weight_sum`,
+    `objective_sum` and both gradient modes are those of `distill_loss_sums`. The top-k targets
+    are matched to each block of the student's logits: tiled, those are never whole; untiled,
+    each device makes its tokens' logits once, in one chunk of the same engine.
+    """
+    z, eps = check_z(z_loss_multiplier), check_smoothing(label_smoothing)
+    check_temperature(temperature)
+    vocab = student_head_DV.shape[-1]
+    _check_top_k(teacher_top_k, student_hidden_BSD, vocab)
+    hard = CrossEntropy(z=z, eps=eps, vocab=vocab)
+    if coefficients is None:
+        sets, coefs = (("loss",), ("soft",)), jnp.ones((2,), f32)
+    else:
+        coefs = sg(jnp.stack([jnp.asarray(c, f32) for c in coefficients]))
+        sets = (("loss", "soft"),)
+    tiling = tl.make_tiling(
+        (hard, TopKKL(vocab, bool(renormalize))),
+        sets,
+        student_hidden_BSD,
+        student_head_DV,
+        num_vocab_tiling=num_vocab_tiling,
+        vocab_chunk_size=vocab_chunk_size,
+        mesh=mesh,
+        rules=rules,
+        student_cap=check_cap("student_softcap", student_softcap),
+        objective=coefficients is not None,
+    )
+    check_targets(targets_BS, weights_BS, vocab)
+    t = sg(jnp.asarray(temperature, f32))
+    top = TopK(*(sg(x) for x in teacher_top_k))
+    hit, tail = teacher_stats(top, targets_BS, t, vocab)
+    wf = weights_BS.astype(f32)
+    # Untiled too, the loss runs in the engine (one chunk: each device's whole logits, once):
+    # matching the top-k ids to a vocabulary sharded over the mesh needs its explicit collectives.
+    tl.check_tiling(tiling, student_hidden_BSD.shape, student_head_DV.shape)
+    inputs = tl.Inputs(student_hidden_BSD, student_head_DV, targets_BS, weights_BS)
+    inputs = inputs._replace(temperature=t, teacher_top_k=top)
+    return {
+        **engine.run(tiling, inputs, coefs),
+        "teacher_top_k_hit_sum": weighted_sum(hit, wf),
+        "teacher_tail_mass_sum": weighted_sum(tail, wf),
+    }
 
 
 # --------------------------------------------------------------------------- features, balance

@@ -1,13 +1,14 @@
 """The one tiled loss engine: token chunks (and vocabulary chunks) with per-chunk loss callbacks.
 
 A `lax.scan` over chunks of each device's tokens makes each chunk's logits (student, and
-teacher if there is one), hands them to the loss callbacks, forms the gradient w.r.t. the
+teacher if there is one; a teacher's stored top-k rows ride along instead of its logits), hands
+them to the loss callbacks, forms the gradient w.r.t. the
 student's logits of every requested combination of the losses ("gradient sets"), multiplies
 it into hidden-state and head gradients, and drops the logits. The backward pass of the
 custom VJP only scales those saved gradients by the incoming cotangents, so the tiled loss
 costs the matmul FLOPs of the untiled one and never holds more than one chunk's logits.
 
-A loss callback (`CrossEntropy`, `SoftKL`) provides, per token, mergeable statistics of the
+A loss callback (`CrossEntropy`, `SoftKL`, `TopKKL`) provides, per token, mergeable statistics of the
 logits (`stats`, `merge`, `reduce`), sums that need those statistics first (`sums`), the
 per-token values, and `dlogits`. With `vocab_chunk` each shard's vocabulary is cut too: a
 first pass merges the statistics of the vocabulary chunks (an online logsumexp), a second
@@ -32,8 +33,18 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kiln.losses.core import ChunkLogits, f32, logits, psum, scored, softcap_grad, weighted_sum
+from kiln.losses.core import (
+    ChunkLogits,
+    TopK,
+    f32,
+    logits,
+    psum,
+    scored,
+    softcap_grad,
+    weighted_sum,
+)
 from kiln.losses.tiling import Inputs, Tiling, all_explicit
+from kiln.losses.top_k import block_columns
 
 # Per-token terms that can carry a gradient to the student, and the sums they give.
 DIFFERENTIABLE = ("loss", "z_loss", "soft")
@@ -59,7 +70,7 @@ def _varying(tiling: Tiling, x):
 
 def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
     """The chunk loop on local tokens [B, S] and a local vocabulary slice of the heads."""
-    hs, ws, targets, weights, ht, wt, temp = inputs
+    hs, ws, targets, weights, ht, wt, temp, top = inputs
     batch, seq, d_model = hs.shape
     vocab_local = ws.shape[1]
     chunk = batch * seq // tiling.num_chunks
@@ -76,12 +87,14 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
         """Vocabulary chunk k of x along its last axis (all of it without vocabulary chunks)."""
         return x if k is None else jax.lax.dynamic_slice_in_dim(x, k * vchunk, vchunk, axis=-1)
 
-    def chunk_logits(h_n, g_n, y_n, k) -> ChunkLogits:
+    def chunk_logits(h_n, g_n, y_n, top_n, k) -> ChunkLogits:
         x_s = logits(h_n, vslice(ws, k), softcap=tiling.student_cap)
         x_t = None if wt is None else logits(g_n, vslice(wt, k), softcap=tiling.teacher_cap)
         whole = k is None and not axes  # the chunk holds each row's whole vocabulary
         target = y_n if whole else None
-        return ChunkLogits(x_s, x_t, vslice(columns, k) == y_n[:, None], temp, target)
+        cols = vslice(columns, k)
+        top_col = None if top_n is None else block_columns(top_n.ids, cols[0], cols.shape[0])
+        return ChunkLogits(x_s, x_t, cols == y_n[:, None], temp, target, top_n, top_col)
 
     def backprop(lg, stats, h_n, w_n, w_Dc):
         """Per gradient set k: its logit gradient [n, c] times the head and the hidden states.
@@ -108,10 +121,10 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
         return tuple(loss.sums(lg, st) for loss, st in zip(losses, stats))
 
     def step(dw, xs):
-        h_n, g_n, y_n, w_n = xs
+        h_n, g_n, y_n, w_n, top_n = xs
         dh_n = None
         if n_vchunks == 1:
-            lg = chunk_logits(h_n, g_n, y_n, None)
+            lg = chunk_logits(h_n, g_n, y_n, top_n, None)
             stats = tuple(loss.stats(lg, axes) for loss in losses)
             sums = psum(chunk_sums(lg, stats), axes)
             if with_grads:
@@ -120,10 +133,10 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
         else:
 
             def merge_chunk(acc, k):
-                lg = chunk_logits(h_n, g_n, y_n, k)
+                lg = chunk_logits(h_n, g_n, y_n, top_n, k)
                 return tuple(ls.merge(a, ls.stats(lg, ())) for ls, a in zip(losses, acc)), None
 
-            lg0 = chunk_logits(h_n, g_n, y_n, 0)
+            lg0 = chunk_logits(h_n, g_n, y_n, top_n, 0)
             first = tuple(loss.stats(lg0, ()) for loss in losses)
             stats, _ = jax.lax.scan(merge_chunk, first, jnp.arange(1, n_vchunks))
             stats = tuple(loss.reduce(st, axes) for loss, st in zip(losses, stats))
@@ -135,7 +148,7 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
 
             def second_pass(carry, k):
                 sums, dh_n, dw = carry
-                lg = chunk_logits(h_n, g_n, y_n, k)
+                lg = chunk_logits(h_n, g_n, y_n, top_n, k)
                 sums = jax.tree.map(jnp.add, sums, chunk_sums(lg, stats))
                 if with_grads:
                     dh_k, dw_k = backprop(lg, stats, h_n, w_n, vslice(ws, k))
@@ -166,7 +179,8 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
     if with_grads:
         dw0 = tuple(_varying(tiling, jnp.zeros((d_model, vocab_local), f32)) for _ in tiling.sets)
     w = weights.astype(f32)
-    dw, (terms, dh) = jax.lax.scan(step, dw0, (cut(hs), cut(ht), cut(targets), cut(w)))
+    xs = (cut(hs), cut(ht), cut(targets), cut(w), jax.tree.map(cut, top))
+    dw, (terms, dh) = jax.lax.scan(step, dw0, xs)
     terms = {k: v.reshape(batch, seq) for k, v in terms.items()}
     token_axes = tiling.axes.tokens
     sums = {f"{k}_sum": psum(weighted_sum(v, w), token_axes) for k, v in terms.items()}
@@ -181,6 +195,15 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
     return Local(terms, sums, dh, dw)
 
 
+def _reshard(a, spec, mesh):
+    """An input (or the top-k's arrays) moved to its spec on an explicit mesh."""
+    if a is None:
+        return None
+    if isinstance(a, TopK):
+        return TopK(*(_reshard(x, s, mesh) for x, s in zip(a, spec)))
+    return jax.reshard(a, NamedSharding(mesh, spec))
+
+
 def _sharded(tiling: Tiling, with_grads: bool):
     """`_local` on each device's shard of tokens and vocabulary (or on everything)."""
     local = functools.partial(_local, tiling, with_grads)
@@ -189,7 +212,7 @@ def _sharded(tiling: Tiling, with_grads: bool):
         return local
     ax = tiling.axes
     bsd, dv, bs = ax.spec("BSD"), ax.spec("DV"), ax.spec("BS")
-    teacher = (bsd, dv, P())
+    teacher = (bsd, dv, P(), TopK(bsd, bsd, bs))
     out_specs = Local(
         {t: bs for t in tiling.terms},
         {k: P() for k in [*(f"{t}_sum" for t in tiling.terms), "weight_sum"]},
@@ -204,12 +227,7 @@ def _sharded(tiling: Tiling, with_grads: bool):
         if all_explicit(mesh):
             # Explicit meshes type arrays by their sharding: move them to the specs first
             # (for the head this is the FSDP all-gather of its embed dimension).
-            inputs = Inputs(
-                *(
-                    None if a is None else jax.reshard(a, NamedSharding(mesh, s))
-                    for a, s in zip(inputs, specs)
-                )
-            )
+            inputs = Inputs(*(_reshard(a, s, mesh) for a, s in zip(inputs, specs)))
             coefs = jax.reshard(coefs, NamedSharding(mesh, P()))
         mapped = jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=out_specs)
         return mapped(inputs, coefs)
@@ -284,9 +302,16 @@ def _tiled_bwd(tiling: Tiling, res, cts):
         like(dw, inputs.head),
         np.zeros(inputs.targets.shape, jax.dtypes.float0),
         d_weights,
-        *(None if a is None else jnp.zeros_like(a) for a in inputs[4:]),
+        *(jax.tree.map(_zero_cotangent, a) for a in inputs[4:]),
     )
     return d_inputs, jnp.zeros_like(coefs)
+
+
+def _zero_cotangent(x):
+    """The (zero) cotangent of a constant input: float0 for integers."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
 
 
 def _add_z_grads(tiling: Tiling, inputs: Inputs, ct, dh, dw):

@@ -12,7 +12,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kiln.config import DEFAULT_AXIS_RULES
-from kiln.losses.core import check_positive_int, logits
+from kiln.losses.core import TopK, check_positive_int, logits
 from kiln.mesh import logical_spec
 
 
@@ -107,6 +107,7 @@ class Inputs(NamedTuple):
     teacher_hidden: jax.Array | None = None  # [B, S, E]
     teacher_head: jax.Array | None = None  # [E, V]
     temperature: jax.Array | None = None  # scalar
+    teacher_top_k: TopK | None = None  # stored teacher top-k: [B, S, K], [B, S, K], [B, S]
 
 
 def all_auto(mesh: Mesh) -> bool:

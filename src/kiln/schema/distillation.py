@@ -18,6 +18,14 @@ class DistillationConfig(Section):
         None,
         description="kiln run directory of the teacher (its config.yaml and latest checkpoint); a URL (gs://, s3://, ...) is mirrored into {train.output_dir}/.cache/remote-runs/ first.",
     )
+    teacher_logits_dir: str | None = Field(
+        None,
+        description="A directory written by `kiln teacher-logits`: kiln distill reads the teacher's stored top-k logits instead of running the teacher (no teacher parameters in memory).",
+    )
+    top_k_renormalize: bool = Field(
+        False,
+        description="With teacher_logits_dir: the soft loss is the plain KL of the teacher's and the student's distributions renormalised over the stored top-k ids, instead of the top-k plus one bucket for the tail mass (docs/distillation.md).",
+    )
     alpha: float = Field(
         0.5,
         ge=0,

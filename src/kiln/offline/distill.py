@@ -1,0 +1,49 @@
+"""`kiln distill` with `distillation.teacher_logits_dir`: the student learns from a stored teacher.
+
+No teacher parameters are restored: the teacher is known by its stored model config (for the
+student's FLOPs and checks) and its outputs arrive in the batches (`kiln.offline.reader`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kiln.config import Config, config_from_dict
+from kiln.offline import reader
+
+
+def stored_teacher(config: Config, manifest: dict[str, Any]):
+    """The store's teacher as a `Teacher` without a model: its config, run and step only."""
+    from kiln.distill import Teacher
+
+    recorded = manifest["teacher"]
+    teacher_cfg = config_from_dict({**config.model_dump(mode="json"), "model": recorded["model"]})
+    return Teacher(teacher_cfg, Path(recorded["run_dir"]), recorded["step"], None, None, None)
+
+
+def run(config: Config, restart: bool = False):
+    """Validate the store against the config, then distil from it like `kiln distill`."""
+    from kiln.runner import execute
+
+    return execute(
+        config,
+        _distillation,
+        command="kiln distill",
+        check=reader.check,
+        restart=restart,
+        wrap_batches=reader.with_teacher_logits,
+    )
+
+
+def _distillation(config: Config, mesh):
+    from kiln.distill import DistillObjective, init_student
+
+    manifest = reader.check(config)
+    teacher = stored_teacher(config, manifest)
+    state = init_student(config, mesh, teacher.config)
+    note = (
+        f"teacher logits from {config.distillation.teacher_logits_dir} (teacher {teacher.run_dir} "
+        f"step {teacher.step}, top-{manifest['top_k']} {manifest['dtype']})"
+    )
+    return DistillObjective.create(config, mesh, teacher), state, [note]
