@@ -329,3 +329,22 @@ def test_distill_from_the_store_trains_and_a_killed_run_resumes_bitwise(teacher_
     assert all(moved)  # every parameter trained
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)  # bitwise
+
+
+def test_compile_lowers_the_offline_step_with_the_stores_rows(teacher_dir, store):
+    """`kiln compile` of an offline config lowers the step `kiln distill` runs: the batch
+    carries the store's top-k rows, and the arguments hold no teacher parameters."""
+    from kiln.compile import lower_step
+
+    config = offline(teacher_dir, store)
+    lowered, command, objective, _ = lower_step(config, jax.devices())
+    assert command == "kiln distill" and objective.teacher_params is None
+    batch = next(a for a in lowered.args_info[0] if isinstance(a, dict))  # (state, batch)
+    assert batch["teacher_values"].shape == (BATCH, config.data.seq_len, K)
+    assert batch["teacher_ids"].dtype == jnp.int32 and len(batch["teacher_lse"].shape) == 2
+    online = lower_step(make_config(student_raw(teacher_dir)), jax.devices())[0]
+    # Offline the compiled step's inputs are the student's state and the batch only.
+    assert (
+        lowered.compile().memory_analysis().argument_size_in_bytes
+        < online.compile().memory_analysis().argument_size_in_bytes
+    )

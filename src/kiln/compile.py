@@ -109,6 +109,10 @@ def topology_devices(name: str) -> list[Any]:
 
 def abstract_run(config: Config, mesh) -> tuple[Any, Any, str]:
     """(objective, abstract train state, command) of the step `kiln train`/`kiln distill` runs."""
+    if config.distillation.teacher_logits_dir:
+        from kiln.offline.distill import abstract_offline
+
+        return (*abstract_offline(config, mesh), "kiln distill")
     if config.distillation.teacher_run_dir:
         from kiln.distill import abstract_distillation
 
@@ -148,7 +152,13 @@ def lower_step(config: Config, devices: list[Any]):
     mesh = make_mesh(config, devices)
     objective, state, command = abstract_run(config, mesh)
     step = make_step(objective, shardings_of(state))
-    return step.lower(state, abstract_batch(config, mesh)), command, objective, mesh
+    batch = abstract_batch(config, mesh)
+    if config.distillation.teacher_logits_dir:  # the store's top-k rows ride in the batch
+        from kiln.offline.distill import abstract_teacher_rows
+        from kiln.offline.reader import check
+
+        batch.update(abstract_teacher_rows(config, mesh, check(config)["top_k"]))
+    return step.lower(state, batch), command, objective, mesh
 
 
 def compile_report(config: Config, devices: list[Any]) -> StepReport:

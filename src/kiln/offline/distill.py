@@ -47,3 +47,31 @@ def _distillation(config: Config, mesh):
         f"step {teacher.step}, top-{manifest['top_k']} {manifest['dtype']})"
     )
     return DistillObjective.create(config, mesh, teacher), state, [note]
+
+
+def abstract_offline(config: Config, mesh):
+    """`kiln distill`'s objective and student state from a store, abstract (`kiln compile`):
+    the store's manifest gives the teacher's config; no shard is read."""
+    from kiln import train
+    from kiln.distill import DistillObjective, student_builder
+
+    manifest = reader.check(config)
+    teacher = stored_teacher(config, manifest)
+    state = train.abstract_train_state(config, mesh, student_builder(config, teacher.config))
+    return DistillObjective.create(config, mesh, teacher), state
+
+
+def abstract_teacher_rows(config: Config, mesh, top_k: int) -> dict:
+    """The store's batch keys as ShapeDtypeStructs, sharded like the token batch."""
+    import jax
+    import jax.numpy as jnp
+
+    from kiln.mesh import batch_sharding
+
+    rows = (config.train.global_batch_size, config.data.seq_len)
+    sharding = batch_sharding(mesh, config.mesh.rules)
+    return {
+        "teacher_values": jax.ShapeDtypeStruct((*rows, top_k), jnp.float32, sharding=sharding),
+        "teacher_ids": jax.ShapeDtypeStruct((*rows, top_k), jnp.int32, sharding=sharding),
+        "teacher_lse": jax.ShapeDtypeStruct(rows, jnp.float32, sharding=sharding),
+    }
