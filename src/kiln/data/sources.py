@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, first_line
 
 Format = Literal["text", "jsonl", "parquet"]
 FORMATS: tuple[str, ...] = ("text", "jsonl", "parquet")
@@ -228,7 +228,7 @@ def _read_parquet(task: Task, field: str, want_bytes: bool) -> list[str | bytes]
     try:
         column = pf.read_row_groups(list(task.row_groups), columns=[field]).column(field)
     except Exception as e:
-        raise KilnError(f"{path}: cannot read Parquet row groups ({_first_line(e)})") from None
+        raise KilnError(f"{path}: cannot read Parquet row groups ({first_line(e)})") from None
     import pyarrow as pa
 
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
@@ -245,9 +245,9 @@ def _parquet_file(path: Path):
     except OSError as e:
         if e.errno is not None:
             raise KilnError(f"cannot read {path}: {e.strerror}") from None
-        raise KilnError(f"{path}: not a valid Parquet file ({_first_line(e)})") from None
+        raise KilnError(f"{path}: not a valid Parquet file ({first_line(e)})") from None
     except Exception as e:
-        raise KilnError(f"{path}: not a valid Parquet file ({_first_line(e)})") from None
+        raise KilnError(f"{path}: not a valid Parquet file ({first_line(e)})") from None
 
 
 def _open(path: Path):
@@ -287,11 +287,6 @@ def _line_number(path: str, start: int, line_in_chunk: int) -> int:
     with open(path, "rb") as fh:
         before = fh.read(start).count(b"\n")
     return before + line_in_chunk + 1
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def default_workers() -> int:
