@@ -3,8 +3,10 @@
 Test modules import the helpers with `from conftest import kiln, make_config, ...`.
 """
 
+import contextlib
 import copy
 import importlib
+import io
 import json
 import os
 import subprocess
@@ -45,6 +47,24 @@ def kiln(
         cwd=cwd,
         timeout=timeout,
         env=kiln_env(**(env or {})),
+    )
+
+
+def kiln_main(*args: Any, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """`kiln ARGS` in this process: exit code, stdout and stderr as `kiln` returns them. For tests
+    of what a command says; what the process shows (no traceback, no stray output at start-up)
+    is checked with `kiln` by at least one test of each command."""
+    from kiln.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    here = contextlib.chdir(cwd or os.getcwd())
+    with here, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's usage errors and --help
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(
+        ["kiln", *map(str, args)], code, out.getvalue(), err.getvalue()
     )
 
 
