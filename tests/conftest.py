@@ -21,6 +21,7 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
+import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -121,3 +122,10 @@ def write_config(
     text = base if isinstance(base, str) else json.dumps(config_dict(base, **sections), indent=1)
     path.write_text(text)
     return path
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory) -> Path:
+    """One JAX compilation cache (train.compilation_cache_dir) for the session's `kiln train`
+    subprocesses: a run reads the programs an earlier run of the same model compiled."""
+    return tmp_path_factory.mktemp("jax_cache")
