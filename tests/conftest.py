@@ -3,8 +3,10 @@
 Test modules import the helpers with `from conftest import kiln, make_config, ...`.
 """
 
+import contextlib
 import copy
 import importlib
+import io
 import json
 import os
 import subprocess
@@ -19,6 +21,7 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
+import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -45,6 +48,24 @@ def kiln(
         cwd=cwd,
         timeout=timeout,
         env=kiln_env(**(env or {})),
+    )
+
+
+def kiln_main(*args: Any, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """`kiln ARGS` in this process: exit code, stdout and stderr as `kiln` returns them. For tests
+    of what a command says; what the process shows (no traceback, no stray output at start-up)
+    is checked with `kiln` by at least one test of each command."""
+    from kiln.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    here = contextlib.chdir(cwd or os.getcwd())
+    with here, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's usage errors and --help
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(
+        ["kiln", *map(str, args)], code, out.getvalue(), err.getvalue()
     )
 
 
@@ -101,3 +122,10 @@ def write_config(
     text = base if isinstance(base, str) else json.dumps(config_dict(base, **sections), indent=1)
     path.write_text(text)
     return path
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory) -> Path:
+    """One JAX compilation cache (train.compilation_cache_dir) for the session's `kiln train`
+    subprocesses: a run reads the programs an earlier run of the same model compiled."""
+    return tmp_path_factory.mktemp("jax_cache")

@@ -55,7 +55,9 @@ def write_run_config(tmp_path: Path, corpus: Path, **sections) -> Path:
         "data": {"source": "text", "paths": [str(corpus / "*.txt")], "seq_len": 32, "cache_dir": str(tmp_path / "cache")},
         "mesh": {"fsdp": -1},
         "optim": {"learning_rate": 1e-3, "schedule": "constant", "warmup_steps": 0},
-        "train": {"output_dir": str(tmp_path / "runs"), "run_name": "r", "global_batch_size": 8, "log_every_steps": 1, "steps": 12},
+        "train": {"output_dir": str(tmp_path / "runs"), "run_name": "r", "global_batch_size": 8, "log_every_steps": 1, "steps": 12,
+                  # One cache beside the corpus: a run reads the programs an earlier one compiled.
+                  "compilation_cache_dir": str(corpus.parent / "jax_cache")},
         "checkpoint": {"every_steps": 3, "keep": 2},
     }  # fmt: skip
     return write_config(tmp_path / "config.yaml", cfg, **sections)

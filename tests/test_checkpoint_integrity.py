@@ -53,13 +53,26 @@ def states(tmp_path_factory):
     return config, state, later
 
 
-def save_two(run_dir: Path, states, *, async_save=True) -> Path:
+def write_two(run_dir: Path, states, *, async_save: bool) -> Path:
     """Checkpoints at steps 1 and 3 (the later state), sealed; returns the checkpoints dir."""
     config, state, later = states
     ckpt = Checkpointer(run_dir, config.checkpoint.model_copy(update={"async_save": async_save}))
     ckpt.save(1, checkpoint_tree(state.replace(step=state.step + 1)), {"next_index": 1})
     ckpt.save(3, checkpoint_tree(later.replace(step=later.step + 1)), {"next_index": 3})
     ckpt.close()
+    return run_dir / "checkpoints"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, states):
+    """write_two's checkpoints, saved once with async saves and once without."""
+    root = tmp_path_factory.mktemp("saved")
+    return {a: write_two(root / f"async_{a}", states, async_save=a) for a in (True, False)}
+
+
+def save_two(run_dir: Path, saved, *, async_save=True) -> Path:
+    """A copy of the `saved` checkpoints in `run_dir` (tests damage their own); the dir."""
+    shutil.copytree(saved[async_save], run_dir / "checkpoints")
     return run_dir / "checkpoints"
 
 
@@ -101,8 +114,8 @@ DAMAGE = {
 }
 
 
-def test_manifest_lists_every_file_with_its_crc32(tmp_path, states):
-    directory = save_two(tmp_path, states)
+def test_manifest_lists_every_file_with_its_crc32(tmp_path, saved):
+    directory = save_two(tmp_path, saved)
     for step in (1, 3):
         step_dir = directory / str(step)
         manifest = json.loads((step_dir / checksums.MANIFEST).read_text())
@@ -115,9 +128,9 @@ def test_manifest_lists_every_file_with_its_crc32(tmp_path, states):
 
 
 @pytest.mark.parametrize("kind", sorted(DAMAGE))
-def test_damaged_latest_is_skipped_for_the_newest_intact(tmp_path, states, kind):
+def test_damaged_latest_is_skipped_for_the_newest_intact(tmp_path, states, saved, kind):
     _, state, _ = states
-    directory = save_two(tmp_path, states, async_save=kind != "truncated file")
+    directory = save_two(tmp_path, saved, async_save=kind != "truncated file")
     damage, reason = DAMAGE[kind]
     damage(directory / "3")
     skipped = []
@@ -146,9 +159,9 @@ def test_damaged_latest_is_skipped_for_the_newest_intact(tmp_path, states, kind)
     assert (tmp_path / "damaged-checkpoints" / "3").is_dir()
 
 
-def test_every_checkpoint_damaged_is_refused(tmp_path, states):
+def test_every_checkpoint_damaged_is_refused(tmp_path, states, saved):
     _, state, _ = states
-    directory = save_two(tmp_path, states)
+    directory = save_two(tmp_path, saved)
     for step in (1, 3):
         flip_byte(biggest_file(directory / str(step)))
     with pytest.raises(KilnError, match=r"no intact checkpoint in .*step 3: .*; step 1: "):
@@ -157,9 +170,9 @@ def test_every_checkpoint_damaged_is_refused(tmp_path, states):
         )
 
 
-def test_verify_off_checks_sizes_only(tmp_path, states):
+def test_verify_off_checks_sizes_only(tmp_path, states, saved):
     _, state, _ = states
-    directory = save_two(tmp_path, states)
+    directory = save_two(tmp_path, saved)
     abstract = abstract_like(checkpoint_tree(state))
     flip_byte(biggest_file(directory / "3" / "data"))  # data/metadata: JSON no more
     truncate(biggest_file(directory / "1"))
@@ -167,8 +180,8 @@ def test_verify_off_checks_sizes_only(tmp_path, states):
         restore(directory, 1, abstract, checksums=False)
 
 
-def test_a_different_model_is_not_called_damage(tmp_path, states):
-    directory = save_two(tmp_path, states)
+def test_a_different_model_is_not_called_damage(tmp_path, saved):
+    directory = save_two(tmp_path, saved)
     other = train.init_state(tiny_config(tmp_path, model={"d_ff": 48}))
     with pytest.raises(KilnError, match=r"3 does not match this model: .*w_down.* shape") as e:
         restore_newest_intact(
@@ -185,9 +198,9 @@ def legacy(step_dir: Path) -> None:
     (step_dir / "_CHECKPOINT_METADATA").write_text(json.dumps(meta))
 
 
-def test_checkpoints_from_before_manifests_load_and_nan_is_caught(tmp_path, states):
+def test_checkpoints_from_before_manifests_load_and_nan_is_caught(tmp_path, states, saved):
     _, state, later = states
-    directory = save_two(tmp_path, states)
+    directory = save_two(tmp_path, saved)
     legacy(directory / "1")
     legacy(directory / "3")
     abstract = abstract_like(checkpoint_tree(state))
@@ -215,10 +228,10 @@ def test_skip_cause_names_non_finite_parameters(states):
     assert "parameters hold non-finite values" in skip_cause(state.replace(params=nan))
 
 
-def test_teacher_step_is_pinned_for_a_resumed_student(tmp_path, states):
+def test_teacher_step_is_pinned_for_a_resumed_student(tmp_path, states, saved):
     config = states[0]
     teacher_dir = tmp_path / "teacher"
-    save_two(teacher_dir, states)
+    save_two(teacher_dir, saved)
     (teacher_dir / "config.yaml").write_text(config.to_yaml())
     student = tiny_config(
         tmp_path,
@@ -227,7 +240,7 @@ def test_teacher_step_is_pinned_for_a_resumed_student(tmp_path, states):
     )
     assert distill.read_teacher_config(student)[2] == 3  # a new student: the latest
     # The student ran from teacher step 1 and has a checkpoint: it keeps step 1.
-    save_two(student.run_dir, states)
+    save_two(student.run_dir, saved)
     pinned.write(student.run_dir, {"teacher": {"run_dir": str(teacher_dir), "step": 1}})
     assert distill.read_teacher_config(student)[2] == 1
     shutil.rmtree(teacher_dir / "checkpoints" / "1")

@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from conftest import assert_user_error, kiln
+from conftest import assert_user_error, kiln, kiln_main
 from kiln import compile as aot
 from kiln import runner, train
 from kiln.cli import main
@@ -97,7 +97,7 @@ def test_peak_over_the_budget_prints_the_report_and_exits_1(small_1b_report, cap
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, needle):
-    assert_user_error(kiln("compile", "configs/tiny.yaml", *args, cwd=ROOT), needle)
+    assert_user_error(kiln_main("compile", "configs/tiny.yaml", *args, cwd=ROOT), needle)
 
 
 def test_more_devices_than_the_started_backend_is_refused(capsys):

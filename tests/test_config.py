@@ -8,7 +8,7 @@ import pydantic
 import pytest
 import yaml
 
-from conftest import REPO, assert_user_error, kiln, make_config, write_config
+from conftest import REPO, assert_user_error, kiln, kiln_main, make_config, write_config
 from kiln.config import MESH_AXES, Config, MeshConfig, check_devices, load_config, schema_rows
 from kiln.errors import KilnError
 
@@ -301,7 +301,7 @@ def test_cli_reports_every_problem_of_a_file_one_line_each(tmp_path):
 )
 def test_cli_run_name_is_one_path_component(tmp_path, name):
     cfg = write_config(tmp_path / "c.yaml", train={"output_dir": str(tmp_path / "runs")})
-    proc = kiln("train", cfg, f"train.run_name={name}")
+    proc = kiln_main("train", cfg, f"train.run_name={name}")
     assert_user_error(proc, f"train.run_name: got {name!r}", "single directory name")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]  # nothing written
 
@@ -318,7 +318,7 @@ def test_cli_run_name_is_one_path_component(tmp_path, name):
 )
 def test_cli_out_of_range_values_exit_2_with_one_line(tmp_path, override, needle):
     cfg = write_config(tmp_path / "c.yaml", "{}\n")
-    assert_user_error(kiln("config", cfg, override), needle)
+    assert_user_error(kiln_main("config", cfg, override), needle)
 
 
 def test_a_stopped_run_exits_1_with_one_line_through_the_process_exit(

@@ -13,6 +13,7 @@ import pytest
 import yaml
 from flax import nnx
 
+from conftest import kiln_main
 from kiln import distill, losses, train
 from kiln.checkpoint import Checkpointer, restore_params
 from kiln.config import config_from_dict
@@ -407,16 +408,17 @@ def test_missing_teacher_directory_exits_2(tmp_path):
 
 def test_vocabulary_mismatch_exits_2(tmp_path):
     teacher_dir = fake_teacher(tmp_path, vocab_size=512)
-    proc = kiln("distill", write_student(tmp_path, teacher_dir))
+    proc = kiln_main("distill", write_student(tmp_path, teacher_dir))
     assert_refused(proc, "model.vocab_size", "384", "512")
     assert not (tmp_path / "runs").exists()
 
 
 def test_bad_layer_map_index_exits_2(tmp_path):
     teacher_dir = fake_teacher(tmp_path)
-    proc = kiln("distill", write_student(tmp_path, teacher_dir, layer_map=[[0, 2]]))
+    proc = kiln_main("distill", write_student(tmp_path, teacher_dir, layer_map=[[0, 2]]))
     assert_refused(proc, "distillation.layer_map", "teacher layer 2", "0..1")
-    proc = kiln("distill", write_student(tmp_path, teacher_dir), "distillation.layer_map=[[1,0]]")
+    student = write_student(tmp_path, teacher_dir)
+    proc = kiln_main("distill", student, "distillation.layer_map=[[1,0]]")
     assert_refused(proc, "distillation.layer_map", "student layer 1", "0..0")
     assert not (tmp_path / "runs").exists()
 

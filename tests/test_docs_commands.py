@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, kiln_env
-from kiln import cli
+from kiln import cli, commands
 from kiln.config import config_from_dict, load_config
 
 pytestmark = pytest.mark.slow
@@ -219,7 +219,9 @@ def quickstart(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(root)
         cache = root.parent / "cache"
-        mp.setattr(cli, "_load", lambda a: scaled(load_config(a.config, a.overrides), cache, True))
+        mp.setattr(
+            commands, "_load", lambda a: scaled(load_config(a.config, a.overrides), cache, True)
+        )
         for config in ("tiny.yaml", *SEEDED_RUNS):
             assert cli.main(["train", f"configs/{config}"]) == 0
     return root
@@ -227,7 +229,9 @@ def quickstart(tmp_path_factory):
 
 def scale_cli(mp: pytest.MonkeyPatch, cache: Path) -> None:
     """`kiln` commands of this process load configs as written, then scale them."""
-    mp.setattr(cli, "_load", lambda args: scaled(load_config(args.config, args.overrides), cache))
+    mp.setattr(
+        commands, "_load", lambda args: scaled(load_config(args.config, args.overrides), cache)
+    )
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))

@@ -23,6 +23,7 @@ from kiln.data.corpus import split_documents
 from kiln.errors import KilnError
 from kiln.evaluation.tasks import default_name, parse_task, parse_tasks
 from kiln.model import abstract_state, build_model
+from kiln.profiling import compilation_cache_for
 from kiln.train import run
 
 pytestmark = pytest.mark.slow
@@ -76,6 +77,14 @@ def tiny(tmp_path_factory):
     raw = raw_config(tmp, eval_tasks=tasks)
     run(make_config(raw))
     return tmp / "runs" / "r", held_out, raw
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tiny):
+    """The fixture run's compilation cache for this module's `kiln eval` calls too: each call
+    builds the same programs, which the first compiles and the others read back."""
+    with compilation_cache_for(make_config(tiny[2])):
+        yield
 
 
 def rows(run_dir: Path) -> list[dict]:

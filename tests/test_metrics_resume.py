@@ -69,13 +69,15 @@ def test_an_intact_file_is_left_as_it_is(tmp_path):
 # As a user meets it: `kiln train` killed with kill -9 after a checkpoint, then run again
 
 
-def write_config(tmp_path: Path, corpus: Path, **checkpoint) -> Path:
+def write_config(tmp_path: Path, corpus: Path, cache: Path, **checkpoint) -> Path:
+    """The run's config; `cache`: the JAX compilation cache its runs share (compile_cache)."""
     cfg = {
         "model": {"vocab_size": 384, "d_model": 32, "num_layers": 1, "num_heads": 4, "d_ff": 64, "max_seq_len": 16},
         "data": {"source": "text", "paths": [str(corpus)], "seq_len": 16, "cache_dir": str(tmp_path / "cache")},
         "mesh": {"fsdp": -1},
         "optim": {"learning_rate": 1e-3, "schedule": "constant", "warmup_steps": 0},
-        "train": {"output_dir": str(tmp_path / "runs"), "run_name": "r", "global_batch_size": 8, "log_every_steps": 1, "steps": 12},
+        "train": {"output_dir": str(tmp_path / "runs"), "run_name": "r", "global_batch_size": 8, "log_every_steps": 1, "steps": 12,
+                  "compilation_cache_dir": str(cache)},
         "checkpoint": {"every_steps": 4, "keep": 2, "async_save": False, **checkpoint},
         "logging": {"progress": False},
     }  # fmt: skip
@@ -111,17 +113,17 @@ def write_corpus(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> list[dict]:
+def straight(tmp_path_factory, compile_cache) -> list[dict]:
     """The rows of the 12-step run that nothing interrupted, the reference of the tests below."""
     tmp_path = tmp_path_factory.mktemp("straight")
-    finish(kiln_train(write_config(tmp_path, write_corpus(tmp_path))))
+    finish(kiln_train(write_config(tmp_path, write_corpus(tmp_path), compile_cache)))
     return rows(tmp_path / "runs" / "r")
 
 
 @pytest.mark.slow
-def test_kill_9_then_resume_logs_each_step_once(tmp_path, straight):
+def test_kill_9_then_resume_logs_each_step_once(tmp_path, straight, compile_cache):
     corpus = write_corpus(tmp_path)
-    config = write_config(tmp_path, corpus)
+    config = write_config(tmp_path, corpus, compile_cache)
     run_dir = tmp_path / "runs" / "r"
     killed = kiln_train(config, "train.steps=100000")  # never finishes by itself
     try:
@@ -192,9 +194,9 @@ def read_only(path: Path, command: list[str]) -> list[str]:
 
 @pytest.mark.slow
 def test_full_then_read_only_disk_then_resume_logs_what_an_uninterrupted_run_logs(
-    tmp_path, straight
+    tmp_path, straight, compile_cache
 ):
-    config = write_config(tmp_path, write_corpus(tmp_path), async_save=True)
+    config = write_config(tmp_path, write_corpus(tmp_path), compile_cache, async_save=True)
     run_dir = tmp_path / "runs" / "r"
     env = kiln_env()
     # 1. The disk fills up half-way through the row of step 6 (after the checkpoint of step 4).

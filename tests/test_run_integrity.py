@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import assert_user_error, kiln, kiln_env, start_kiln, write_config
+from conftest import assert_user_error, kiln, kiln_env, kiln_main, start_kiln, write_config
 from kiln.checkpoint import latest_complete_step
 from kiln.config import config_from_dict
 from kiln.data import make_datasets
@@ -194,9 +194,9 @@ def test_a_fifo_among_the_inputs_is_refused(tmp_path):
 def test_an_output_dir_that_is_a_file_exits_2_and_an_empty_input_names_data_paths(tmp_path):
     (tmp_path / "afile").write_text("x")
     config = write_config(tmp_path / "c.yaml", small_run(tmp_path))
-    assert_user_error(kiln("train", config, f"train.output_dir={tmp_path / 'afile'}"), "afile")
+    assert_user_error(kiln_main("train", config, f"train.output_dir={tmp_path / 'afile'}"), "afile")
     (tmp_path / "empty.txt").write_text("")
-    proc = kiln("train", config, f"data.paths=[{tmp_path / 'empty.txt'}]")
+    proc = kiln_main("train", config, f"data.paths=[{tmp_path / 'empty.txt'}]")
     assert_user_error(proc, "data.paths: ", "empty")
     assert not (tmp_path / "runs").exists()
 

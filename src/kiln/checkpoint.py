@@ -28,14 +28,16 @@ import orbax.checkpoint as ocp
 from kiln.checksums import (
     CheckpointDamaged,
     check_shapes,
+    damaged,
     has_manifest,
     non_finite_leaf,
     step_files,
     verify,
     write_manifest,
 )
+from kiln.checksums import set_aside as set_aside  # kiln.checkpoint's before kiln.checksums
 from kiln.config import CheckpointConfig
-from kiln.errors import KilnError, RunStopped, write_error
+from kiln.errors import KilnError, RunStopped, first_line, write_error
 
 # Key of orbax's per-step custom metadata: the step was saved by a kiln that writes manifests,
 # so a step without one is a save that did not finish (not a checkpoint from before them).
@@ -200,7 +202,7 @@ class Checkpointer:
             if isinstance(e, OSError):
                 raise write_error(e, what, kept) from None
             raise RunStopped(
-                f"saving {what} failed: {_first(e)} (last complete checkpoint: {kept})"
+                f"saving {what} failed: {first_line(e)} (last complete checkpoint: {kept})"
             ) from None
 
 
@@ -247,7 +249,7 @@ def check_files(mgr, directory: Path, step: int, *, checksums: bool) -> bool:
     try:
         json.loads(data.read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointDamaged(f"data/metadata is missing or not JSON ({_first(e)})") from None
+        raise CheckpointDamaged(f"data/metadata is missing or not JSON ({first_line(e)})") from None
     return manifest
 
 
@@ -257,42 +259,50 @@ def _array_shapes(directory: Path, step: int) -> dict[str, tuple[int, ...]]:
         tree = ocp.StandardCheckpointHandler().metadata(directory / str(step) / "state").tree
         return {m.name: tuple(m.shape) for m in jax.tree.leaves(tree)}
     except Exception as e:  # orbax raises many types for a missing or garbled _METADATA
-        raise CheckpointDamaged(f"state/_METADATA is missing or unreadable ({_first(e)})") from None
+        raise CheckpointDamaged(
+            f"state/_METADATA is missing or unreadable ({first_line(e)})"
+        ) from None
 
 
-def _first(e: BaseException) -> str:
-    return (str(e).splitlines() or [type(e).__name__])[0][:300]
+def _restore_step(
+    mgr, directory: Path, step: int, abstract, *, checksums: bool, what: str | None = None
+):
+    """(state tree, data state) of one step, checked; CheckpointDamaged or KilnError if not.
 
-
-def _restore_step(mgr, directory: Path, step: int, abstract, *, checksums: bool):
-    """(state tree, data state) of one step, checked; CheckpointDamaged or KilnError if not."""
+    With `what` (the field or command asking, e.g. "kiln generate"), `abstract` is the
+    parameters alone, read without the rest of the state; the data state is then {}.
+    """
     vouched = check_files(mgr, directory, step, checksums=checksums)
+    where = f"{what}: {directory / str(step)}" if what else f"checkpoint {directory / str(step)}"
     try:
-        check_shapes(_array_shapes(directory, step), abstract)
+        check_shapes(_array_shapes(directory, step), abstract, prefix="params." if what else "")
     except CheckpointDamaged:
         raise
     except KilnError as e:
-        raise KilnError(
-            f"checkpoint {directory / str(step)} does not match this model: {e}"
-        ) from None
-    try:
-        restored = mgr.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()
+        raise KilnError(f"{where} does not match this model: {e}") from None
+    if what:
+        item = {"params": abstract}
+        restore_args = jax.tree.map(
+            lambda a: ocp.ArrayRestoreArgs(
+                sharding=a.sharding, global_shape=a.shape, dtype=a.dtype
             ),
+            item,
         )
+        state = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+        args = ocp.args.Composite(state=state)
+    else:
+        args = ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()
+        )
+    try:
+        restored = mgr.restore(step, args=args)
     except Exception as e:  # files vouched for (or structure matched) but unreadable: damage
-        raise CheckpointDamaged(f"its arrays could not be read ({_first(e)})") from None
-    state = jax.tree.unflatten(jax.tree.structure(abstract), jax.tree.leaves(restored.state))
+        raise CheckpointDamaged(f"its arrays could not be read ({first_line(e)})") from None
+    leaves = jax.tree.leaves(restored.state["params"] if what else restored.state)
+    state = jax.tree.unflatten(jax.tree.structure(abstract), leaves)
     if not vouched and (bad := non_finite_leaf(state)):
-        raise CheckpointDamaged(f"{bad} holds non-finite values")
-    return state, dict(restored.data or {})
-
-
-def damaged(directory: Path, step: int, reason: str) -> KilnError:
-    """The error for a damaged checkpoint that has no fallback."""
-    return CheckpointDamaged(f"checkpoint {Path(directory) / str(step)} is damaged: {reason}")
+        raise CheckpointDamaged(f"{'params.' if what else ''}{bad} holds non-finite values")
+    return state, ({} if what else dict(restored.data or {}))
 
 
 def restore(
@@ -395,7 +405,9 @@ def _restore_params(directory: Path, step: int | None, abstract_params, what: st
             raise KilnError(f"{what}: no complete checkpoint in {directory}")
         for s in candidates:
             try:
-                params = _restore_params_step(mgr, directory, s, abstract_params, checksums, what)
+                params, _ = _restore_step(
+                    mgr, directory, s, abstract_params, checksums=checksums, what=what
+                )
             except CheckpointDamaged as e:
                 if s == candidates[-1]:
                     raise KilnError(f"{what}: {damaged(directory, s, str(e))}") from None
@@ -405,37 +417,6 @@ def _restore_params(directory: Path, step: int | None, abstract_params, what: st
     finally:
         mgr.close()
     raise AssertionError("unreachable: the last candidate returns or raises")
-
-
-def _restore_params_step(mgr, directory: Path, step: int, abstract_params, checksums, what):
-    vouched = check_files(mgr, directory, step, checksums=checksums)
-    try:
-        check_shapes(_array_shapes(directory, step), abstract_params, prefix="params.")
-    except CheckpointDamaged:
-        raise
-    except KilnError as e:
-        raise KilnError(f"{what}: {directory / str(step)} does not match this model: {e}") from None
-    item = {"params": abstract_params}
-    restore_args = jax.tree.map(
-        lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype),
-        item,
-    )
-    try:
-        restored = mgr.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(
-                    item=item, restore_args=restore_args, partial_restore=True
-                )
-            ),
-        )
-    except Exception as e:
-        raise CheckpointDamaged(f"its arrays could not be read ({_first(e)})") from None
-    leaves = jax.tree.leaves(restored.state["params"])
-    params = jax.tree.unflatten(jax.tree.structure(abstract_params), leaves)
-    if not vouched and (bad := non_finite_leaf(params)):
-        raise CheckpointDamaged(f"params.{bad} holds non-finite values")
-    return params
 
 
 def resolve(path: str | Path) -> tuple[Path, int | None]:
@@ -448,21 +429,3 @@ def resolve(path: str | Path) -> tuple[Path, int | None]:
     if path.is_dir():
         return path, None
     raise KilnError(f"checkpoint path not found: {path}")
-
-
-def set_aside(directory: Path, steps: list[int]) -> list[Path]:
-    """Move damaged step directories out of `directory` (to `../damaged-checkpoints/`), so that
-    the run saves those steps anew; returns where they went."""
-    moved = []
-    for step in steps:
-        src = Path(directory) / str(step)
-        if not src.exists():
-            continue
-        dest_root = Path(directory).parent / "damaged-checkpoints"
-        dest_root.mkdir(exist_ok=True)
-        dest, n = dest_root / str(step), 1
-        while dest.exists():
-            dest, n = dest_root / f"{step}.{n}", n + 1
-        os.replace(src, dest)
-        moved.append(dest)
-    return moved

@@ -130,3 +130,26 @@ def non_finite_leaf(tree) -> str | None:
         if jnp.issubdtype(leaf.dtype, jnp.floating) and not bool(jnp.isfinite(leaf).all()):
             return name
     return None
+
+
+def damaged(directory: Path, step: int, reason: str) -> KilnError:
+    """The error for a damaged checkpoint that has no fallback."""
+    return CheckpointDamaged(f"checkpoint {Path(directory) / str(step)} is damaged: {reason}")
+
+
+def set_aside(directory: Path, steps: list[int]) -> list[Path]:
+    """Move damaged step directories out of `directory` (to `../damaged-checkpoints/`), so that
+    the run saves those steps anew; returns where they went."""
+    moved = []
+    for step in steps:
+        src = Path(directory) / str(step)
+        if not src.exists():
+            continue
+        dest_root = Path(directory).parent / "damaged-checkpoints"
+        dest_root.mkdir(exist_ok=True)
+        dest, n = dest_root / str(step), 1
+        while dest.exists():
+            dest, n = dest_root / f"{step}.{n}", n + 1
+        os.replace(src, dest)
+        moved.append(dest)
+    return moved

@@ -1,11 +1,12 @@
-"""The run configuration: the frozen Config of all sections, the rules between fields, YAML
-loading with `base_config`, overrides, and errors that name every problem at once."""
+"""The run configuration: the frozen Config of all sections, YAML loading with `base_config`,
+overrides, and errors that name every problem at once (the rules between fields are in
+kiln.config_rules)."""
 
 from __future__ import annotations
 
 import difflib
 import typing
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import yaml
 from pydantic import BaseModel, Field
 
 from kiln.axes import DEFAULT_AXIS_RULES, MESH_AXES, MeshAxis, MeshConfig
+from kiln.config_rules import cross_field_errors
 from kiln.errors import KilnError
 from kiln.schema import (
     DEFAULT_MAX_KD_SCALE,
@@ -82,7 +84,7 @@ class Config(Section):
 
     @pydantic.model_validator(mode="after")
     def _cross_field(self) -> Config:
-        problems = list(_cross_field_errors(self))
+        problems = list(cross_field_errors(self))
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -99,160 +101,9 @@ class Config(Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-SECTIONS: tuple[str, ...] = tuple(Config.model_fields)
-
-
-def _cross_field_errors(
-    c: Config, valid: Collection[str] = SECTIONS, num_devices: int | None = None
-) -> Iterator[str]:
-    """Every rule that relates two fields, each one line.
-
-    A rule is skipped when a section it reads is not in `valid` (that section's own errors
-    are reported instead); `num_devices` resolves mesh -1 sizes when known.
-    """
-
-    def ok(*sections: str) -> bool:
-        return all(s in valid for s in sections)
-
-    m, t = c.model, c.train
-    if ok("model"):
-        if m.head_dim is None and m.d_model % m.num_heads:
-            yield (
-                f"model.num_heads: {m.num_heads} does not divide model.d_model={m.d_model}; "
-                "choose a divisor or set model.head_dim"
-            )
-        if m.num_heads % m.kv_heads:
-            yield f"model.num_kv_heads: {m.kv_heads} does not divide model.num_heads={m.num_heads}"
-        if m.resolved_head_dim % 2:
-            yield f"model.head_dim: rotary embeddings need an even head width, got {m.resolved_head_dim}"
-    if ok("data", "model") and c.data.seq_len > m.max_seq_len:
-        yield f"data.seq_len: {c.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}"
-    if ok("data"):
-        yield from c.data.errors()
-    if ok("optim", "train") and c.optim.warmup_steps > t.steps:
-        yield (
-            f"optim.warmup_steps: {c.optim.warmup_steps} exceeds train.steps={t.steps}; "
-            f"allowed: at most train.steps (e.g. optim.warmup_steps={t.steps // 4})"
-        )
-    if ok("train") and t.profile_steps is not None and t.profile_steps[1] > t.steps:
-        yield (
-            f"train.profile_steps: {list(t.profile_steps)} ends after train.steps={t.steps}; "
-            "allowed: [start, stop] with 1 <= start <= stop <= train.steps, or null"
-        )
-    if ok("distillation"):
-        yield from _distillation_schedule_errors(c.distillation)
-    if ok("distillation", "model"):
-        yield from _layer_map_errors(c.distillation, m)
-    if ok("distributed"):
-        yield from _distributed_errors(c.distributed)
-    divisible = t.global_batch_size % t.gradient_accumulation_steps == 0
-    if ok("train") and not divisible:
-        yield (
-            f"train.global_batch_size: {t.global_batch_size} is not divisible by "
-            f"train.gradient_accumulation_steps={t.gradient_accumulation_steps}"
-        )
-    sizes = {a: getattr(c.mesh, a) for a in MESH_AXES}
-    if ok("mesh") and sum(s == -1 for s in sizes.values()) > 1:
-        yield f"mesh: at most one size may be -1, got {sizes}"
-    elif divisible and ok("mesh", "train", "data", "loss", "model"):
-        yield from _mesh_errors(c, num_devices)
-
-
-def _mesh_errors(c: Config, num_devices: int | None) -> Iterator[str]:
-    """The batch, sequence and vocabulary of one step against the shards the mesh gives them."""
-    from kiln.mesh import logical_spec, shards_per_dim  # kiln.mesh imports this module
-
-    mesh = {a: getattr(c.mesh, a) for a in MESH_AXES}
-    if num_devices is not None:
-        try:
-            mesh = c.mesh.sizes(num_devices)
-        except KilnError as e:
-            yield str(e)
-            return
-    elif -1 in mesh.values():
-        return  # checked again once the device count is known
-    t, loss, seq_len = c.train, c.loss, c.data.seq_len
-    micro = t.global_batch_size // t.gradient_accumulation_steps
-    # Shards as the resolver gives them to the logits [batch, length, vocab] (the token arrays
-    # [batch, length] get the same first two): an axis claimed by batch is not length's too.
-    spec = logical_spec(("batch", "length", "vocab"), c.mesh.rules)
-    batch_shards, seq_shards, vocab_shards = shards_per_dim(spec, mesh)
-    rows, cols = micro // batch_shards, seq_len // seq_shards  # one micro-batch on one shard
-    if micro % batch_shards:
-        yield (
-            f"train.global_batch_size: micro-batch of {micro} sequences (global_batch_size "
-            f"{t.global_batch_size} / gradient_accumulation_steps {t.gradient_accumulation_steps}) "
-            f"is not divisible by the {batch_shards} batch shards of the mesh ({mesh})"
-        )
-    elif seq_len % seq_shards:
-        yield f"data.seq_len: {seq_len} is not divisible by the {seq_shards} sequence shards of the mesh"
-    elif seq_len % (residual_shards := _residual_length_shards(c, mesh)):
-        yield (
-            f"data.seq_len: {seq_len} is not divisible by the {residual_shards} shards of the "
-            f"residual stream's length (mesh.rules.act_length={c.mesh.rules['act_length']} on "
-            f"mesh {mesh}); allowed: a multiple of {residual_shards}, or set "
-            "mesh.rules.act_length to [sequence]"
-        )
-    elif (rows * cols) % loss.num_vocab_tiling:
-        yield (
-            f"loss.num_vocab_tiling: {loss.num_vocab_tiling} does not divide the "
-            f"{rows * cols} tokens of one micro-batch on one shard "
-            f"({rows} sequences x {cols} tokens); allowed: a divisor of that number"
-        )
-    vocab, chunk = c.model.vocab_size, loss.vocab_chunk_size
-    if vocab == "auto":
-        return  # checked once the tokenizer has set it (kiln.data.resolve)
-    if chunk is not None and (vocab % vocab_shards or (vocab // vocab_shards) % chunk):
-        yield (
-            f"loss.vocab_chunk_size: {chunk} does not divide the vocabulary of one shard "
-            f"(model.vocab_size {vocab} / {vocab_shards} vocabulary shards); "
-            "allowed: a divisor of that number, or null"
-        )
-
-
-def _residual_length_shards(c: Config, mesh: dict[str, int]) -> int:
-    """Shards of the residual stream's length dimension (kiln.model.llama.ACT_BSD)."""
-    from kiln.mesh import logical_spec, shards_per_dim
-
-    spec = logical_spec(("batch", "act_length", "act_embed"), c.mesh.rules)
-    return shards_per_dim(spec, mesh)[1]
-
-
-def _distillation_schedule_errors(dist: DistillationConfig) -> Iterator[str]:
-    if dist.schedule == "constant":
-        for name in ("alpha_end", "temperature_end", "beta_end"):
-            if getattr(dist, name) is not None:
-                yield (
-                    f"distillation.{name}: set to {getattr(dist, name)}, but "
-                    "distillation.schedule is constant; allowed: schedule linear or cosine, "
-                    f"or no {name}"
-                )
-
-
-def _layer_map_errors(dist: DistillationConfig, model: ModelConfig) -> Iterator[str]:
-    """Student layers against the student (the teacher's are checked when it is loaded)."""
-    for student, teacher in dist.layer_map:
-        if student >= model.num_layers:
-            yield (
-                f"distillation.layer_map: student layer {student} in [{student}, {teacher}] "
-                f"is out of range; allowed: 0..{model.num_layers - 1} "
-                f"(model.num_layers={model.num_layers})"
-            )
-
-
-def _distributed_errors(d: DistributedConfig) -> Iterator[str]:
-    if d.auto and (d.num_processes != 1 or d.process_id != 0):
-        yield (
-            "distributed.auto: true takes num_processes and process_id from the cluster; "
-            f"got num_processes={d.num_processes}, process_id={d.process_id} (remove them)"
-        )
-    elif d.process_id >= d.num_processes:
-        yield f"distributed.process_id: {d.process_id} must be < distributed.num_processes={d.num_processes}"
-
-
 def check_devices(config: Config, num_devices: int) -> dict[str, int]:
     """Validate the config against the devices present; returns the resolved mesh sizes."""
-    problems = list(_cross_field_errors(config, num_devices=num_devices))
+    problems = list(cross_field_errors(config, num_devices=num_devices))
     if problems:
         raise KilnError("\n".join(problems))
     return config.mesh.sizes(num_devices)
@@ -424,7 +275,7 @@ def _problems(raw: Mapping[str, Any], e: pydantic.ValidationError) -> list[str]:
         for name, field in Config.model_fields.items()
         if name not in failed
     }
-    rules = _cross_field_errors(Config.model_construct(**valid), valid=valid.keys())
+    rules = cross_field_errors(Config.model_construct(**valid), valid=valid.keys())
     return [*map(_field_line, field_errors), *rules]
 
 

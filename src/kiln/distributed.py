@@ -15,7 +15,7 @@ import threading
 import jax
 
 from kiln.config import Config
-from kiln.errors import KilnError
+from kiln.errors import KilnError, first_line
 
 # JAX's own start-up deadline ends in an abort with an RPC trace; kiln's watchdog fires first.
 _JAX_DEADLINE_MARGIN_S = 15
@@ -64,7 +64,7 @@ def initialize(config: Config) -> None:
         )
         jax.devices()  # the backends exchange device lists with every process here
     except (RuntimeError, ValueError) as e:
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        message = first_line(e)
         if "must be called before" in message:
             message = "JAX was already in use in this process; start a fresh process per run"
         raise KilnError(

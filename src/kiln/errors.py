@@ -11,6 +11,13 @@ class RunStopped(Exception):
     """A run that cannot go on (e.g. too many non-finite steps): the CLI prints it and exits 1."""
 
 
+def first_line(e: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message (its type's name if it has none), at most
+    `limit` characters: a library's error inside one line of kiln's."""
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:limit]
+
+
 def write_error(e: OSError, path: object, kept: int | str | None = "") -> RunStopped:
     """A failed write to a run's files as one line; a full disk (or quota) says so.
 

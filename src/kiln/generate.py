@@ -24,11 +24,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from kiln.config import DEFAULT_AXIS_RULES, Config, read_run_config
+from kiln.config import DEFAULT_AXIS_RULES, read_run_config
 from kiln.errors import KilnError
-from kiln.mesh import constrain, in_mesh, make_mesh, mesh_axes, sharded_abstract
-from kiln.model import KVCache, LanguageModel, build_model
+from kiln.mesh import constrain, in_mesh, mesh_axes
+from kiln.model import KVCache, LanguageModel
 from kiln.model.llama import CACHE_LBTKH
+from kiln.runmodel import RunModel as RunModel  # kiln.generate's before kiln.runmodel was
+from kiln.runmodel import load_run_model
 
 # Prompt slots are rounded up to a multiple of this, so that prompts of similar lengths
 # share one compiled prefill and step.
@@ -351,7 +353,7 @@ def run_generate(
     prompts = [[tokenizer.eos_id, *tokenizer.encode(t)] for t in texts for _ in range(num_samples)]
     _check_prompts(prompts, config.model, max_new_tokens)  # before the parameters are read
     sampling.check(config.model.vocab_size)
-    run = load_run_model(run_dir, step, context=context)
+    run = load_run_model(run_dir, step, context=context, config=config)
 
     def stopped(tokens: list[int]) -> bool:
         return stop in tokenizer.decode(tokens)
@@ -389,32 +391,3 @@ def run_generate(
         + r["completion"]
         for i, r in enumerate(records)
     )
-
-
-class RunModel(NamedTuple):
-    """A trained run's model, its parameters restored onto the mesh of its config."""
-
-    config: Config
-    mesh: Mesh
-    model: LanguageModel
-    step: int
-
-
-def load_run_model(run_dir: str | Path, step: int | None = None, *, context: str) -> RunModel:
-    """The model of a run directory at checkpoint `step` (None = latest), parameters only.
-
-    The mesh is the run config's (`mesh.*` over this process's devices); parameters are read
-    straight into their shardings on it, and optimizer state is never read.
-    """
-    from kiln.checkpoint import restore_run_params
-
-    config = read_run_config(Path(run_dir).expanduser(), context)
-    mesh = make_mesh(config)
-    graphdef, abstract = sharded_abstract(
-        lambda: build_model(config.model, rngs=nnx.Rngs(0)), mesh, config.mesh.rules
-    )
-    target, rest = nnx.split_state(abstract, nnx.Param, ...)
-    if jax.tree.leaves(rest):
-        raise KilnError(f"{context}: the {config.model.family} model has non-parameter state")
-    params, step = restore_run_params(run_dir, target, step, context=context)
-    return RunModel(config, mesh, nnx.merge(graphdef, params), step)

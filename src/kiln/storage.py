@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, first_line
 
 Location = Path | str
 # Schemes kiln documents, with the package that gives fsspec each one (pyproject extras).
@@ -122,14 +122,9 @@ def reading(loc: Location, doing: str = "read", what: str = ""):
         raise
     except caught as e:
         missing = "No such file or directory" if isinstance(e, FileNotFoundError) else None
-        reason = getattr(e, "strerror", None) or missing or _first_line(e)
+        reason = getattr(e, "strerror", None) or missing or first_line(e)
         prefix = f"{what}: " if what else ""
         raise KilnError(f"{prefix}cannot {doing} {loc}: {reason}") from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def is_file(loc: Location) -> bool:

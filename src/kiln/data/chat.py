@@ -26,7 +26,7 @@ import numpy as np
 
 from kiln.data.sources import DecodeErrors, OnDecodeError, Task, jsonl_records, line_number
 from kiln.data.tokenizers import Tokenizer
-from kiln.errors import KilnError
+from kiln.errors import KilnError, first_line
 
 FORMATS = ("text", "chat", "prompt_completion")
 ROLES = ("system", "user", "assistant", "tool")
@@ -231,7 +231,7 @@ def _render(fmt: RecordFormat, messages: Sequence[dict], add_generation_prompt: 
         at = f", template line {line}" if line else ""
         raise KilnError(
             f"{where()}: the chat template ({fmt.origin}{at}) failed to render: "
-            f"{type(e).__name__}: {_first_line(e)}"
+            f"{type(e).__name__}: {first_line(e)}"
         ) from None
 
 
@@ -293,8 +293,3 @@ def _tokenizer_config(path: Path) -> tuple[dict[str, str], str | None]:
     if template is not None and not isinstance(template, str):
         raise KilnError(f"{path}: chat_template is {type(template).__name__}; allowed: a string")
     return variables, template
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kiln import storage
-from kiln.errors import KilnError
+from kiln.errors import KilnError, first_line
 from kiln.storage import Location
 
 Format = Literal["text", "jsonl", "parquet"]
@@ -264,7 +264,7 @@ def _read_parquet(task: Task, field: str, want_bytes: bool) -> list[str | bytes]
         ):
             values.extend(v for v in batch.column(0).to_pylist() if v)
     except Exception as e:
-        raise KilnError(f"{path}: cannot read Parquet row groups ({_first_line(e)})") from None
+        raise KilnError(f"{path}: cannot read Parquet row groups ({first_line(e)})") from None
     return [v.encode("utf-8") for v in values] if want_bytes else values
 
 
@@ -277,9 +277,9 @@ def _parquet_file(path: Location):
     except OSError as e:
         if e.errno is not None:
             raise KilnError(f"cannot read {path}: {e.strerror}") from None
-        raise KilnError(f"{path}: not a valid Parquet file ({_first_line(e)})") from None
+        raise KilnError(f"{path}: not a valid Parquet file ({first_line(e)})") from None
     except Exception as e:
-        raise KilnError(f"{path}: not a valid Parquet file ({_first_line(e)})") from None
+        raise KilnError(f"{path}: not a valid Parquet file ({first_line(e)})") from None
 
 
 def _open(path: Location):
@@ -316,11 +316,6 @@ def line_number(path: str, start: int, line_in_chunk: int) -> int:
     """1-based line number in `path` of line `line_in_chunk` of the chunk at byte `start`."""
     before = storage.read_bytes(storage.location(path), 0, start).count(b"\n")
     return before + line_in_chunk + 1
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def default_workers() -> int:

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, first_line
 
 ALLOWED = "'byte', a local tokenizer.json (Hugging Face tokenizers) or a sentencepiece .model file"
 
@@ -83,7 +83,7 @@ class HuggingFaceTokenizer:
         try:
             self._tok = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:
-            raise _BadFile(f"{path} is not a valid tokenizer.json ({_first_line(e)})") from None
+            raise _BadFile(f"{path} is not a valid tokenizer.json ({first_line(e)})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         vocab = self._tok.get_vocab(with_added_tokens=True)
         named = _special_names(path.parent / "tokenizer_config.json")
@@ -129,9 +129,7 @@ class SentencePieceTokenizer:
         try:
             self._sp.Load(str(path))
         except Exception as e:
-            raise _BadFile(
-                f"{path} is not a valid sentencepiece model ({_first_line(e)})"
-            ) from None
+            raise _BadFile(f"{path} is not a valid sentencepiece model ({first_line(e)})") from None
         self.vocab_size = int(self._sp.GetPieceSize())
         if self._sp.eos_id() < 0:
             raise _BadFile(f"{path} defines no end-of-sentence token (train it with eos_id >= 0)")
@@ -227,8 +225,3 @@ def _pick(vocab: dict[str, int], preferred: str | None, names: Sequence[str]) ->
 
 def _utf8(t: str | bytes) -> str:
     return t.decode("utf-8") if isinstance(t, bytes) else t
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

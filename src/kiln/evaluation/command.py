@@ -9,47 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from flax import nnx, struct
 
-from kiln.checkpoint import restore_run_params
-from kiln.config import Config, read_run_config
+from kiln.config import read_run_config
 from kiln.data import load_tokenizer
 from kiln.errors import KilnError
 from kiln.evaluation.scoring import LOGGED, Evaluator, load_tasks, tags
 from kiln.evaluation.tasks import parse_tasks
-from kiln.mesh import make_mesh, sharded_abstract, use_mesh
-from kiln.model import build_model
-
-
-class ModelState(struct.PyTreeNode):
-    """A model's parameters (and other variables) without optimizer state."""
-
-    params: nnx.State
-    rest: nnx.State
-    graphdef: nnx.GraphDef = struct.field(pytree_node=False)
-
-    def model(self) -> nnx.Module:
-        return nnx.merge(self.graphdef, self.params, self.rest)
-
-
-def restore_model(config: Config, run_dir: Path, step: int | None, mesh, context: str):
-    """(ModelState, step): checkpoint `step` (None = latest)'s parameters in the mesh's shardings."""
-
-    def build():
-        return build_model(config.model, rngs=nnx.Rngs(0))
-
-    graphdef, abstract = sharded_abstract(build, mesh, config.mesh.rules)
-    abstract_params, abstract_rest = nnx.split_state(abstract, nnx.Param, ...)
-    params, step = restore_run_params(run_dir, abstract_params, step, context=context)
-    # Variables that are not parameters (none in today's families) are created as at init;
-    # XLA drops the parameter initialisers, which nothing returns.
-    shardings = jax.tree.map(lambda x: x.sharding, abstract_rest)
-    with use_mesh(mesh, config.mesh.rules):
-        rest = jax.jit(
-            lambda: nnx.split_state(nnx.state(build()), nnx.Param, ...)[1],
-            out_shardings=shardings,
-        )()
-    return ModelState(params=params, rest=rest, graphdef=graphdef), step
+from kiln.runmodel import ModelState as ModelState  # here before kiln.runmodel was
+from kiln.runmodel import load_run_model
 
 
 def run_eval(
@@ -68,12 +35,11 @@ def run_eval(
     config = read_run_config(run_dir, "kiln eval")
     tokenizer = load_tokenizer(config.data.tokenizer)
     data = load_tasks(specs, config, tokenizer)
-    mesh = make_mesh(config)
-    state, step = restore_model(config, run_dir, step, mesh, "kiln eval")
-    results = Evaluator(config, mesh, data).run(state)
+    run = load_run_model(run_dir, step, context="kiln eval", config=config)
+    results = Evaluator(config, run.mesh, data).run(run.state)
     report = {
         "run_dir": str(run_dir),
-        "step": step,
+        "step": run.step,
         "tokenizer": config.data.tokenizer,
         "tasks": {s.name: {"task": s.text, **results[s.name]} for s in specs},
     }
@@ -89,7 +55,7 @@ def run_eval(
 
             writer = SummaryWriter(str(run_dir / "tensorboard"))
             for tag, value in tags(results).items():
-                writer.add_scalar(tag, value, step)
+                writer.add_scalar(tag, value, run.step)
             writer.close()
     return report
 
