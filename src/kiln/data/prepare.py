@@ -24,11 +24,9 @@ import contextlib
 import glob
 import json
 import os
-import re
 import shutil
 import socket
 import sys
-import tempfile
 import time
 import zlib
 from collections.abc import Sequence
@@ -63,7 +61,6 @@ _MIN_TASK_BYTES = 64 << 10
 _MAX_TASK_BYTES = 64 << 20
 # Below this much input a pool of processes costs more (start-up, imports) than it saves.
 _SERIAL_BYTES = 8 << 20
-_SHARD_FILE = re.compile(r"shard-\d{5}\.(bin|idx|wts)")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -91,7 +88,9 @@ def prepare(
     record_format: JSONL records as chat or prompt/completion, with loss weights (data.format).
     """
     if storage.is_remote(output):
-        return _prepare_to_url(
+        from kiln.data.upload import prepare_to_url  # it calls prepare for the local copy
+
+        return prepare_to_url(
             files,
             fmt,
             field,
@@ -105,8 +104,8 @@ def prepare(
         )
     output = Path(output).absolute()
     inputs = input_identity(files)
-    wanted = _identity(fmt, field, tokenizer, inputs, on_decode_error, record_format)
-    existing = _existing_manifest(output)
+    wanted = identity_of(fmt, field, tokenizer, inputs, on_decode_error, record_format)
+    existing = existing_manifest(output)
     if existing is not None:
         if {k: existing.get(k) for k in wanted} == wanted:
             return existing, False
@@ -173,63 +172,7 @@ def prepare(
     return manifest, True
 
 
-def _prepare_to_url(
-    files: Sequence[storage.Location],
-    fmt: str,
-    field: str,
-    tokenizer: Tokenizer,
-    output: str,
-    workers: int | None,
-    progress: bool,
-    what: str,
-    on_decode_error: OnDecodeError,
-    record_format: RecordFormat | None,
-) -> tuple[dict[str, Any], bool]:
-    """`prepare` into a URL: tokenized locally, then uploaded with manifest.json last."""
-    storage.filesystem(output, what)  # a missing backend is named before any work
-    wanted = _identity(fmt, field, tokenizer, input_identity(files), on_decode_error, record_format)
-    existing = _existing_manifest(output)
-    if existing is not None:
-        if {k: existing.get(k) for k in wanted} == wanted:
-            return existing, False
-        raise KilnError(
-            f"{what} {output}: already holds shards prepared from other inputs or another "
-            "tokenizer (its manifest.json differs); choose a new directory or delete it"
-        )
-    # Shards without a manifest are what an interrupted upload leaves: they are removed.
-    names = storage.listdir(output)
-    others = [n for n in names if not _SHARD_FILE.fullmatch(n)]
-    if others:
-        raise KilnError(
-            f"{what} {output}: exists and holds {others[0]!r}, so it is not empty or a kiln "
-            "prepare output"
-        )
-    with tempfile.TemporaryDirectory(prefix="kiln-prepare-") as tmp:
-        local = Path(tmp) / "shards"
-        manifest, _ = prepare(
-            files,
-            fmt,
-            field,
-            tokenizer,
-            local,
-            workers=workers,
-            progress=progress,
-            what=what,
-            on_decode_error=on_decode_error,
-            record_format=record_format,
-        )
-        storage.make_dirs(output, what)
-        for stale in names:
-            storage.remove(f"{output}/{stale}", what)
-        for entry in manifest["shards"]:
-            for suffix in (".bin", ".idx", ".wts") if "wts_crc32" in entry else (".bin", ".idx"):
-                shard = entry["name"] + suffix
-                storage.upload(local / shard, f"{output}/{shard}", what)
-        storage.upload(local / MANIFEST, f"{output}/{MANIFEST}", what)
-    return manifest, True
-
-
-def _identity(
+def identity_of(
     fmt: str,
     field: str,
     tokenizer: Tokenizer,
@@ -281,7 +224,7 @@ def decode_error_note(manifest: dict[str, Any]) -> str | None:
     return None
 
 
-def _existing_manifest(output: storage.Location) -> dict[str, Any] | None:
+def existing_manifest(output: storage.Location) -> dict[str, Any] | None:
     path = storage.join(output, MANIFEST)
     if not storage.is_file(path):
         return None
