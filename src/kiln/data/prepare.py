@@ -105,14 +105,9 @@ def prepare(
     output = Path(output).absolute()
     inputs = input_identity(files)
     wanted = identity_of(fmt, field, tokenizer, inputs, on_decode_error, record_format)
-    existing = existing_manifest(output)
+    existing = up_to_date(output, wanted, what)
     if existing is not None:
-        if {k: existing.get(k) for k in wanted} == wanted:
-            return existing, False
-        raise KilnError(
-            f"{what} {output}: already holds shards prepared from other inputs or another "
-            "tokenizer (its manifest.json differs); choose a new directory or delete it"
-        )
+        return existing, False
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise KilnError(
             f"{what} {output}: exists and is not an empty directory or a kiln prepare output"
@@ -224,6 +219,20 @@ def decode_error_note(manifest: dict[str, Any]) -> str | None:
     return None
 
 
+def up_to_date(output: storage.Location, wanted: dict[str, Any], what: str) -> dict | None:
+    """The manifest of `output` when it was prepared as `wanted`, None when there is none;
+    KilnError when it holds shards of other inputs or another tokenizer."""
+    existing = existing_manifest(output)
+    if existing is None:
+        return None
+    if {k: existing.get(k) for k in wanted} == wanted:
+        return existing
+    raise KilnError(
+        f"{what} {output}: already holds shards prepared from other inputs or another "
+        "tokenizer (its manifest.json differs); choose a new directory or delete it"
+    )
+
+
 def existing_manifest(output: storage.Location) -> dict[str, Any] | None:
     path = storage.join(output, MANIFEST)
     if not storage.is_file(path):
@@ -239,12 +248,13 @@ def _remove_stale_staging(output: Path) -> None:
     prefix = f".{output.name}.partial-{socket.gethostname()}-"
     for path in output.parent.glob(glob.escape(prefix) + "*"):
         pid = path.name.removeprefix(prefix)
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or pid_alive(int(pid)):
             continue
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host still runs (staging directories name their writer)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -12,7 +12,7 @@ from typing import Any
 
 from kiln import storage
 from kiln.data.chat import RecordFormat
-from kiln.data.prepare import MANIFEST, existing_manifest, identity_of, prepare
+from kiln.data.prepare import MANIFEST, identity_of, prepare, up_to_date
 from kiln.data.sources import OnDecodeError, input_identity
 from kiln.data.tokenizers import Tokenizer
 from kiln.errors import KilnError
@@ -37,14 +37,9 @@ def prepare_to_url(
     wanted = identity_of(
         fmt, field, tokenizer, input_identity(files), on_decode_error, record_format
     )
-    existing = existing_manifest(output)
+    existing = up_to_date(output, wanted, what)
     if existing is not None:
-        if {k: existing.get(k) for k in wanted} == wanted:
-            return existing, False
-        raise KilnError(
-            f"{what} {output}: already holds shards prepared from other inputs or another "
-            "tokenizer (its manifest.json differs); choose a new directory or delete it"
-        )
+        return existing, False
     # Shards without a manifest are what an interrupted upload leaves: they are removed.
     names = storage.listdir(output)
     others = [n for n in names if not _SHARD_FILE.fullmatch(n)]

@@ -84,11 +84,10 @@ def _tempered_normaliser(x_nV: jax.Array, t: jax.Array, axes: tuple[str, ...]) -
     return Normaliser(m_n, s_n, zero, jnp.full((), x_nV.shape[-1] * axis_size(axes), f32))
 
 
-@dataclasses.dataclass(frozen=True)
-class SoftKL:
-    """Chunk callback: per-token `soft` = T^2 KL(teacher_T || student_T), differentiable in the student."""
+class SoftTerm:
+    """A soft-loss callback's one term, `self.name`, differentiable in the student."""
 
-    name: str = "soft"
+    name: str
 
     @property
     def terms(self) -> tuple[str, ...]:
@@ -97,6 +96,13 @@ class SoftKL:
     @property
     def differentiable(self) -> tuple[str, ...]:
         return (self.name,)
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftKL(SoftTerm):
+    """Chunk callback: per-token `soft` = T^2 KL(teacher_T || student_T), differentiable in the student."""
+
+    name: str = "soft"
 
     def stats(self, lg: ChunkLogits, axes: tuple[str, ...]) -> KLStats:
         t = lg.temperature

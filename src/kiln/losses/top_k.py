@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kiln.losses.core import ChunkLogits, TopK, check_temperature, f32, pmax, psum
-from kiln.losses.kl import _SERIES, _expm1_minus_x
+from kiln.losses.kl import _SERIES, SoftTerm, _expm1_minus_x
 
 
 class LSE(NamedTuple):
@@ -139,20 +139,12 @@ class Rows(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class TopKKL:
+class TopKKL(SoftTerm):
     """Chunk callback: per-token `soft` from the teacher's stored top-k, differentiable in the student."""
 
     vocab: int
     renormalize: bool = False
     name: str = "soft"
-
-    @property
-    def terms(self) -> tuple[str, ...]:
-        return (self.name,)
-
-    @property
-    def differentiable(self) -> tuple[str, ...]:
-        return (self.name,)
 
     def stats(self, lg: ChunkLogits, axes: tuple[str, ...]) -> TopKStats:
         x_top = psum(gather(lg.student, lg.top_col), axes)

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from kiln.checksums import crc32_of
+from kiln.data.prepare import pid_alive
 from kiln.errors import KilnError
 
 MANIFEST = "manifest.json"
@@ -148,18 +149,8 @@ def remove_stale_staging(directory: Path) -> None:
     host = socket.gethostname()
     for path in directory.glob(".*.partial-*"):
         pid = path.name.rpartition(f".partial-{host}-")[2]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def shard_complete(path: Path) -> bool:
