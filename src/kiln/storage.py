@@ -73,9 +73,9 @@ def local_dir(value: str | None, field: str) -> str | None:
 def mirror_root(output_dir: str, mirror_dir: str | None) -> Path:
     """The local directory standing for `output_dir`: itself when local; for a URL, `mirror_dir`
     or `~/.cache/kiln/runs/<hash of the URL>`, where its run directories are mirrored."""
+    if scheme(output_dir) in (None, "file"):  # validated: a file:// URL is a path by now
+        return Path(output_dir)
     loc = location(output_dir)
-    if isinstance(loc, Path):
-        return loc
     if mirror_dir is not None:
         return Path(mirror_dir).expanduser()
     key = hashlib.sha256(loc.encode()).hexdigest()[:16]
