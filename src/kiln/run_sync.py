@@ -65,6 +65,7 @@ class RunSync:
         self.fs, self.path = storage.filesystem(url, FIELD)
         self._sent: dict[str, tuple[int, int]] = {}  # rel -> local (size, mtime_ns) on the URL
         self._lock = threading.Lock()
+        self._dirs: set[str] = set()  # directories made on the URL
         self.uploaded = 0  # files uploaded
         self.fetched = 0  # files fetched at start-up
 
@@ -122,6 +123,11 @@ class RunSync:
             for rel in _ordered([r for r in local if _complete(r, manifests)]):
                 if self._sent.get(rel) == local[rel]:
                     continue
+                parent = f"{self.path}/{rel}".rsplit("/", 1)[0]
+                if parent not in self._dirs:  # object stores have none; local:// and sftp do
+                    with storage.reading(f"{self.url}/{rel}", "write", FIELD):
+                        self.fs.makedirs(parent, exist_ok=True)
+                    self._dirs.add(parent)
                 storage.upload(self.local / rel, f"{self.url}/{rel}", FIELD)
                 self._sent[rel] = local[rel]
                 self.uploaded += 1
