@@ -162,3 +162,27 @@ def test_a_run_at_a_url_resumes_from_it_on_another_machine(tmp_path, mem, compil
     train.run(tiny(url, compile_cache, steps=4, mirror_dir=str(mirror)))
     assert losses((mirror / "run" / "metrics.jsonl").read_text()) == want
     assert MEMORY.exists(f"{mem}/runs/run/checkpoints/4/kiln_manifest.json")  # saved again
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failed_upload_stops_the_run_in_one_line(tmp_path, async_save):
+    import jax.numpy as jnp
+
+    from kiln.checkpoint import Checkpointer
+    from kiln.config import CheckpointConfig
+    from kiln.errors import RunStopped
+
+    def refuse():
+        raise KilnError("train.output_dir: cannot write memory://b/run/x: 403 Forbidden")
+
+    (tmp_path / "run").mkdir()
+    ckpt = Checkpointer(tmp_path / "run", CheckpointConfig(async_save=async_save))
+    ckpt.after_seal = refuse
+    with pytest.raises(RunStopped) as e:
+        ckpt.save(1, {"w": jnp.ones(4)}, {})
+        ckpt.wait()
+    assert str(e.value).endswith(
+        "cannot write memory://b/run/x: 403 Forbidden (last complete checkpoint: 1)"
+    )
+    assert "\n" not in str(e.value)
+    ckpt.close()
