@@ -186,3 +186,25 @@ def test_a_failed_upload_stops_the_run_in_one_line(tmp_path, async_save):
     )
     assert "\n" not in str(e.value)
     ckpt.close()
+
+
+def test_a_mirror_ahead_of_its_url_keeps_its_logs(tmp_path, mem):
+    url = f"memory://{mem}/runs/run"
+    for rel, data in RUN.items():
+        MEMORY.pipe_file(f"{mem}/runs/run/{rel}", data)
+    local = tmp_path / "mirror" / "run"
+    ahead = {"checkpoints/6/state/a": b"a6", "checkpoints/6/kiln_manifest.json": b"m6"}
+    write_mirror(local, {**ahead, "metrics.jsonl": b"{}\n{}\n{}\n", "config.yaml": b"x\n"})
+    # Killed after sealing step 6, before uploading it: only the URL's checkpoints are fetched.
+    run_sync.RunSync(url, local).pull()
+    got = {p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*") if p.is_file()}
+    assert got == {
+        **{k: v for k, v in RUN.items() if k.startswith("checkpoints/")},
+        **ahead,
+        "metrics.jsonl": b"{}\n{}\n{}\n",
+        "config.yaml": b"x\n",
+    }
+    # Not ahead (the URL has step 4, the mirror nothing newer): the URL's files win.
+    shutil.rmtree(local / "checkpoints" / "6")
+    run_sync.RunSync(url, local).pull()
+    assert (local / "metrics.jsonl").read_bytes() == RUN["metrics.jsonl"]

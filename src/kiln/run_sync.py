@@ -57,6 +57,12 @@ def _complete(rel: str, manifests: set[str]) -> bool:
     return m is None or f"checkpoints/{m[1]}/{MANIFEST}" in manifests
 
 
+def _newest(manifests) -> int:
+    """The newest step among checkpoint manifest paths (-1 if none)."""
+    steps = [Path(m).parent.name for m in manifests]
+    return max((int(s) for s in steps if s.isdigit()), default=-1)
+
+
 class RunSync:
     """The link between the local run directory `local` and its URL `url`."""
 
@@ -85,9 +91,12 @@ class RunSync:
             if info.get("type", "file") == "file"
         }
         manifests = {r for r in remote if r.endswith(f"/{MANIFEST}")}
+        # A mirror whose newest sealed step the URL lacks (killed before its upload) is ahead:
+        # its logs and config are kept, to be uploaded at the next sync.
+        ahead = _newest(self.local.glob(f"checkpoints/*/{MANIFEST}")) > _newest(manifests)
         fetched = 0
         for rel in _ordered([r for r in remote if _complete(r, manifests)]):
-            if _local_only(rel):
+            if _local_only(rel) or (ahead and not _STEP.match(rel)):
                 continue
             dest, size = self.local / rel, remote[rel]
             if not (size > _ALWAYS_BYTES and dest.is_file() and dest.stat().st_size == size):
