@@ -246,11 +246,15 @@ def prepare_run(
     started = time.perf_counter()
     check_output_paths(config)
     initialize(config)  # before any device is touched
-    sync = run_sync.start(config)  # a URL output_dir: the local mirror is up to date from here
     lock = RunLock(config.run_dir, command)
-    # An existing run is locked before its checkpoints are read; a new one when it is written.
-    taken = lock.acquire() if jax.process_index() == 0 and config.run_dir.is_dir() else None
+    # An existing run is locked before its checkpoints are read (and before a URL's files are
+    # fetched into its mirror); a new one when it is written.
+    main = jax.process_index() == 0
+    taken = lock.acquire() if main and config.run_dir.is_dir() else None
     try:
+        sync = run_sync.start(config)  # a URL output_dir: the mirror is up to date from here
+        if main and config.run_dir.is_dir():  # a mirror the fetch made (a no-op if held)
+            taken = lock.acquire() or taken
         run = _prepare(config, build, command, check, lock, started, restart, wrap_batches)
     except BaseException:
         lock.release()
