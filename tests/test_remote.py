@@ -241,7 +241,7 @@ def test_bad_urls_are_refused_in_one_line(tmp_path):
         "--input: cannot list kilnforbidden://bucket/x.txt: 403 Forbidden: "
         "kiln-test@example.iam lacks storage.objects.get"
     )
-    for field in ("train.output_dir", "data.cache_dir"):
+    for field in ("train.mirror_dir", "data.cache_dir"):
         section, key = field.split(".")
         with pytest.raises(KilnError, match=rf"{field}: .*s3:// URL, but {field} needs a local"):
             make_config(**{section: {key: "s3://bucket/runs"}})

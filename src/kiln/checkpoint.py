@@ -110,6 +110,9 @@ class Checkpointer:
         self._sealer: threading.Thread | None = None
         self._seal_error: BaseException | None = None
         self.sealed_bytes = 0  # of the last manifest, for benchmarks
+        # Called once a step is sealed (in the sealing thread when async): uploads of a run
+        # whose output_dir is a URL; its errors stop the run like those of the save.
+        self.after_seal: Callable[[], None] | None = None
 
     def latest_step(self) -> int | None:
         return self._mgr.latest_step()
@@ -152,6 +155,8 @@ class Checkpointer:
         # post-finalization callback runs before that rename, so kiln waits for the save instead.
         self._mgr.wait_until_finished()
         self.sealed_bytes = write_manifest(self.directory / str(step))
+        if self.after_seal is not None:
+            self.after_seal()
 
     def _seal_in_background(self, step: int) -> None:
         try:

@@ -31,6 +31,7 @@ from kiln.schema import (
     Section,
     TrainConfig,
 )
+from kiln.storage import mirror_root
 
 __all__ = [
     "DEFAULT_AXIS_RULES",
@@ -94,8 +95,13 @@ class Config(Section):
         return hash(self.model_dump_json())
 
     @property
+    def local_output_dir(self) -> Path:
+        """Where run directories are on this machine: output_dir, or its mirror for a URL."""
+        return mirror_root(self.train.output_dir, self.train.mirror_dir)
+
+    @property
     def run_dir(self) -> Path:
-        return Path(self.train.output_dir) / self.train.run_name
+        return self.local_output_dir / self.train.run_name
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -7,6 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from kiln import storage
 from kiln.config import Config
 from kiln.errors import KilnError
 
@@ -16,8 +17,12 @@ _CACHED_SOURCES = ("text", "jsonl", "parquet")
 
 def check_output_paths(config: Config) -> None:
     """KilnError naming the field if the run directory or the data cache cannot be written."""
-    output_dir = Path(config.train.output_dir).expanduser()
-    check_creatable(output_dir, "train.output_dir")
+    output_dir = config.local_output_dir.expanduser()
+    if storage.is_remote(storage.location(config.train.output_dir)):
+        storage.filesystem(config.train.output_dir, "train.output_dir")  # its backend is there
+        check_creatable(output_dir, "train.mirror_dir")
+    else:
+        check_creatable(output_dir, "train.output_dir")
     run_dir = output_dir / config.train.run_name
     if run_dir.exists() or run_dir.is_symlink():
         check_creatable(run_dir, "train.run_name")

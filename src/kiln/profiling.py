@@ -29,7 +29,7 @@ def _count(event: str, **_kwargs) -> None:
 def cache_dir(config: Config) -> Path | None:
     """Where the run's compiled programs are kept: relative paths are under train.output_dir."""
     path = config.train.compilation_cache_dir
-    return None if path is None else Path(config.train.output_dir) / path
+    return None if path is None else config.local_output_dir / path
 
 
 @contextmanager

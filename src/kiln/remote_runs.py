@@ -32,7 +32,7 @@ def local_run(given: str, field: str, config: Any, only: tuple[str, ...] | None 
     if isinstance(loc, Path):
         return loc
     key = hashlib.sha256(loc.encode()).hexdigest()[:16]
-    root = Path(config.train.output_dir).expanduser() / ".cache" / "remote-runs" / key
+    root = config.local_output_dir.expanduser() / ".cache" / "remote-runs" / key
     local = root / storage.name(loc)
     mirror(loc, local, field, only)
     return local

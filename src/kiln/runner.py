@@ -17,7 +17,7 @@ import jax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from kiln import pinned, train
+from kiln import pinned, run_sync, train
 from kiln.checkpoint import (
     Checkpointer,
     abstract_like,
@@ -191,6 +191,7 @@ class PreparedRun:
     damaged: list[int] = field(default_factory=list)  # steps to set aside
     inputs: dict[str, Any] = field(default_factory=dict)  # pinned in inputs.json
     restart_to: Path | None = None  # `--restart`: where the earlier run is moved
+    sync: run_sync.RunSync | None = None  # a URL train.output_dir: the mirror's link to it
 
 
 def execute(
@@ -246,15 +247,27 @@ def prepare_run(
     check_output_paths(config)
     initialize(config)  # before any device is touched
     lock = RunLock(config.run_dir, command)
-    # An existing run is locked before its checkpoints are read; a new one when it is written.
-    taken = lock.acquire() if jax.process_index() == 0 and config.run_dir.is_dir() else None
+    # An existing run is locked before its checkpoints are read (and before a URL's files are
+    # fetched into its mirror); a new one when it is written.
+    main = jax.process_index() == 0
+    taken = lock.acquire() if main and config.run_dir.is_dir() else None
     try:
+        sync = run_sync.start(config)  # a URL output_dir: the mirror is up to date from here
+        if main and config.run_dir.is_dir():  # a mirror the fetch made (a no-op if held)
+            taken = lock.acquire() or taken
         run = _prepare(config, build, command, check, lock, started, restart, wrap_batches)
     except BaseException:
         lock.release()
         raise
     if taken:
         run.notes.insert(0, taken)
+    if sync is not None:
+        run.sync = sync
+        run.notes.insert(
+            0,
+            f"run directory {sync.url} mirrored in {config.run_dir} "
+            f"({sync.fetched} files fetched); uploaded after each checkpoint",
+        )
     return run
 
 
@@ -332,6 +345,8 @@ def run_loop(run: PreparedRun):
             if jax.process_count() > 1:  # no process opens its checkpoint manager before the move
                 multihost_utils.sync_global_devices("kiln: damaged checkpoints set aside")
         ckpt = Checkpointer(config.run_dir, config.checkpoint)
+        if run.sync is not None:  # a sealed checkpoint goes up, then the logs beside it
+            ckpt.after_seal = run.sync.push
     except BaseException as e:
         run.lock.release()
         if isinstance(e, OSError):
@@ -383,7 +398,8 @@ def run_loop(run: PreparedRun):
         failing = False
         return state
     finally:
-        _close_all((ckpt.close, logger.close, run.lock.release), failing=failing)
+        push = () if run.sync is None else (run.sync.push,)  # after the last save and rows
+        _close_all((ckpt.close, logger.close, *push, run.lock.release), failing=failing)
 
 
 def _close_all(closers, *, failing: bool) -> None:

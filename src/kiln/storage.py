@@ -12,6 +12,7 @@ not installed names the package to install.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import re
 from pathlib import Path
 from typing import Any
@@ -65,8 +66,20 @@ def local_dir(value: str | None, field: str) -> str | None:
         f"a {scheme(value)}:// URL, but {field} needs a local or mounted "
         "filesystem (run lock, metrics.jsonl, TensorBoard events, checkpoint checksums); "
         "allowed: a local path or file:// URL (mount buckets with gcsfuse or mountpoint-s3); "
-        "data inputs, prepared shards, teacher runs and load_params_from may be URLs"
+        "train.output_dir, data inputs, prepared shards, teacher runs and load_params_from may be URLs"
     )
+
+
+def mirror_root(output_dir: str, mirror_dir: str | None) -> Path:
+    """The local directory standing for `output_dir`: itself when local; for a URL, `mirror_dir`
+    or `~/.cache/kiln/runs/<hash of the URL>`, where its run directories are mirrored."""
+    if scheme(output_dir) in (None, "file"):  # validated: a file:// URL is a path by now
+        return Path(output_dir)
+    loc = location(output_dir)
+    if mirror_dir is not None:
+        return Path(mirror_dir).expanduser()
+    key = hashlib.sha256(loc.encode()).hexdigest()[:16]
+    return Path("~/.cache/kiln/runs").expanduser() / key
 
 
 def local_or_url(value: str | None) -> str | None:

@@ -266,7 +266,7 @@ def cache_dir_for(
     if fmt is not None:  # absent for text, so the caches of text runs keep their names
         key["record_format"] = fmt.identity()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    root = Path(d.cache_dir) if d.cache_dir else Path(config.train.output_dir) / ".cache"
+    root = Path(d.cache_dir) if d.cache_dir else config.local_output_dir / ".cache"
     return root.expanduser() / f"{s.source}-{digest}"
 
 

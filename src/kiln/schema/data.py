@@ -117,7 +117,7 @@ class DataConfig(SourceFields):
     )
     cache_dir: str | None = Field(
         None,
-        description="Where raw sources are tokenized to (a local path or file:// URL); null = {train.output_dir}/.cache.",
+        description="Where raw sources are tokenized to (a local path or file:// URL); null = {train.output_dir}/.cache (under train.mirror_dir when output_dir is a URL).",
     )
     prefetch_batches: int = Field(
         4,

@@ -105,7 +105,12 @@ class TrainConfig(Section):
     output_dir: str = Field(
         "runs",
         min_length=1,
-        description="Parent directory of run directories: a local (or mounted) path or a file:// URL, recorded as the path it names.",
+        description="Parent directory of run directories: a local path, a file:// URL (recorded as the path it names), or a URL (gs://, s3://, ...) whose run directories kiln works on in a local mirror (train.mirror_dir) and uploads after every checkpoint and at the end of the run.",
+    )
+    mirror_dir: str | None = Field(
+        None,
+        min_length=1,
+        description="Local directory that stands for a URL train.output_dir (run directories, data and compile caches); null = ~/.cache/kiln/runs/<hash of the URL>. Unused when train.output_dir is local.",
     )
     steps: PositiveInt = Field(100, description="Total optimizer steps.")
     global_batch_size: PositiveInt = Field(
@@ -154,7 +159,7 @@ class TrainConfig(Section):
     compilation_cache_dir: str | None = Field(
         ".jax_cache",
         min_length=1,
-        description="Persistent compilation cache, so that a restarted or resumed run does not compile again; a relative path is under train.output_dir; null = off.",
+        description="Persistent compilation cache, so that a restarted or resumed run does not compile again; a relative path is under train.output_dir (its local mirror when it is a URL); null = off.",
     )
 
     @pydantic.field_validator("profile_steps")
@@ -182,7 +187,12 @@ class TrainConfig(Section):
     @pydantic.field_validator("output_dir")
     @classmethod
     def _local_output(cls, value: str) -> str:
-        return local_dir(value, "train.output_dir")
+        return local_or_url(value)
+
+    @pydantic.field_validator("mirror_dir")
+    @classmethod
+    def _local_mirror(cls, value: str | None) -> str | None:
+        return local_dir(value, "train.mirror_dir")
 
     @pydantic.field_validator("run_name")
     @classmethod
