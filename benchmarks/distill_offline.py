@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# Run as a script from benchmarks/: its sibling's random batches serve this benchmark too.
+from distill_step import batches
 from kiln import distill, losses, train
 from kiln.compile import memory_figures
 from kiln.config import load_config
@@ -45,25 +47,6 @@ SHAPE = [
     "distillation.beta=0.0",
 ]
 TEACHER = ["model.d_model=256", "model.num_heads=8", "model.num_layers=4", "model.d_ff=704"]
-
-
-def batches(config, count: int):
-    """`count` global batches of random tokens, one document per row, all weights 1."""
-    rng = np.random.default_rng(0)
-    g, s = config.train.global_batch_size, config.data.seq_len
-    out = []
-    for _ in range(count):
-        tokens = rng.integers(0, config.model.vocab_size, (g, s + 1), dtype=np.int32)
-        out.append(
-            {
-                "inputs": tokens[:, :-1],
-                "targets": tokens[:, 1:],
-                "positions": np.broadcast_to(np.arange(s, dtype=np.int32), (g, s)).copy(),
-                "segment_ids": np.ones((g, s), np.int32),
-                "weights": np.ones((g, s), np.float32),
-            }
-        )
-    return out
 
 
 def stored_top_k(teacher: distill.Teacher, batch, k: int, temperature: float):

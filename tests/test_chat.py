@@ -263,6 +263,14 @@ def test_soft_loss_is_weighted_by_the_same_mask():
 # --- bad input: exit 2, one line, nothing written ----------------------------------------------------
 
 
+def prepare_records(src, record_format, out):
+    """`kiln prepare` of a JSONL file as chat or prompt/completion records."""
+    return kiln(
+        "prepare", "--input", src, "--format", "jsonl", "--record-format", record_format,
+        "--output", out,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("record", "needles"),
     [
@@ -278,34 +286,14 @@ def test_soft_loss_is_weighted_by_the_same_mask():
 def test_bad_chat_record_exits_2_and_writes_nothing(tmp_path, record, needles):
     good = {"messages": CONVERSATION}
     src = write_jsonl(tmp_path / "c.jsonl", [good, record])
-    proc = kiln(
-        "prepare",
-        "--input",
-        src,
-        "--format",
-        "jsonl",
-        "--record-format",
-        "chat",
-        "--output",
-        tmp_path / "out",
-    )
+    proc = prepare_records(src, "chat", tmp_path / "out")
     assert_user_error(proc, *needles)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
 
 
 def test_prompt_completion_without_its_fields_exits_2(tmp_path):
     src = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "a", "completion": "b"}, {"prompt": "a"}])
-    proc = kiln(
-        "prepare",
-        "--input",
-        src,
-        "--format",
-        "jsonl",
-        "--record-format",
-        "prompt_completion",
-        "--output",
-        tmp_path / "out",
-    )
+    proc = prepare_records(src, "prompt_completion", tmp_path / "out")
     assert_user_error(proc, "pc.jsonl:2", "'prompt' and 'completion'", "['prompt']")
     assert not (tmp_path / "out").exists()
 
