@@ -129,3 +129,27 @@ def compile_cache(tmp_path_factory) -> Path:
     """One JAX compilation cache (train.compilation_cache_dir) for the session's `kiln train`
     subprocesses: a run reads the programs an earlier run of the same model compiled."""
     return tmp_path_factory.mktemp("jax_cache")
+
+
+# What the tests' tiny tokenizers are trained on.
+TOKENIZER_LINES = [
+    f"line {i}: the quick brown fox {i * 7} jumps over {i % 5} lazy dogs" for i in range(200)
+]
+
+
+def train_bpe(path: Path, vocab_size: int, special_tokens: list[str]) -> Path:
+    """A tiny byte-level BPE tokenizer, trained on a few lines and saved as `path`."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    bpe = tokenizers.Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(TOKENIZER_LINES, trainer)
+    bpe.save(str(path))
+    return path

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_user_error, kiln, make_config
+from conftest import assert_user_error, kiln, make_config, train_bpe
 from kiln import losses
 from kiln.data import chat, make_datasets
 from kiln.data.corpus import open_corpus
@@ -40,23 +40,9 @@ CONVERSATION = [
 def chat_tokenizer(tmp_path_factory):
     """A tiny byte-level BPE tokenizer.json with ChatML special tokens and its tokenizer_config
     (eos_token <|im_end|>: the end-of-turn token is the EOS, as in Qwen's chat models)."""
-    import tokenizers
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
     d = tmp_path_factory.mktemp("chat_tok")
-    lines = [
-        f"line {i}: the quick brown fox {i * 7} jumps over {i % 5} lazy dogs" for i in range(200)
-    ]
-    bpe = tokenizers.Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator(lines, trainer)
-    bpe.save(str(d / "tokenizer.json"))
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+    train_bpe(d / "tokenizer.json", 320, special)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": "<|im_end|>",

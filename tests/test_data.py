@@ -14,7 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_user_error, kiln, make_config, start_kiln
+from conftest import (
+    TOKENIZER_LINES,
+    assert_user_error,
+    kiln,
+    make_config,
+    start_kiln,
+    train_bpe,
+)
 from kiln.config import load_config
 from kiln.data import load_tokenizer, make_datasets
 from kiln.data.prepare import prepare
@@ -126,24 +133,10 @@ def test_byte_tokenizer_round_trip_and_ids():
 def trained_tokenizers(tmp_path_factory) -> dict[str, Path]:
     """A tiny BPE tokenizer.json and a tiny sentencepiece model, trained here on a few lines."""
     import sentencepiece as spm
-    import tokenizers
-    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     d = tmp_path_factory.mktemp("tok")
-    lines = [
-        f"line {i}: the quick brown fox {i * 7} jumps over {i % 5} lazy dogs" for i in range(200)
-    ]
-    bpe = tokenizers.Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator(lines, trainer)
-    bpe.save(str(d / "tokenizer.json"))
-    (d / "lines.txt").write_text("\n".join(lines))
+    train_bpe(d / "tokenizer.json", 300, ["<|endoftext|>", "<pad>"])
+    (d / "lines.txt").write_text("\n".join(TOKENIZER_LINES))
     spm.SentencePieceTrainer.train(
         input=str(d / "lines.txt"),
         model_prefix=str(d / "sp"),
