@@ -27,6 +27,7 @@ from kiln.data.pipeline import (
     StreamWindows,
     SyntheticWindows,
     held_out_batches,
+    split_sizes,
 )
 from kiln.data.tokenizers import Tokenizer
 
@@ -171,13 +172,8 @@ class MixedDatasets(Datasets):
         """Sizes for logs: each source's share and, for real data, windows, tokens, documents."""
         out: dict[str, Any] = {"tokenizer": self.tokenizer.spec, "seq_len": self.seq_len}
         for name, share, part in zip(self.names, self.shares, self.parts):
-            row: dict[str, Any] = {"share": share}
-            for split, windows in (("train", part.train), ("eval", part.held_out)):
-                if isinstance(windows, StreamWindows):
-                    row[f"{split}_documents"] = windows.num_documents
-                    row[f"{split}_tokens"] = windows.num_tokens
-                    row[f"{split}_windows"] = windows.num_windows
-            if part.entropy_rate is not None:
-                row["entropy_rate"] = part.entropy_rate
-            out[name] = row
+            out[name] = {
+                "share": share,
+                **split_sizes(part.train, part.held_out, part.entropy_rate),
+            }
         return out

@@ -231,14 +231,21 @@ class Datasets:
     def describe(self) -> dict[str, Any]:
         """Sizes for logs: windows, tokens and documents of each split."""
         out: dict[str, Any] = {"tokenizer": self.tokenizer.spec, "seq_len": self.seq_len}
-        for name, split in (("train", self.train), ("eval", self.eval)):
-            if isinstance(split, StreamWindows):
-                out[f"{name}_documents"] = split.num_documents
-                out[f"{name}_tokens"] = split.num_tokens
-                out[f"{name}_windows"] = split.num_windows
-        if self.entropy_rate is not None:
-            out["entropy_rate"] = self.entropy_rate
-        return out
+        return {**out, **split_sizes(self.train, self.eval, self.entropy_rate)}
+
+
+def split_sizes(train, held_out, entropy_rate: float | None) -> dict[str, Any]:
+    """Documents, tokens and windows of real (not synthetic) train and held-out windows, and
+    a synthetic corpus's entropy rate: what `describe` logs of one source."""
+    out: dict[str, Any] = {}
+    for name, split in (("train", train), ("eval", held_out)):
+        if isinstance(split, StreamWindows):
+            out[f"{name}_documents"] = split.num_documents
+            out[f"{name}_tokens"] = split.num_tokens
+            out[f"{name}_windows"] = split.num_windows
+    if entropy_rate is not None:
+        out["entropy_rate"] = entropy_rate
+    return out
 
 
 def held_out_batches(
