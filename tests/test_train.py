@@ -150,22 +150,32 @@ NON_DEFAULT_RULES = [
 ]
 
 
+RULES_LOSS = {"num_vocab_tiling": 2, "z_loss_multiplier": 1e-2}
+
+
+def one_train_step(config, batch):
+    """Metrics and parameters after one whole train step (update included), on the host."""
+    state = init(config)
+    mesh = train.mesh_of(state)
+    step = train.make_train_step(config, mesh, train.shardings_of(state))
+    state, metrics = step(state, train.place_batch(batch, mesh, config))
+    return host(metrics), host(state.params)
+
+
+@pytest.fixture(scope="module")
+def one_device_step(batch):
+    """`one_train_step` on one device with two micro-batches: what every rule set must give."""
+    one = make_config(mesh={"fsdp": 1}, train={"gradient_accumulation_steps": 2}, loss=RULES_LOSS)
+    return one_train_step(one, batch)
+
+
 @pytest.mark.parametrize("rules", NON_DEFAULT_RULES)
-def test_non_default_rules_train_like_one_device(reference, batch, rules):
+def test_non_default_rules_train_like_one_device(reference, batch, one_device_step, rules):
     mesh = {"data": 2, "fsdp": 2, "tensor": 2, "rules": rules}
-    loss = {"num_vocab_tiling": 2, "z_loss_multiplier": 1e-2}
-    config = make_config(mesh=mesh, train={"gradient_accumulation_steps": 2}, loss=loss)
+    config = make_config(mesh=mesh, train={"gradient_accumulation_steps": 2}, loss=RULES_LOSS)
     assert_same(loss_and_grads(config, batch), reference)
     # One whole train step (update included) on the 8 devices, against one device.
-    one = make_config(mesh={"fsdp": 1}, train={"gradient_accumulation_steps": 2}, loss=loss)
-    results = []
-    for cfg in (config, one):
-        state = init(cfg)
-        mesh_ = train.mesh_of(state)
-        step = train.make_train_step(cfg, mesh_, train.shardings_of(state))
-        state, metrics = step(state, train.place_batch(batch, mesh_, cfg))
-        results.append((host(metrics), host(state.params)))
-    (got, got_params), (want, want_params) = results
+    (got, got_params), (want, want_params) = one_train_step(config, batch), one_device_step
     np.testing.assert_allclose(got["learning/loss"], want["learning/loss"], rtol=1e-5)  # f32
     for g, w in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params), strict=True):
         # One AdamW step of 3e-4 from equal parameters: equal to f32 rounding of the update.
