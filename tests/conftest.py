@@ -153,3 +153,21 @@ def train_bpe(path: Path, vocab_size: int, special_tokens: list[str]) -> Path:
     bpe.train_from_iterator(TOKENIZER_LINES, trainer)
     bpe.save(str(path))
     return path
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Files with end-to-end (`slow`) tests first, then the others largest first.
+
+    The suite runs each file in one process (pytest-xdist's `--dist loadfile`, in this order:
+    `--no-loadscope-reorder`), so the long files start early and no long file is left to run
+    alone while the other processes have finished.
+    """
+    files: dict[Path, list] = {}
+    for item in items:
+        files.setdefault(item.path, []).append(item)
+
+    def key(path: Path) -> tuple[bool, int]:
+        tests = files[path]
+        return not any(t.get_closest_marker("slow") for t in tests), -len(tests)
+
+    items[:] = [item for path in sorted(files, key=key) for item in files[path]]
