@@ -53,6 +53,7 @@ def stuck_prepare(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_interruptible,
     )
     workers: list[int] = []
     try:
@@ -69,6 +70,16 @@ def stuck_prepare(tmp_path):
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.communicate(timeout=60)
+
+
+def _interruptible() -> None:
+    """SIGINT at its default in the child, as a command typed at a terminal has it.
+
+    A suite started in the background by a non-interactive shell (`pytest &`) inherits SIGINT
+    ignored, and would pass that on: Python then keeps ignoring it instead of raising
+    KeyboardInterrupt, and the SIGINT case would wait for its timeout.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_gone(pids: list[int], seconds: float) -> list[int]:
