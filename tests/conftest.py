@@ -3,14 +3,17 @@
 Test modules import the helpers with `from conftest import kiln, make_config, ...`.
 """
 
+import atexit
 import contextlib
 import copy
 import importlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,16 @@ import jax
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# One persistent compilation cache per test process, for programs compiled outside a run
+# (a run switches to its own, train.compilation_cache_dir, and back): tests build the same
+# small models and steps many times over, each time through a new jit, and a program JAX
+# has compiled once is read back instead of compiled again.
+_PROGRAMS = tempfile.mkdtemp(prefix="kiln-tests-jax-")
+atexit.register(shutil.rmtree, _PROGRAMS, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _PROGRAMS)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 REPO = Path(__file__).resolve().parents[1]
 # Subprocesses import the kiln this process imported (e.g. a checkout's src/ on PYTHONPATH),
