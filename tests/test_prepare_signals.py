@@ -1,10 +1,12 @@
 """`kiln prepare` under signals: its worker processes never outlive it, SIGTERM acts as SIGINT."""
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,13 +50,13 @@ def stuck_prepare(tmp_path):
     os.mkfifo(data / "b.fifo")  # size 0: the second task
     cmd = [sys.executable, "-m", "kiln.cli", "prepare", "--format", "text", "--workers", "2"]
     inputs = ["--input", str(data / "a.txt"), str(data / "b.fifo")]
-    proc = subprocess.Popen(
-        [*cmd, *inputs, "--output", str(tmp_path / "out")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=_interruptible,
-    )
+    with interruptible():
+        proc = subprocess.Popen(
+            [*cmd, *inputs, "--output", str(tmp_path / "out")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     workers: list[int] = []
     try:
         deadline = time.monotonic() + 120
@@ -72,14 +74,20 @@ def stuck_prepare(tmp_path):
         proc.communicate(timeout=60)
 
 
-def _interruptible() -> None:
-    """SIGINT at its default in the child, as a command typed at a terminal has it.
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Processes started inside get SIGINT at its default, as a command typed at a terminal has it.
 
     A suite started in the background by a non-interactive shell (`pytest &`) inherits SIGINT
     ignored, and would pass that on: Python then keeps ignoring it instead of raising
-    KeyboardInterrupt, and the SIGINT case would wait for its timeout.
+    KeyboardInterrupt, and the SIGINT case would wait for its timeout. A handled signal, unlike
+    an ignored one, is back at its default in a new program.
     """
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def wait_gone(pids: list[int], seconds: float) -> list[int]:
