@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import fsspec
 import jax
 import pytest
 
@@ -184,3 +186,16 @@ def pytest_collection_modifyitems(config, items) -> None:
         return not any(t.get_closest_marker("slow") for t in tests), -len(tests)
 
     items[:] = [item for path in sorted(files, key=key) for item in files[path]]
+
+
+# fsspec's process-wide memory filesystem: URLs `memory://...` stand in for gs:// or s3://.
+MEMORY = fsspec.filesystem("memory")
+
+
+@pytest.fixture
+def mem():
+    """A fresh root in `MEMORY`, removed afterwards."""
+    root = f"/kiln-test-{uuid.uuid4().hex[:8]}"
+    MEMORY.makedirs(root, exist_ok=True)
+    yield root
+    MEMORY.rm(root, recursive=True)

@@ -13,7 +13,7 @@ import fsspec.implementations.memory
 import numpy as np
 import pytest
 
-from conftest import assert_user_error, kiln, make_config
+from conftest import MEMORY, assert_user_error, kiln, make_config
 from kiln.data import load_tokenizer, make_datasets
 from kiln.data.prepare import run_prepare
 from kiln.data.remote_tokens import RemoteTokens
@@ -22,17 +22,7 @@ from kiln.errors import KilnError
 from kiln.evaluation.tasks import load_perplexity, parse_task
 from kiln.remote_runs import local_run
 
-MEMORY = fsspec.filesystem("memory")
 WORDS = ["the", "of", "kiln", "model", "token", "loss", "shard", "mesh", "step", "batch", "layer"]  # fmt: skip
-
-
-@pytest.fixture
-def mem():
-    """A fresh root in fsspec's process-wide memory filesystem, removed afterwards."""
-    root = f"/kiln-test-{uuid.uuid4().hex[:8]}"
-    MEMORY.makedirs(root, exist_ok=True)
-    yield root
-    MEMORY.rm(root, recursive=True)
 
 
 def texts(n: int, seed: int = 0) -> list[str]:

@@ -6,26 +6,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
-import uuid
 from pathlib import Path
 
-import fsspec
 import pytest
 
-from conftest import assert_user_error, kiln_main, make_config, write_config
+from conftest import MEMORY, assert_user_error, kiln_main, make_config, write_config
 from kiln import run_sync, storage
 from kiln.errors import KilnError
-
-MEMORY = fsspec.filesystem("memory")
-
-
-@pytest.fixture
-def mem():
-    """A fresh root in fsspec's process-wide memory filesystem, removed afterwards."""
-    root = f"/kiln-run-url-{uuid.uuid4().hex[:8]}"
-    MEMORY.makedirs(root, exist_ok=True)
-    yield root
-    MEMORY.rm(root, recursive=True)
 
 
 def remote_files(root: str) -> dict[str, bytes]:
