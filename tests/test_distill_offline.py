@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from conftest import make_config
 from kiln import distill, losses, train
 from kiln.errors import KilnError
-from kiln.losses import TopK
+from kiln.losses import TopK, engine
 from kiln.mesh import make_mesh
 
 AXES = ("data", "fsdp", "tensor", "sequence")
@@ -189,6 +189,21 @@ def test_all_logits_stored_is_the_online_soft_loss(data, devices, tiling):
     sums = got[0][1]
     assert float(sums["teacher_top_k_hit_sum"]) == float(sums["weight_sum"])
     assert float(sums["teacher_tail_mass_sum"]) == 0.0
+
+
+@pytest.mark.parametrize("devices", list(MESHES))
+def test_top_k_rows_in_blocks_give_the_whole_chunks_results(data, monkeypatch, devices):
+    """The stored top-k rows are cut with the logits when the element-wise work runs in blocks."""
+    mesh = mesh_of(devices)
+    hs, ws, _, _, y, w, top = place(mesh, *data)
+    results = []
+    for block_bytes in (1 << 10, 1 << 30):  # 2 (or 4 on a tensor shard) rows; the whole chunk
+        monkeypatch.setattr(engine, "CPU_BLOCK_BYTES", block_bytes)
+        results.append(offline.__wrapped__(mesh, 4, None)(hs, ws, top, y, w, CTS))
+    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+        # tolerance: 1e-6 relative; the same float32 operations per row, but XLA may
+        # vectorise a row's reduction differently at another block shape (a few ulp).
+        assert rel_err(a, b) <= 1e-6
 
 
 def test_coefficient_mode_is_the_online_gradient_of_the_combination(data):

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from kiln import losses
 from kiln.config import config_from_dict
 from kiln.errors import KilnError
+from kiln.losses import engine
 
 AXES = ("data", "fsdp", "tensor", "sequence")
 B, S, D, E, V = 8, 16, 16, 24, 128
@@ -273,6 +274,31 @@ def test_coefficient_mode_poisons_other_gradients(data, tiles):
     assert np.all(np.isfinite(grad_of("objective_sum")))
     for key in KEYS:
         assert np.all(np.isnan(grad_of(key))), key  # loud, never silently wrong
+
+
+@pytest.mark.parametrize("with_coefficients", [False, True])
+@pytest.mark.parametrize("mesh_name", ["none", "data2_fsdp2_tensor2"])
+def test_row_blocks_give_the_whole_chunks_results(data, monkeypatch, mesh_name, with_coefficients):
+    """On CPU the chunk's element-wise work runs in row blocks: the same sums and gradients."""
+    mesh = make_mesh(mesh_name)
+    args = place(mesh, *data)
+    cts = (jnp.float32(0.5), jnp.float32(2.0), jnp.float32(1.5))
+    if with_coefficients:
+        cts = (jnp.float32(1.0), jnp.float32(0.0), jnp.float32(0.7))
+    results = []
+    # 1 KiB of float32 logits per block: 2 rows of the whole vocabulary, 4 of a tensor shard;
+    # 1 GiB: the whole chunk (8 rows per chunk on this mesh, 32 without one).
+    for block_bytes in (1 << 10, 1 << 30):
+        monkeypatch.setattr(engine, "CPU_BLOCK_BYTES", block_bytes)
+        rows = engine.row_block(mesh, 32 if mesh is None else 8, V if mesh is None else V // 2)
+        assert rows == (2 if mesh is None else 4) if block_bytes == 1 << 10 else rows >= 8
+        # A new function, so the block size is read at trace time.
+        results.append(fused.__wrapped__(mesh, 4, None, with_coefficients)(*args, cts))
+    blocked, whole = results
+    for a, b in zip(jax.tree.leaves(blocked), jax.tree.leaves(whole)):
+        # tolerance: 1e-6 relative; the same float32 operations per row, but XLA may vectorise
+        # a row's reduction differently at another block shape (a few ulp).
+        assert rel_err(a, b) <= 1e-6
 
 
 # --------------------------------------------------------------------------- argument checks

@@ -45,6 +45,18 @@ def make_mesh(config: Any, devices: Sequence[Any] | None = None) -> Mesh:
     return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
 
 
+def traced_platform(mesh: Mesh | None = None) -> str:
+    """Platform ('cpu', 'gpu', 'tpu') of `mesh`'s devices, else of the traced mesh, else JAX's default.
+
+    A program compiled ahead of time for other devices (e.g. a TPU topology from a CPU host)
+    reports those devices, not the host's backend.
+    """
+    if mesh is not None:
+        return mesh.devices.flat[0].platform
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return device.platform if device is not None else jax.default_backend()
+
+
 def logical_spec(names: tuple[str | None, ...], rules: Rules) -> PartitionSpec:
     """PartitionSpec for an array whose dimensions have these logical names (None = replicated)."""
     table = dict(rules)

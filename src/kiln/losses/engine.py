@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -45,6 +46,7 @@ from kiln.losses.core import (
 )
 from kiln.losses.tiling import Inputs, Tiling, all_explicit
 from kiln.losses.top_k import block_columns
+from kiln.mesh import traced_platform
 
 # Per-token terms that can carry a gradient to the student, and the sums they give.
 DIFFERENTIABLE = ("loss", "z_loss", "soft")
@@ -68,6 +70,27 @@ def _varying(tiling: Tiling, x):
     return jax.lax.pcast(x, axes, to="varying") if tiling.mesh is not None and axes else x
 
 
+# Bytes of one row block's float32 logits on CPU: a block's element-wise passes (statistics,
+# sums, logit gradients) then run in cache instead of streaming the chunk's [n, V] arrays from
+# memory once per pass.
+CPU_BLOCK_BYTES = 1 << 20
+
+
+def row_block(mesh, chunk: int, vocab_local: int) -> int:
+    """Rows of a chunk whose element-wise work is done together (a divisor of `chunk`).
+
+    The head products run on the whole chunk either way. On GPU and TPU the compiler fuses the
+    element-wise work over the chunk's logits into a few kernels: the whole chunk. On CPU the
+    chunk is cut into blocks of about `CPU_BLOCK_BYTES` of logits (a power of two of rows
+    dividing the chunk), each pass over a block then runs in cache: the same operations per
+    row, so the same values up to how XLA vectorises a row's sums at the block's shape.
+    """
+    if traced_platform(mesh) != "cpu":
+        return chunk
+    rows = max(1, CPU_BLOCK_BYTES // (4 * vocab_local))
+    return math.gcd(chunk, 1 << (rows.bit_length() - 1))
+
+
 def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
     """The chunk loop on local tokens [B, S] and a local vocabulary slice of the heads."""
     hs, ws, targets, weights, ht, wt, temp, top = inputs
@@ -87,32 +110,41 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
         """Vocabulary chunk k of x along its last axis (all of it without vocabulary chunks)."""
         return x if k is None else jax.lax.dynamic_slice_in_dim(x, k * vchunk, vchunk, axis=-1)
 
-    def chunk_logits(h_n, g_n, y_n, top_n, k) -> ChunkLogits:
+    def head_logits(h_n, g_n, k):
+        """The student's (and the teacher's) logits of tokens [n] on vocabulary chunk k."""
         x_s = logits(h_n, vslice(ws, k), softcap=tiling.student_cap)
         x_t = None if wt is None else logits(g_n, vslice(wt, k), softcap=tiling.teacher_cap)
-        whole = k is None and not axes  # the chunk holds each row's whole vocabulary
+        return x_s, x_t
+
+    def view(x_s, x_t, y_n, top_n, k) -> ChunkLogits:
+        whole = k is None and vocab_local == tiling.vocab  # each row's whole vocabulary
         target = y_n if whole else None
         cols = vslice(columns, k)
         top_col = None if top_n is None else block_columns(top_n.ids, cols[0], cols.shape[0])
         return ChunkLogits(x_s, x_t, cols == y_n[:, None], temp, target, top_n, top_col)
 
-    def backprop(lg, stats, h_n, w_n, w_Dc):
-        """Per gradient set k: its logit gradient [n, c] times the head and the hidden states.
+    def chunk_logits(h_n, g_n, y_n, top_n, k) -> ChunkLogits:
+        return view(*head_logits(h_n, g_n, k), y_n, top_n, k)
 
-        Returns K-tuples of [n, D] and [D, c] float32 gradients (plain 2-D dots: a batched
-        einsum over K made XLA's CPU dots twice as slow).
-        """
-        dh, dw = [], []
-        h_Dn = h_n.T.astype(dtype)
+    def logit_grads(lg, stats, w_n):
+        """Per gradient set: the gradient of its losses w.r.t. the student's logits [n, c],
+        in the head's dtype (the products' operands)."""
+        grads = []
         for k, names in enumerate(tiling.sets):
             cts = {t: w_n * coefs[offsets[k] + i] for i, t in enumerate(names)}
             parts = [loss.dlogits(lg, st, cts) for loss, st in zip(losses, stats)]
             g = sum(p for p in parts if p is not None)
-            # Matmul operands in the head's dtype; accumulation in float32.
-            g = softcap_grad(g, lg.student, tiling.student_cap).astype(dtype)
-            dh.append(jnp.dot(g, w_Dc.T, preferred_element_type=f32))
-            dw.append(jnp.dot(h_Dn, g, preferred_element_type=f32))
-        return tuple(dh), tuple(dw)
+            grads.append(softcap_grad(g, lg.student, tiling.student_cap).astype(dtype))
+        return tuple(grads)
+
+    def products(grads, h_n, w_Dc):
+        """Each logit gradient [n, c] times the head and the hidden states: K-tuples of [n, D]
+        and [D, c] float32 (plain 2-D dots: a batched einsum over K made XLA's CPU dots twice
+        as slow); accumulation in float32."""
+        h_Dn = h_n.T.astype(dtype)
+        dh = tuple(jnp.dot(g, w_Dc.T, preferred_element_type=f32) for g in grads)
+        dw = tuple(jnp.dot(h_Dn, g, preferred_element_type=f32) for g in grads)
+        return dh, dw
 
     def add(xs, ys):
         return tuple(x + y for x, y in zip(xs, ys))
@@ -120,55 +152,76 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
     def chunk_sums(lg, stats):
         return tuple(loss.sums(lg, st) for loss, st in zip(losses, stats))
 
-    def step(dw, xs):
-        h_n, g_n, y_n, w_n, top_n = xs
-        dh_n = None
-        if n_vchunks == 1:
-            lg = chunk_logits(h_n, g_n, y_n, top_n, None)
-            stats = tuple(loss.stats(lg, axes) for loss in losses)
-            sums = psum(chunk_sums(lg, stats), axes)
-            if with_grads:
-                dh_n, dw_add = backprop(lg, stats, h_n, w_n, ws)
-                dw = add(dw, dw_add)
-        else:
-
-            def merge_chunk(acc, k):
-                lg = chunk_logits(h_n, g_n, y_n, top_n, k)
-                return tuple(ls.merge(a, ls.stats(lg, ())) for ls, a in zip(losses, acc)), None
-
-            lg0 = chunk_logits(h_n, g_n, y_n, top_n, 0)
-            first = tuple(loss.stats(lg0, ()) for loss in losses)
-            stats, _ = jax.lax.scan(merge_chunk, first, jnp.arange(1, n_vchunks))
-            stats = tuple(loss.reduce(st, axes) for loss, st in zip(losses, stats))
-            zero = jax.tree.map(
-                lambda s: _varying(tiling, jnp.zeros(s.shape, s.dtype)),
-                jax.eval_shape(chunk_sums, lg0, stats),
-            )
-            needs_pass = with_grads or jax.tree.leaves(zero)
-
-            def second_pass(carry, k):
-                sums, dh_n, dw = carry
-                lg = chunk_logits(h_n, g_n, y_n, top_n, k)
-                sums = jax.tree.map(jnp.add, sums, chunk_sums(lg, stats))
-                if with_grads:
-                    dh_k, dw_k = backprop(lg, stats, h_n, w_n, vslice(ws, k))
-                    dw = tuple(
-                        jax.lax.dynamic_update_slice_in_dim(a, vslice(a, k) + b, k * vchunk, -1)
-                        for a, b in zip(dw, dw_k)
-                    )
-                    dh_n = add(dh_n, dh_k)
-                return (sums, dh_n, dw), None
-
-            sums = zero
-            if needs_pass:
-                dh0 = tuple(_varying(tiling, jnp.zeros((chunk, d_model), f32)) for _ in tiling.sets)
-                carry = (zero, dh0 if with_grads else None, dw)
-                (sums, dh_n, dw), _ = jax.lax.scan(second_pass, carry, jnp.arange(n_vchunks))
-            sums = psum(sums, axes)
+    def token_terms(stats, sums, y_n, w_n):
         ok = scored(y_n, w_n, tiling.vocab)
         terms = {}
         for loss, st, sm in zip(losses, stats, sums):
             terms.update(loss.values(st, sm, ok, temp))
+        return terms
+
+    def rows(x_s, x_t, y_n, w_n, top_n):
+        """Per-token terms and logit gradients of rows whose logits hold the shard's vocabulary."""
+        lg = view(x_s, x_t, y_n, top_n, None)
+        stats = tuple(loss.stats(lg, axes) for loss in losses)
+        terms = token_terms(stats, psum(chunk_sums(lg, stats), axes), y_n, w_n)
+        return terms, (logit_grads(lg, stats, w_n) if with_grads else None)
+
+    def whole_vocabulary(h_n, g_n, y_n, w_n, top_n):
+        """One chunk's logits made whole (one product per model), then its element-wise work in
+        blocks of `block` rows (`row_block`)."""
+        x_s, x_t = head_logits(h_n, g_n, None)
+        xs = (x_s, x_t, y_n, w_n, top_n)
+        if block == chunk:
+            return rows(*xs)
+        blocks = jax.tree.map(lambda a: a.reshape(chunk // block, block, *a.shape[1:]), xs)
+        _, out = jax.lax.scan(lambda c, b: (c, rows(*b)), None, blocks)
+        return jax.tree.map(lambda a: a.reshape(chunk, *a.shape[2:]), out)
+
+    block = row_block(tiling.mesh, chunk, vocab_local)
+
+    def step(dw, xs):
+        h_n, g_n, y_n, w_n, top_n = xs
+        dh_n = None
+        if n_vchunks == 1:
+            terms, grads = whole_vocabulary(h_n, g_n, y_n, w_n, top_n)
+            if with_grads:
+                dh_n, dw_add = products(grads, h_n, ws)
+                dw = add(dw, dw_add)
+            return dw, (terms, dh_n)
+
+        def merge_chunk(acc, k):
+            lg = chunk_logits(h_n, g_n, y_n, top_n, k)
+            return tuple(ls.merge(a, ls.stats(lg, ())) for ls, a in zip(losses, acc)), None
+
+        lg0 = chunk_logits(h_n, g_n, y_n, top_n, 0)
+        first = tuple(loss.stats(lg0, ()) for loss in losses)
+        stats, _ = jax.lax.scan(merge_chunk, first, jnp.arange(1, n_vchunks))
+        stats = tuple(loss.reduce(st, axes) for loss, st in zip(losses, stats))
+        zero = jax.tree.map(
+            lambda s: _varying(tiling, jnp.zeros(s.shape, s.dtype)),
+            jax.eval_shape(chunk_sums, lg0, stats),
+        )
+        needs_pass = with_grads or jax.tree.leaves(zero)
+
+        def second_pass(carry, k):
+            sums, dh_n, dw = carry
+            lg = chunk_logits(h_n, g_n, y_n, top_n, k)
+            sums = jax.tree.map(jnp.add, sums, chunk_sums(lg, stats))
+            if with_grads:
+                dh_k, dw_k = products(logit_grads(lg, stats, w_n), h_n, vslice(ws, k))
+                dw = tuple(
+                    jax.lax.dynamic_update_slice_in_dim(a, vslice(a, k) + b, k * vchunk, -1)
+                    for a, b in zip(dw, dw_k)
+                )
+                dh_n = add(dh_n, dh_k)
+            return (sums, dh_n, dw), None
+
+        sums = zero
+        if needs_pass:
+            dh0 = tuple(_varying(tiling, jnp.zeros((chunk, d_model), f32)) for _ in tiling.sets)
+            carry = (zero, dh0 if with_grads else None, dw)
+            (sums, dh_n, dw), _ = jax.lax.scan(second_pass, carry, jnp.arange(n_vchunks))
+        terms = token_terms(stats, psum(sums, axes), y_n, w_n)
         return dw, (terms, dh_n)
 
     def cut(x):

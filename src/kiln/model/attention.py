@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kiln.errors import KilnError
-from kiln.mesh import constrain, current_rules, logical_spec, mesh_axes
+from kiln.mesh import constrain, current_rules, logical_spec, mesh_axes, traced_platform
 
 # Masked scores: exp(MASKED - max) is exactly 0 in float32, so no gradient leaks through.
 MASKED = float(jnp.finfo(jnp.float32).min)
@@ -282,12 +282,6 @@ def cudnn_arguments(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS) -> dict:
     )
 
 
-def _platform() -> str:
-    """Platform of the traced mesh's devices ('cpu', 'gpu', 'tpu'), else JAX's default backend."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    return device.platform if device is not None else jax.default_backend()
-
-
 HALF = (jnp.bfloat16, jnp.float16)
 
 
@@ -308,7 +302,7 @@ def check(name: str, platform: str, dtype) -> None:
 
 def cudnn_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS):
     """cuDNN's fused attention (`jax.nn.dot_product_attention`), bf16/fp16 on NVIDIA GPUs."""
-    check("cudnn", _platform(), q_BSNH.dtype)
+    check("cudnn", traced_platform(), q_BSNH.dtype)
     k_BTKH, v_BTKH = constrain(k_BTKH, _KV_WHOLE), constrain(v_BTKH, _KV_WHOLE)
     args = cudnn_arguments(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS)
     try:
@@ -337,7 +331,7 @@ def splash_attention(
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     if not interpret:
-        check("splash", _platform(), q_BSNH.dtype)
+        check("splash", traced_platform(), q_BSNH.dtype)
     s, h = q_BSNH.shape[1], q_BSNH.shape[3]
     blk = min(block, s)
     if s % blk or blk % 128:
@@ -395,7 +389,7 @@ def resolve(name: str, dtype) -> str:
     """The implementation `model.attention=name` runs for `dtype` activations on this platform."""
     if name != "auto":
         return name
-    chosen = AUTO.get(_platform(), "xla")
+    chosen = AUTO.get(traced_platform(), "xla")
     if chosen == "cudnn" and jnp.dtype(dtype) not in HALF:
         return "xla"
     return chosen
