@@ -166,28 +166,40 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
         terms = token_terms(stats, psum(chunk_sums(lg, stats), axes), y_n, w_n)
         return terms, (logit_grads(lg, stats, w_n) if with_grads else None)
 
-    def whole_vocabulary(h_n, g_n, y_n, w_n, top_n):
+    def whole_vocabulary(h_n, g_n, y_n, w_n, top_n, bufs):
         """One chunk's logits made whole (one product per model), then its element-wise work in
-        blocks of `block` rows (`row_block`)."""
+        blocks of `block` rows (`row_block`), each block's logit gradients written into its rows
+        of `bufs` (one [chunk, c] buffer per gradient set, reused from chunk to chunk)."""
         x_s, x_t = head_logits(h_n, g_n, None)
         xs = (x_s, x_t, y_n, w_n, top_n)
         if block == chunk:
             return rows(*xs)
         blocks = jax.tree.map(lambda a: a.reshape(chunk // block, block, *a.shape[1:]), xs)
-        _, out = jax.lax.scan(lambda c, b: (c, rows(*b)), None, blocks)
-        return jax.tree.map(lambda a: a.reshape(chunk, *a.shape[2:]), out)
+
+        def one_block(bufs, i_b):
+            i, b = i_b
+            terms, grads = rows(*b)
+            put = functools.partial(jax.lax.dynamic_update_slice_in_dim, axis=0)
+            return tuple(put(buf, g, i * block) for buf, g in zip(bufs, grads or ())), terms
+
+        # Two blocks per iteration: their independent work can run on two threads at once.
+        steps = (jnp.arange(chunk // block), blocks)
+        bufs, terms = jax.lax.scan(one_block, bufs, steps, unroll=2)
+        return {t: v.reshape(chunk) for t, v in terms.items()}, (bufs if with_grads else None)
 
     block = row_block(tiling.mesh, chunk, vocab_local)
 
-    def step(dw, xs):
+    def step(carry, xs):
+        dw, bufs = carry
         h_n, g_n, y_n, w_n, top_n = xs
         dh_n = None
         if n_vchunks == 1:
-            terms, grads = whole_vocabulary(h_n, g_n, y_n, w_n, top_n)
+            terms, grads = whole_vocabulary(h_n, g_n, y_n, w_n, top_n, bufs)
             if with_grads:
                 dh_n, dw_add = products(grads, h_n, ws)
                 dw = add(dw, dw_add)
-            return dw, (terms, dh_n)
+                bufs = grads if block < chunk else bufs
+            return (dw, bufs), (terms, dh_n)
 
         def merge_chunk(acc, k):
             lg = chunk_logits(h_n, g_n, y_n, top_n, k)
@@ -222,18 +234,23 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
             carry = (zero, dh0 if with_grads else None, dw)
             (sums, dh_n, dw), _ = jax.lax.scan(second_pass, carry, jnp.arange(n_vchunks))
         terms = token_terms(stats, psum(sums, axes), y_n, w_n)
-        return dw, (terms, dh_n)
+        return (dw, bufs), (terms, dh_n)
 
     def cut(x):
         return None if x is None else x.reshape(tiling.num_chunks, chunk, *x.shape[2:])
 
     k_sets = len(tiling.sets)
-    dw0 = None
+    dw0, bufs0 = None, ()
     if with_grads:
         dw0 = tuple(_varying(tiling, jnp.zeros((d_model, vocab_local), f32)) for _ in tiling.sets)
+        if n_vchunks == 1 and block < chunk:
+            # The logit gradients of every chunk's blocks land in the same buffers.
+            bufs0 = tuple(
+                _varying(tiling, jnp.zeros((chunk, vocab_local), dtype)) for _ in tiling.sets
+            )
     w = weights.astype(f32)
     xs = (cut(hs), cut(ht), cut(targets), cut(w), jax.tree.map(cut, top))
-    dw, (terms, dh) = jax.lax.scan(step, dw0, xs)
+    (dw, _), (terms, dh) = jax.lax.scan(step, (dw0, bufs0), xs)
     terms = {k: v.reshape(batch, seq) for k, v in terms.items()}
     token_axes = tiling.axes.tokens
     sums = {f"{k}_sum": psum(weighted_sum(v, w), token_axes) for k, v in terms.items()}
