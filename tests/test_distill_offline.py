@@ -196,10 +196,13 @@ def test_top_k_rows_in_blocks_give_the_whole_chunks_results(data, monkeypatch, d
     """The stored top-k rows are cut with the logits when the element-wise work runs in blocks."""
     mesh = mesh_of(devices)
     hs, ws, _, _, y, w, top = place(mesh, *data)
-    results = []
-    for block_bytes in (1 << 10, 1 << 30):  # 2 (or 4 on a tensor shard) rows; the whole chunk
+    results, loops = [], []
+    for block_bytes in (1 << 9, 1 << 30):  # 1 row (2 of a tensor shard); the whole chunk
         monkeypatch.setattr(engine, "CPU_BLOCK_BYTES", block_bytes)
-        results.append(offline.__wrapped__(mesh, 4, None)(hs, ws, top, y, w, CTS))
+        run = offline.__wrapped__(mesh, 4, None)  # a new function: traced with this block size
+        loops.append(run.lower(hs, ws, top, y, w, CTS).as_text().count("stablehlo.while"))
+        results.append(run(hs, ws, top, y, w, CTS))
+    assert loops[0] > loops[1]  # the blocks are a loop of their own
     for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
         # tolerance: 1e-6 relative; the same float32 operations per row, but XLA may
         # vectorise a row's reduction differently at another block shape (a few ulp).

@@ -285,15 +285,19 @@ def test_row_blocks_give_the_whole_chunks_results(data, monkeypatch, mesh_name, 
     cts = (jnp.float32(0.5), jnp.float32(2.0), jnp.float32(1.5))
     if with_coefficients:
         cts = (jnp.float32(1.0), jnp.float32(0.0), jnp.float32(0.7))
-    results = []
-    # 1 KiB of float32 logits per block: 2 rows of the whole vocabulary, 4 of a tensor shard;
+    results, loops = [], []
+    # 512 B of float32 logits per block: 1 row of the whole vocabulary, 2 of a tensor shard;
     # 1 GiB: the whole chunk (8 rows per chunk on this mesh, 32 without one).
-    for block_bytes in (1 << 10, 1 << 30):
+    for block_bytes in (1 << 9, 1 << 30):
         monkeypatch.setattr(engine, "CPU_BLOCK_BYTES", block_bytes)
-        rows = engine.row_block(mesh, 32 if mesh is None else 8, V if mesh is None else V // 2)
-        assert rows == (2 if mesh is None else 4) if block_bytes == 1 << 10 else rows >= 8
+        chunk, vocab = (32, V) if mesh is None else (8, V // 2)
+        want = (1 if mesh is None else 2) if block_bytes == 1 << 9 else chunk
+        assert engine.row_block(mesh, chunk, vocab) == want
         # A new function, so the block size is read at trace time.
-        results.append(fused.__wrapped__(mesh, 4, None, with_coefficients)(*args, cts))
+        run = fused.__wrapped__(mesh, 4, None, with_coefficients)
+        loops.append(run.lower(*args, cts).as_text().count("stablehlo.while"))
+        results.append(run(*args, cts))
+    assert loops[0] > loops[1]  # the blocks are a loop of their own
     blocked, whole = results
     for a, b in zip(jax.tree.leaves(blocked), jax.tree.leaves(whole)):
         # tolerance: 1e-6 relative; the same float32 operations per row, but XLA may vectorise
