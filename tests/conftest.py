@@ -152,6 +152,24 @@ TOKENIZER_LINES = [
 ]
 
 
+def blocked_and_whole(monkeypatch, make_run, *args) -> tuple[Any, Any]:
+    """Results of a loss-engine call in CPU row blocks of 512 B of logits, and in whole chunks.
+
+    `make_run()` returns a new jitted function (traced with the block size of the moment); the
+    blocked program must have a loop of its own, so the comparison is not of one program twice.
+    """
+    from kiln.losses import engine
+
+    results, loops = [], []
+    for block_bytes in (1 << 9, 1 << 30):
+        monkeypatch.setattr(engine, "CPU_BLOCK_BYTES", block_bytes)
+        run = make_run()
+        loops.append(run.lower(*args).as_text().count("stablehlo.while"))
+        results.append(run(*args))
+    assert loops[0] > loops[1]  # the blocks are a loop of their own
+    return results[0], results[1]
+
+
 def train_bpe(path: Path, vocab_size: int, special_tokens: list[str]) -> Path:
     """A tiny byte-level BPE tokenizer, trained on a few lines and saved as `path`."""
     import tokenizers

@@ -11,10 +11,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conftest import make_config
+from conftest import blocked_and_whole, make_config
 from kiln import distill, losses, train
 from kiln.errors import KilnError
-from kiln.losses import TopK, engine
+from kiln.losses import TopK
 from kiln.mesh import make_mesh
 
 AXES = ("data", "fsdp", "tensor", "sequence")
@@ -196,14 +196,10 @@ def test_top_k_rows_in_blocks_give_the_whole_chunks_results(data, monkeypatch, d
     """The stored top-k rows are cut with the logits when the element-wise work runs in blocks."""
     mesh = mesh_of(devices)
     hs, ws, _, _, y, w, top = place(mesh, *data)
-    results, loops = [], []
-    for block_bytes in (1 << 9, 1 << 30):  # 1 row (2 of a tensor shard); the whole chunk
-        monkeypatch.setattr(engine, "CPU_BLOCK_BYTES", block_bytes)
-        run = offline.__wrapped__(mesh, 4, None)  # a new function: traced with this block size
-        loops.append(run.lower(hs, ws, top, y, w, CTS).as_text().count("stablehlo.while"))
-        results.append(run(hs, ws, top, y, w, CTS))
-    assert loops[0] > loops[1]  # the blocks are a loop of their own
-    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+    # Blocks of 1 row (2 of a tensor shard) against the whole chunk.
+    make_run = functools.partial(offline.__wrapped__, mesh, 4, None)
+    blocked, whole = blocked_and_whole(monkeypatch, make_run, hs, ws, top, y, w, CTS)
+    for a, b in zip(jax.tree.leaves(blocked), jax.tree.leaves(whole)):
         # tolerance: 1e-6 relative; the same float32 operations per row, but XLA may
         # vectorise a row's reduction differently at another block shape (a few ulp).
         assert rel_err(a, b) <= 1e-6

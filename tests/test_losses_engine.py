@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from conftest import blocked_and_whole
 from kiln import losses
 from kiln.config import config_from_dict
 from kiln.errors import KilnError
@@ -285,20 +286,13 @@ def test_row_blocks_give_the_whole_chunks_results(data, monkeypatch, mesh_name, 
     cts = (jnp.float32(0.5), jnp.float32(2.0), jnp.float32(1.5))
     if with_coefficients:
         cts = (jnp.float32(1.0), jnp.float32(0.0), jnp.float32(0.7))
-    results, loops = [], []
-    # 512 B of float32 logits per block: 1 row of the whole vocabulary, 2 of a tensor shard;
-    # 1 GiB: the whole chunk (8 rows per chunk on this mesh, 32 without one).
-    for block_bytes in (1 << 9, 1 << 30):
-        monkeypatch.setattr(engine, "CPU_BLOCK_BYTES", block_bytes)
-        chunk, vocab = (32, V) if mesh is None else (8, V // 2)
-        want = (1 if mesh is None else 2) if block_bytes == 1 << 9 else chunk
-        assert engine.row_block(mesh, chunk, vocab) == want
-        # A new function, so the block size is read at trace time.
-        run = fused.__wrapped__(mesh, 4, None, with_coefficients)
-        loops.append(run.lower(*args, cts).as_text().count("stablehlo.while"))
-        results.append(run(*args, cts))
-    assert loops[0] > loops[1]  # the blocks are a loop of their own
-    blocked, whole = results
+    # 512 B of float32 logits per block: 1 row of the whole vocabulary, 2 of a tensor shard.
+    chunk, vocab = (32, V) if mesh is None else (8, V // 2)
+    monkeypatch.setattr(engine, "CPU_BLOCK_BYTES", 1 << 9)
+    assert engine.row_block(mesh, chunk, vocab) == (1 if mesh is None else 2)
+    make_run = functools.partial(fused.__wrapped__, mesh, 4, None, with_coefficients)
+    blocked, whole = blocked_and_whole(monkeypatch, make_run, *args, cts)
+    assert engine.row_block(mesh, chunk, vocab) == chunk  # the helper's 1 GiB: whole chunks
     for a, b in zip(jax.tree.leaves(blocked), jax.tree.leaves(whole)):
         # tolerance: 1e-6 relative; the same float32 operations per row, but XLA may vectorise
         # a row's reduction differently at another block shape (a few ulp).
