@@ -284,13 +284,14 @@ def _timed(fn, args, rounds: int):
 
 @contextlib.contextmanager
 def whole_chunks():
-    """Within the block, kiln's loss engine keeps whole chunks on CPU too (no row blocks)."""
-    saved = engine.CPU_BLOCK_BYTES
-    engine.CPU_BLOCK_BYTES = 1 << 62
+    """Within the block, kiln's loss engine keeps `num_vocab_tiling`'s whole chunks on CPU too
+    (no smaller chunks, no row blocks)."""
+    saved = engine.CPU_CHUNK_BYTES, engine.CPU_BLOCK_BYTES
+    engine.CPU_CHUNK_BYTES = engine.CPU_BLOCK_BYTES = 1 << 62
     try:
         yield
     finally:
-        engine.CPU_BLOCK_BYTES = saved
+        engine.CPU_CHUNK_BYTES, engine.CPU_BLOCK_BYTES = saved
 
 
 def head_split(config, teacher_cfg, rounds: int) -> dict:

@@ -153,7 +153,8 @@ TOKENIZER_LINES = [
 
 
 def blocked_and_whole(monkeypatch, make_run, *args) -> tuple[Any, Any]:
-    """Results of a loss-engine call in CPU row blocks of 512 B of logits, and in whole chunks.
+    """Results of a loss-engine call on CPU in chunks of 2 KiB of logits and row blocks of
+    512 B, and in whole chunks.
 
     `make_run()` returns a new jitted function (traced with the block size of the moment); the
     blocked program must have a loop of its own, so the comparison is not of one program twice.
@@ -161,7 +162,8 @@ def blocked_and_whole(monkeypatch, make_run, *args) -> tuple[Any, Any]:
     from kiln.losses import engine
 
     results, loops = [], []
-    for block_bytes in (1 << 9, 1 << 30):
+    for chunk_bytes, block_bytes in ((1 << 11, 1 << 9), (1 << 30, 1 << 30)):
+        monkeypatch.setattr(engine, "CPU_CHUNK_BYTES", chunk_bytes)
         monkeypatch.setattr(engine, "CPU_BLOCK_BYTES", block_bytes)
         run = make_run()
         loops.append(run.lower(*args).as_text().count("stablehlo.while"))

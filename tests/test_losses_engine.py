@@ -280,19 +280,23 @@ def test_coefficient_mode_poisons_other_gradients(data, tiles):
 @pytest.mark.parametrize("with_coefficients", [False, True])
 @pytest.mark.parametrize("mesh_name", ["none", "data2_fsdp2_tensor2"])
 def test_row_blocks_give_the_whole_chunks_results(data, monkeypatch, mesh_name, with_coefficients):
-    """On CPU the chunk's element-wise work runs in row blocks: the same sums and gradients."""
+    """On CPU chunks are cut smaller, and their element-wise work runs in row blocks: the same
+    sums and gradients."""
     mesh = make_mesh(mesh_name)
     args = place(mesh, *data)
     cts = (jnp.float32(0.5), jnp.float32(2.0), jnp.float32(1.5))
     if with_coefficients:
         cts = (jnp.float32(1.0), jnp.float32(0.0), jnp.float32(0.7))
-    # 512 B of float32 logits per block: 1 row of the whole vocabulary, 2 of a tensor shard.
+    # 2 KiB of float32 logits per chunk and 512 B per block: 4 rows and 1 of the whole
+    # vocabulary (a chunk of 32 rows cut in 8), 8 rows (the whole chunk) and 2 of a tensor shard.
     chunk, vocab = (32, V) if mesh is None else (8, V // 2)
+    monkeypatch.setattr(engine, "CPU_CHUNK_BYTES", 1 << 11)
     monkeypatch.setattr(engine, "CPU_BLOCK_BYTES", 1 << 9)
-    assert engine.row_block(mesh, chunk, vocab) == (1 if mesh is None else 2)
+    assert engine.cpu_rows(mesh, chunk, vocab) == ((4, 1) if mesh is None else (8, 2))
     make_run = functools.partial(fused.__wrapped__, mesh, 4, None, with_coefficients)
     blocked, whole = blocked_and_whole(monkeypatch, make_run, *args, cts)
-    assert engine.row_block(mesh, chunk, vocab) == chunk  # the helper's 1 GiB: whole chunks
+    # the helper's 1 GiB: whole chunks
+    assert engine.cpu_rows(mesh, chunk, vocab) == (chunk, chunk)
     for a, b in zip(jax.tree.leaves(blocked), jax.tree.leaves(whole)):
         # tolerance: 1e-6 relative; the same float32 operations per row, but XLA may vectorise
         # a row's reduction differently at another block shape (a few ulp).

@@ -70,25 +70,35 @@ def _varying(tiling: Tiling, x):
     return jax.lax.pcast(x, axes, to="varying") if tiling.mesh is not None and axes else x
 
 
-# Bytes of one row block's float32 logits on CPU: a block's element-wise passes (statistics,
-# sums, logit gradients) then run in cache instead of streaming the chunk's [n, V] arrays from
-# memory once per pass.
+# On CPU, bytes of one chunk's float32 logits per model, and of one row block's. Smaller
+# chunks mean smaller per-chunk arrays (logits, logit gradients): fewer fresh pages to map at
+# every step and more of them still cached when the next pass reads them. A block's
+# element-wise passes (statistics, sums, logit gradients) run in the cores' caches instead of
+# streaming [n, V] arrays from memory once per pass.
+CPU_CHUNK_BYTES = 32 << 20
 CPU_BLOCK_BYTES = 1 << 20
 
 
-def row_block(mesh, chunk: int, vocab_local: int) -> int:
-    """Rows of a chunk whose element-wise work is done together (a divisor of `chunk`).
+def _rows_within(rows: int, budget: int, vocab_local: int) -> int:
+    """The largest power of two of rows dividing `rows` whose float32 logits fit `budget`."""
+    fit = max(1, budget // (4 * vocab_local))
+    return math.gcd(rows, 1 << (fit.bit_length() - 1))
 
-    The head products run on the whole chunk either way. On GPU and TPU the compiler fuses the
-    element-wise work over the chunk's logits into a few kernels: the whole chunk. On CPU the
-    chunk is cut into blocks of about `CPU_BLOCK_BYTES` of logits (a power of two of rows
-    dividing the chunk), each pass over a block then runs in cache: the same operations per
-    row, so the same values up to how XLA vectorises a row's sums at the block's shape.
+
+def cpu_rows(mesh, chunk: int, vocab_local: int) -> tuple[int, int]:
+    """(rows per chunk, rows per block) of the chunk loop: divisors of `chunk`, `chunk` off CPU.
+
+    On GPU and TPU the compiler fuses the element-wise work over a chunk's logits into a few
+    kernels: `num_vocab_tiling`'s chunks, whole. On CPU a chunk is cut further, into chunks of
+    about `CPU_CHUNK_BYTES` of logits per model, and those into row blocks of about
+    `CPU_BLOCK_BYTES`: the same operations per row, so the same values up to the order in
+    which the head gradient adds up its chunks and how XLA vectorises a row's sums at the
+    block's shape. Smaller chunks only lower the memory `num_vocab_tiling` bounds.
     """
     if traced_platform(mesh) != "cpu":
-        return chunk
-    rows = max(1, CPU_BLOCK_BYTES // (4 * vocab_local))
-    return math.gcd(chunk, 1 << (rows.bit_length() - 1))
+        return chunk, chunk
+    rows = _rows_within(chunk, CPU_CHUNK_BYTES, vocab_local)
+    return rows, _rows_within(rows, CPU_BLOCK_BYTES, vocab_local)
 
 
 def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
@@ -96,9 +106,12 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
     hs, ws, targets, weights, ht, wt, temp, top = inputs
     batch, seq, d_model = hs.shape
     vocab_local = ws.shape[1]
-    chunk = batch * seq // tiling.num_chunks
     vchunk = tiling.vocab_chunk or vocab_local
     n_vchunks = vocab_local // vchunk
+    chunk = batch * seq // tiling.num_chunks
+    block = chunk
+    if n_vchunks == 1:
+        chunk, block = cpu_rows(tiling.mesh, chunk, vocab_local)
     axes, losses = tiling.axes.vocab, tiling.losses
     dtype = ws.dtype  # the head matmuls' input dtype, as in `logits`
     columns = jnp.arange(vocab_local)
@@ -174,20 +187,19 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
         xs = (x_s, x_t, y_n, w_n, top_n)
         if block == chunk:
             return rows(*xs)
-        blocks = jax.tree.map(lambda a: a.reshape(chunk // block, block, *a.shape[1:]), xs)
 
-        def one_block(bufs, i_b):
-            i, b = i_b
+        def one_block(bufs, i):
+            # The block is sliced in the loop body, not handed in as a scanned input: the
+            # element-wise passes then read its rows where they lie (a scanned input is copied
+            # out first, and its unrolled pair once more).
+            b = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * block, block), xs)
             terms, grads = rows(*b)
             put = functools.partial(jax.lax.dynamic_update_slice_in_dim, axis=0)
             return tuple(put(buf, g, i * block) for buf, g in zip(bufs, grads or ())), terms
 
         # Two blocks per iteration: their independent work can run on two threads at once.
-        steps = (jnp.arange(chunk // block), blocks)
-        bufs, terms = jax.lax.scan(one_block, bufs, steps, unroll=2)
+        bufs, terms = jax.lax.scan(one_block, bufs, jnp.arange(chunk // block), unroll=2)
         return {t: v.reshape(chunk) for t, v in terms.items()}, (bufs if with_grads else None)
-
-    block = row_block(tiling.mesh, chunk, vocab_local)
 
     def step(carry, xs):
         dw, bufs = carry
@@ -237,7 +249,7 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
         return (dw, bufs), (terms, dh_n)
 
     def cut(x):
-        return None if x is None else x.reshape(tiling.num_chunks, chunk, *x.shape[2:])
+        return None if x is None else x.reshape(batch * seq // chunk, chunk, *x.shape[2:])
 
     k_sets = len(tiling.sets)
     dw0, bufs0 = None, ()
