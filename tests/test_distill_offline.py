@@ -196,7 +196,8 @@ def test_top_k_rows_in_blocks_give_the_whole_chunks_results(data, monkeypatch, d
     """The stored top-k rows are cut with the logits when the element-wise work runs in blocks."""
     mesh = mesh_of(devices)
     hs, ws, _, _, y, w, top = place(mesh, *data)
-    # Blocks of 1 row (2 of a tensor shard) against the whole chunk.
+    # Chunks of 4 rows in blocks of 1 (on 8 devices the whole 8-row chunk, in blocks of 2 rows
+    # of a tensor shard) against the whole chunk.
     make_run = functools.partial(offline.__wrapped__, mesh, 4, None)
     blocked, whole = blocked_and_whole(monkeypatch, make_run, hs, ws, top, y, w, CTS)
     for a, b in zip(jax.tree.leaves(blocked), jax.tree.leaves(whole)):

@@ -181,7 +181,7 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
 
     def whole_vocabulary(h_n, g_n, y_n, w_n, top_n, bufs):
         """One chunk's logits made whole (one product per model), then its element-wise work in
-        blocks of `block` rows (`row_block`), each block's logit gradients written into its rows
+        blocks of `block` rows (`cpu_rows`), each block's logit gradients written into its rows
         of `bufs` (one [chunk, c] buffer per gradient set, reused from chunk to chunk)."""
         x_s, x_t = head_logits(h_n, g_n, None)
         xs = (x_s, x_t, y_n, w_n, top_n)
