@@ -19,10 +19,11 @@ from pathlib import Path
 
 import jax
 
-from kiln import checksums, train
-from kiln.checkpoint import Checkpointer, abstract_like, restore
 from kiln.config import CheckpointConfig, config_from_dict
-from kiln.runner import checkpoint_tree
+from kiln.runs.checkpoint import Checkpointer, abstract_like, restore
+from kiln.training import train
+from kiln.training.loop import checkpoint_tree
+from kiln.util import checksums
 from step_throughput import make_batch  # a sibling script: benchmarks/ is on sys.path
 
 SEQ, BATCH = 256, 4

@@ -148,8 +148,8 @@ def bench_trainer(config, steps: int) -> dict:
     import jax
 
     from kiln.data import make_datasets
-    from kiln.mesh import make_mesh
-    from kiln.train import init_state, make_train_step, place_batch, shardings_of
+    from kiln.parallel.mesh import make_mesh
+    from kiln.training.train import init_state, make_train_step, place_batch, shardings_of
 
     mesh = make_mesh(config)
     state = init_state(config, mesh)
@@ -171,7 +171,7 @@ def with_sources(config, sources: list[dict]):
     """`config` with data.sources in place of its single source (whose fields go back to
     their defaults: setting both is refused)."""
     from kiln.config import config_from_dict
-    from kiln.schema.data import PER_SOURCE
+    from kiln.config.schema.data import PER_SOURCE
 
     raw = config.model_dump(mode="json")
     raw["data"] = {k: v for k, v in raw["data"].items() if k not in PER_SOURCE}

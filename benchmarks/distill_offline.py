@@ -32,10 +32,12 @@ import numpy as np
 
 # Run as a script from benchmarks/: its sibling's random batches serve this benchmark too.
 from distill_step import batches
-from kiln import distill, losses, train
-from kiln.compile import memory_figures
+from kiln import losses
+from kiln.commands.compile import memory_figures
 from kiln.config import load_config
-from kiln.mesh import make_mesh
+from kiln.distill import online as distill
+from kiln.parallel.mesh import make_mesh
+from kiln.training import train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHAPE = [

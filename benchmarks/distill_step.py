@@ -48,10 +48,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kiln import distill, losses, train
+from kiln import losses
 from kiln.config import load_config
+from kiln.distill import online as distill
 from kiln.losses import engine
-from kiln.mesh import make_mesh
+from kiln.parallel.mesh import make_mesh
+from kiln.training import train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHAPE = ["model.vocab_size=32768", "loss.num_vocab_tiling=4", "mesh.fsdp=1"]

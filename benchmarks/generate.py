@@ -1,4 +1,4 @@
-"""Decode tokens/s with the KV cache (`kiln.generate.generate`) vs re-running the full forward
+"""Decode tokens/s with the KV cache (`kiln.commands.generate.generate`) vs re-running the full forward
 pass for every new token, on the same model in one process; JSON.
 
 The model is `configs/tiny.yaml`'s (4 layers, d 128, vocab 384, float32) with
@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kiln.commands.generate import PROMPT_BUCKET, generate
 from kiln.config import load_config
-from kiln.generate import PROMPT_BUCKET, generate
 from kiln.model import create_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def full_forward_decoder(model, prompts, new_tokens):
     tokens = np.zeros((b, p + new_tokens), np.int32)
     positions = np.zeros_like(tokens)
     segments = np.zeros_like(tokens)
-    for r, x in enumerate(prompts):  # the same left-padded layout as kiln.generate
+    for r, x in enumerate(prompts):  # the same left-padded layout as kiln.commands.generate
         tokens[r, p - len(x) : p] = x
         positions[r, p - len(x) :] = np.arange(len(x) + new_tokens)
         segments[r, p - len(x) :] = 1

@@ -17,10 +17,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from kiln import train
 from kiln.config import config_from_dict
+from kiln.config.schema import ModelConfig
 from kiln.model.llama import Transformer
-from kiln.schema import ModelConfig
+from kiln.training import train
 
 POLICIES = typing.get_args(ModelConfig.model_fields["remat"].annotation)
 BATCH, VOCAB = 8, 128

@@ -18,9 +18,9 @@ from pathlib import Path
 import fsspec
 import jax.numpy as jnp
 
-from kiln.checkpoint import Checkpointer
 from kiln.config import CheckpointConfig
-from kiln.run_sync import RunSync
+from kiln.runs.checkpoint import Checkpointer
+from kiln.runs.sync import RunSync
 
 
 def main() -> None:

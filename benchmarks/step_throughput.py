@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kiln import train
 from kiln.config import config_from_dict
+from kiln.training import train
 
 LAYERS, D, HEADS, FF, VOCAB, SEQ, BATCH = 4, 512, 8, 1408, 8192, 512, 8
 LR, B1, B2, EPS, WD, CLIP = 3e-4, 0.9, 0.95, 1e-8, 0.1, 1.0

@@ -20,9 +20,7 @@ from pathlib import Path
 
 from kiln.data.sources import resolve_inputs, stdlib_root
 
-DEFAULT_OUT = (
-    Path(__file__).resolve().parents[1] / "src/kiln/evaluation/data/stdlib_next_line.jsonl"
-)
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "src/kiln/data/eval_data/stdlib_next_line.jsonl"
 CONTEXT_LINES = 4
 # Rows of [EOS] + context + line stay near data.seq_len of configs/tiny.yaml (128).
 MAX_CONTEXT_BYTES = 64

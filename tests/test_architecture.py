@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO, make_config
-from kiln import train
-from kiln.mesh import make_mesh
+from kiln.parallel.mesh import make_mesh
+from kiln.training import train
 
 MODEL = {"vocab_size": 64, "d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64}
 MODEL.update(max_seq_len=16)

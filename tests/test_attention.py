@@ -9,7 +9,6 @@ import pytest
 
 from conftest import REPO, assert_user_error, kiln, make_config
 from kiln.errors import KilnError
-from kiln.mesh import batch_sharding, logical_sharding, make_mesh, use_mesh
 from kiln.model import create_model
 from kiln.model.attention import (
     IMPLEMENTATIONS,
@@ -22,6 +21,7 @@ from kiln.model.attention import (
     sequence_shards,
     splash_attention,
 )
+from kiln.parallel.mesh import batch_sharding, logical_sharding, make_mesh, use_mesh
 
 B, N, K, H = 4, 4, 2, 16  # grouped-query: 2 query heads per key/value head
 # Logical names of the model's queries and keys/values entering attention (kiln.model.llama).

@@ -337,7 +337,7 @@ def test_config_template_syntax_error_and_format_without_jsonl_exit_2(tmp_path):
 def test_chat_weights_flow_through_the_train_step_and_accumulation(tmp_path):
     """A chat batch through train.loss_and_grads: total_weights counts the assistant targets,
     accumulation agrees, and targets of weight 0 change neither the loss nor the gradients."""
-    from kiln import train
+    from kiln.training import train
 
     tok = load_tokenizer("byte")
     src = write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION}] * 4)

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from conftest import assert_user_error, kiln, start_kiln, write_config
-from kiln import train
-from kiln.checkpoint import latest_complete_step, restore
 from kiln.config import load_config
-from kiln.runner import checkpoint_tree
+from kiln.runs.checkpoint import latest_complete_step, restore
+from kiln.training import train
+from kiln.training.loop import checkpoint_tree
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +84,7 @@ def final_params(config_path: Path, *overrides):
 
 
 def train_abstract(state):
-    from kiln.checkpoint import abstract_like
+    from kiln.runs.checkpoint import abstract_like
 
     return abstract_like(checkpoint_tree(state))
 
@@ -258,7 +258,7 @@ def test_orbax_routine_warnings_are_dropped_and_other_absl_records_kept(
     from absl import logging as absl_logging
 
     absl = logging.getLogger("absl")
-    assert absl.level < logging.ERROR  # importing kiln.checkpoint silenced nothing
+    assert absl.level < logging.ERROR  # importing kiln.runs.checkpoint silenced nothing
     caplog.set_level(logging.INFO)
     (tmp_path / "checkpoints").mkdir()
 

@@ -13,18 +13,21 @@ import numpy as np
 import pytest
 
 from conftest import make_config
-from kiln import checksums, distill, pinned, train
-from kiln.checkpoint import (
+from kiln.distill import online as distill
+from kiln.errors import KilnError
+from kiln.runs import pinned
+from kiln.runs.checkpoint import (
     Checkpointer,
     abstract_like,
     complete_steps,
     restore,
     restore_newest_intact,
     restore_params,
-    set_aside,
 )
-from kiln.errors import KilnError
-from kiln.runner import checkpoint_tree, skip_cause
+from kiln.training import train
+from kiln.training.loop import checkpoint_tree, skip_cause
+from kiln.util import checksums
+from kiln.util.checksums import set_aside
 
 MODEL = {"vocab_size": 384, "d_model": 16, "num_layers": 1, "num_heads": 2, "d_ff": 32, "max_seq_len": 16}  # fmt: skip
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, kiln
-from kiln.compare import compare, read_run, smooth
+from kiln.commands.compare import compare, read_run, smooth
 from kiln.errors import KilnError
 
 METRICS = [

@@ -10,11 +10,11 @@ import jax
 import pytest
 
 from conftest import assert_user_error, kiln, kiln_main
-from kiln import compile as aot
-from kiln import runner, train
 from kiln.cli import main
+from kiln.commands import compile as aot
+from kiln.commands.fit import remat_policies
 from kiln.config import load_config
-from kiln.fit import remat_policies
+from kiln.training import pretrain, runner, train
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_1B = ROOT / "configs/models/llama3-1b.yaml"
@@ -50,7 +50,7 @@ def test_compile_reports_the_memory_of_the_step_kiln_train_runs(
         return state
 
     monkeypatch.setattr(runner.Loop, "run", compile_first_step)
-    train.run(load_config(LLAMA_1B, [*SMALL_1B, f"train.output_dir={tmp_path}"]))
+    pretrain.run(load_config(LLAMA_1B, [*SMALL_1B, f"train.output_dir={tmp_path}"]))
     memory, _ = aot.memory_figures(captured["stats"], "cpu")
     # Exact: the same program, lowered from abstract rather than real arrays.
     assert report.memory == memory
@@ -311,8 +311,8 @@ def test_distillation_configs_compile_the_distill_step_with_the_teacher_abstract
 
     import jax
 
-    from kiln.distill import abstract_teacher
-    from kiln.mesh import make_mesh
+    from kiln.distill.teacher import abstract_teacher
+    from kiln.parallel.mesh import make_mesh
 
     teacher_dir = tmp_path / "teacher"
     teacher_dir.mkdir()  # its config.yaml only: compiling reads no checkpoint

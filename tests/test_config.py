@@ -324,8 +324,10 @@ def test_cli_out_of_range_values_exit_2_with_one_line(tmp_path, override, needle
 def test_a_stopped_run_exits_1_with_one_line_through_the_process_exit(
     tmp_path, monkeypatch, capsys
 ):
-    from kiln import cli, distributed, train
+    from kiln import cli
     from kiln.errors import RunStopped
+    from kiln.parallel import distributed
+    from kiln.training import train
 
     def stopped(config, restart=False):
         raise RunStopped("3 consecutive steps had a non-finite loss or gradient")

@@ -7,9 +7,9 @@ import re
 import pytest
 
 from conftest import kiln, make_config, write_config
-from kiln import distill
-from kiln.console import step_line
-from kiln.metrics import perf_metrics
+from kiln.distill import online as distill
+from kiln.training.console import step_line
+from kiln.training.metrics import perf_metrics
 
 MODEL = {"vocab_size": 384, "d_model": 32, "num_layers": 1, "num_heads": 2, "d_ff": 64, "max_seq_len": 16}  # fmt: skip
 

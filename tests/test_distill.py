@@ -14,13 +14,16 @@ import yaml
 from flax import nnx
 
 from conftest import kiln_main
-from kiln import distill, losses, train
-from kiln.checkpoint import Checkpointer, restore_params
+from kiln import losses
 from kiln.config import config_from_dict
+from kiln.distill import online as distill
 from kiln.errors import KilnError
-from kiln.mesh import make_mesh, sharded_init
 from kiln.model import create_model
-from kiln.runner import checkpoint_tree, restore_state
+from kiln.parallel.mesh import make_mesh, sharded_init
+from kiln.runs.checkpoint import Checkpointer, restore_params
+from kiln.training import train
+from kiln.training.loop import checkpoint_tree
+from kiln.training.runner import restore_state
 
 SEQ, BATCH, VOCAB = 16, 16, 384
 TEACHER_MODEL = {"vocab_size": VOCAB, "d_model": 32, "num_layers": 2, "num_heads": 4, "d_ff": 64, "max_seq_len": SEQ}  # fmt: skip
@@ -432,9 +435,9 @@ def metrics(run_dir):
 
 
 def final_params(config_path):
-    from kiln.checkpoint import abstract_like, latest_complete_step, restore
     from kiln.config import load_config
-    from kiln.runner import checkpoint_tree
+    from kiln.runs.checkpoint import abstract_like, latest_complete_step, restore
+    from kiln.training.loop import checkpoint_tree
 
     config = load_config(config_path)
     teacher_cfg, _, _ = distill.read_teacher_config(config)

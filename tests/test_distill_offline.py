@@ -12,10 +12,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conftest import blocked_and_whole, make_config
-from kiln import distill, losses, train
+from kiln import losses
+from kiln.distill import online as distill
 from kiln.errors import KilnError
 from kiln.losses import TopK
-from kiln.mesh import make_mesh
+from kiln.parallel.mesh import make_mesh
+from kiln.training import train
 
 AXES = ("data", "fsdp", "tensor", "sequence")
 TILINGS = {"untiled": (1, None), "tiled": (4, None), "vocab_chunked": (2, 32)}

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, kiln_env
-from kiln import cli, commands
+from kiln import cli
+from kiln.commands import handlers as commands
 from kiln.config import config_from_dict, load_config
 
 pytestmark = pytest.mark.slow
@@ -136,9 +137,9 @@ def run_kiln(argv: list[str], later: str, cache: Path, capsys) -> None:
 def start_checks(config, args) -> None:
     """What `kiln train`/`kiln distill` checks before its first step, without the training."""
     from kiln.data import make_datasets
-    from kiln.distill import read_teacher_config
-    from kiln.rundir import RunComplete
-    from kiln.runner import resume_notes
+    from kiln.distill.teacher import read_teacher_config
+    from kiln.runs.rundir import RunComplete
+    from kiln.training.runner import resume_notes
 
     if args.command == "distill":
         read_teacher_config(config)

@@ -16,15 +16,15 @@ import pytest
 from flax import nnx
 
 from conftest import assert_user_error, kiln, make_config
-from kiln.checkpoint import abstract_like, restore_params
 from kiln.cli import main
-from kiln.compare import load_runs, read_events
+from kiln.commands.compare import load_runs, read_events
 from kiln.data.corpus import split_documents
+from kiln.data.eval_tasks import default_name, parse_task, parse_tasks
 from kiln.errors import KilnError
-from kiln.evaluation.tasks import default_name, parse_task, parse_tasks
 from kiln.model import abstract_state, build_model
-from kiln.profiling import compilation_cache_for
-from kiln.train import run
+from kiln.runs.checkpoint import abstract_like, restore_params
+from kiln.training.profiling import compilation_cache_for
+from kiln.training.train import run
 
 pytestmark = pytest.mark.slow
 F32 = 1e-5  # relative: float32 sums of the same per-token losses in another order
@@ -288,8 +288,8 @@ def test_bad_task_in_the_cli_as_a_user_sees_it(tiny):
 
 
 def test_the_bundled_task_parses(tmp_path):
+    from kiln.data.eval_tasks import load_choice
     from kiln.data.tokenizers import ByteTokenizer
-    from kiln.evaluation.tasks import load_choice
 
     task = load_choice(parse_task("choice:kiln:stdlib_next_line.jsonl"), ByteTokenizer(), 384, 256)
     assert len(task.gold) == 100 and set(task.num_choices) == {4}

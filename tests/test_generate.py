@@ -12,9 +12,9 @@ from transformers import LlamaForCausalLM
 
 from conftest import make_config
 from kiln.cli import main
-from kiln.generate import Sampling, generate, sample
-from kiln.mesh import make_mesh
+from kiln.commands.generate import Sampling, generate, sample
 from kiln.model import create_model
+from kiln.parallel.mesh import make_mesh
 from test_hf import kiln_run
 
 RTOL = 1e-5  # float32 logits, cache decode vs full forward: max |a - b| / max |b| per step

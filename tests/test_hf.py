@@ -18,15 +18,15 @@ from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from kiln.checkpoint import Checkpointer, restore_params
 from kiln.cli import main
 from kiln.config import config_from_dict, load_config
 from kiln.data.tokenizers import load_tokenizer
-from kiln.distill import load_teacher
-from kiln.mesh import make_mesh
+from kiln.distill.teacher import load_teacher
 from kiln.model.llama import rope_frequencies
-from kiln.runner import checkpoint_tree
-from kiln.train import init_state
+from kiln.parallel.mesh import make_mesh
+from kiln.runs.checkpoint import Checkpointer, restore_params
+from kiln.training.loop import checkpoint_tree
+from kiln.training.train import init_state
 
 B, S, V = 8, 16, 96
 TOL = 1e-4  # whole-model float32 logits, kiln vs transformers

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from kiln.config import DEFAULT_AXIS_RULES, config_from_dict
 from kiln.errors import KilnError
-from kiln.mesh import (
+from kiln.parallel.mesh import (
     batch_sharding,
     constrain,
     in_mesh,

@@ -14,9 +14,9 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import kiln_env
-from kiln.checkpoint import latest_complete_step
 from kiln.config import config_from_dict
-from kiln.metrics import MetricsLogger
+from kiln.runs.checkpoint import latest_complete_step
+from kiln.training.metrics import MetricsLogger
 
 
 def rows(run_dir: Path) -> list[dict]:

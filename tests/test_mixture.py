@@ -12,11 +12,11 @@ import pytest
 import yaml
 
 from conftest import assert_user_error, kiln, make_config, write_config
-from kiln.compare import expand_metrics
+from kiln.commands.compare import expand_metrics
 from kiln.config import config_from_dict, load_config
-from kiln.console import step_line
 from kiln.data import make_datasets
 from kiln.errors import KilnError
+from kiln.training.console import step_line
 
 KEYS = ("inputs", "targets", "positions", "segment_ids", "weights")
 SEQ = 16
@@ -322,8 +322,8 @@ def test_kill_9_mid_run_resumes_with_the_same_batches_and_losses(tmp_path, strai
     import signal
 
     from conftest import start_kiln
-    from kiln.checkpoint import latest_complete_step
     from kiln.config import load_config
+    from kiln.runs.checkpoint import latest_complete_step
     from test_checkpoint import assert_bitwise, final_params, wait_for_step
 
     root, corpus, want = straight

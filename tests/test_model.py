@@ -11,10 +11,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from kiln import train
 from kiln.config import config_from_dict, load_config
 from kiln.errors import KilnError
-from kiln.mesh import batch_sharding, make_mesh, sharded_abstract, state_shardings, use_mesh
 from kiln.model import (
     FAMILIES,
     ModelOutput,
@@ -27,6 +25,14 @@ from kiln.model import (
 from kiln.model.attention import dense_attention as attention
 from kiln.model.llama import REMAT_POLICIES, Transformer
 from kiln.model.project import grad_reduce_dtype, project
+from kiln.parallel.mesh import (
+    batch_sharding,
+    make_mesh,
+    sharded_abstract,
+    state_shardings,
+    use_mesh,
+)
+from kiln.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
 B, S, V = 8, 16, 128

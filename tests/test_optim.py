@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from kiln.config import OptimConfig
-from kiln.optim import decay_mask, make_schedule
+from kiln.training.optim import decay_mask, make_schedule
 
 LR, STEPS, WARMUP, F = 1e-3, 100, 10, 0.1
 

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import kiln, make_config
 from kiln.errors import KilnError
-from kiln.profiling import ProfileWindow, cache_dir, compilation_cache_for
+from kiln.training.profiling import ProfileWindow, cache_dir, compilation_cache_for
 
 
 def traces(run_dir):

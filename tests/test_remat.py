@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
-from kiln import train
 from kiln.config import config_from_dict
+from kiln.config.schema import ModelConfig
 from kiln.model.llama import REMAT_POLICIES, TAGS, Block, Transformer
-from kiln.schema import ModelConfig
+from kiln.training import train
 
 # The schema lists the policies most memory first (as docs/performance.md does); offload's
 # place depends on whether the platform has a separate host memory, so it is checked apart.

@@ -15,12 +15,12 @@ import pytest
 
 from conftest import MEMORY, assert_user_error, kiln, make_config
 from kiln.data import load_tokenizer, make_datasets
+from kiln.data.eval_tasks import load_perplexity, parse_task
 from kiln.data.prepare import run_prepare
 from kiln.data.remote_tokens import RemoteTokens
 from kiln.data.sources import plan_tasks, read_documents, resolve_inputs
 from kiln.errors import KilnError
-from kiln.evaluation.tasks import load_perplexity, parse_task
-from kiln.remote_runs import local_run
+from kiln.runs.remote import local_run
 
 WORDS = ["the", "of", "kiln", "model", "token", "loss", "shard", "mesh", "step", "batch", "layer"]  # fmt: skip
 
@@ -257,18 +257,18 @@ def logged_losses(run_dir: Path) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_training_on_memory_shards_into_a_file_url_resumes_exactly(tmp_path, mem, shards):
-    from kiln import train
+    from kiln.training import pretrain
 
     local, url = shards
     # One output directory, so the runs share its compilation cache (one compile, not three).
     output = (tmp_path / "url runs").as_uri()  # file:///.../url%20runs
     straight = run_config(str(local), output, "straight", steps=4)
     assert straight.run_dir == tmp_path / "url runs" / "straight"
-    train.run(straight)
+    pretrain.run(straight)
     want = logged_losses(straight.run_dir)
     first = run_config(url, output, "r", steps=2)
-    train.run(first)
-    train.run(run_config(url, output, "r", steps=4))
+    pretrain.run(first)
+    pretrain.run(run_config(url, output, "r", steps=4))
     got = logged_losses(first.run_dir)
     assert sorted(got) == [1, 2, 3, 4]
     assert got == want  # bitwise: the same batches from the URL, the same resumed state
@@ -279,7 +279,7 @@ def test_training_on_memory_shards_into_a_file_url_resumes_exactly(tmp_path, mem
     MEMORY.put(str(first.run_dir), f"{mem}/runs/r", recursive=True)
     firsts = {}
     for name, source in (("ft-local", str(first.run_dir)), ("ft-url", f"memory://{mem}/runs/r")):
-        train.run(run_config(url, output, name, steps=1, load_params_from=source))
+        pretrain.run(run_config(url, output, name, steps=1, load_params_from=source))
         firsts[name] = logged_losses(tmp_path / "url runs" / name)[1]
     assert firsts["ft-url"] == firsts["ft-local"] != want[1]
     mirrored = tmp_path / "url runs" / ".cache" / "remote-runs"
@@ -288,8 +288,8 @@ def test_training_on_memory_shards_into_a_file_url_resumes_exactly(tmp_path, mem
     # distillation.teacher_run_dir at a URL: the teacher restored is the local run's, bitwise.
     import jax
 
-    from kiln.distill import load_teacher
-    from kiln.mesh import make_mesh
+    from kiln.distill.teacher import load_teacher
+    from kiln.parallel.mesh import make_mesh
 
     teachers = []
     for source in (str(first.run_dir), f"memory://{mem}/runs/r"):

@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 from conftest import start_kiln, write_config
-from kiln.checkpoint import latest_complete_step
 from kiln.cli import main
 from kiln.config import OptimConfig
-from kiln.rundir import lr_jump
+from kiln.runs.checkpoint import latest_complete_step
+from kiln.training.resume import lr_jump
 
 LR, FINAL = 1e-3, 0.1
 RUN = {

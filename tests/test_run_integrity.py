@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 
 from conftest import assert_user_error, kiln, kiln_env, kiln_main, start_kiln, write_config
-from kiln.checkpoint import latest_complete_step
 from kiln.config import config_from_dict
 from kiln.data import make_datasets
 from kiln.errors import KilnError, RunStopped
-from kiln.metrics import append_line
-from kiln.paths import check_output_paths
-from kiln.runlock import RunLock
+from kiln.runs.checkpoint import latest_complete_step
+from kiln.runs.lock import RunLock
+from kiln.runs.paths import check_output_paths
+from kiln.training.metrics import append_line
 
 
 def small_run(tmp_path: Path, name: str = "r", steps: int = 12, **train) -> dict:
@@ -62,7 +62,7 @@ def without_timing(table: list[dict]) -> list[dict]:
 HOLDER = """
 import sys, time
 from pathlib import Path
-from kiln.runlock import RunLock
+from kiln.runs.lock import RunLock
 lock = RunLock(Path(sys.argv[1]), "kiln train")
 lock.acquire()
 print("held", flush=True)

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from conftest import MEMORY, assert_user_error, kiln_main, make_config, write_config
-from kiln import run_sync, storage
 from kiln.errors import KilnError
+from kiln.runs import sync as run_sync
+from kiln.util import storage
 
 
 def remote_files(root: str) -> dict[str, bytes]:
@@ -127,26 +128,26 @@ def losses(text: str) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_a_run_at_a_url_resumes_from_it_on_another_machine(tmp_path, mem, compile_cache):
-    from kiln import train
+    from kiln.training import pretrain
 
     straight = tiny(str(tmp_path / "local"), compile_cache, steps=4)
-    train.run(straight)
+    pretrain.run(straight)
     want = losses((straight.run_dir / "metrics.jsonl").read_text())
     url, mirror = f"memory://{mem}/runs", tmp_path / "mirror"
-    train.run(tiny(url, compile_cache, steps=2, mirror_dir=str(mirror)))
+    pretrain.run(tiny(url, compile_cache, steps=2, mirror_dir=str(mirror)))
     on_url = remote_files(f"{mem}/runs/run")
     assert "checkpoints/2/kiln_manifest.json" in on_url and "inputs.json" in on_url
     assert sorted(losses(on_url["metrics.jsonl"].decode())) == [1, 2]
     assert any(r.startswith("tensorboard/") for r in on_url)
 
     shutil.rmtree(mirror)  # another machine: only the URL holds the run
-    train.run(tiny(url, compile_cache, steps=4, mirror_dir=str(mirror)))
+    pretrain.run(tiny(url, compile_cache, steps=4, mirror_dir=str(mirror)))
     assert losses(MEMORY.cat_file(f"{mem}/runs/run/metrics.jsonl").decode()) == want  # bitwise
 
     # Step 4's upload cut before its manifest: a resume from the URL takes step 2, not 4.
     MEMORY.rm_file(f"{mem}/runs/run/checkpoints/4/kiln_manifest.json")
     shutil.rmtree(mirror)
-    train.run(tiny(url, compile_cache, steps=4, mirror_dir=str(mirror)))
+    pretrain.run(tiny(url, compile_cache, steps=4, mirror_dir=str(mirror)))
     assert losses((mirror / "run" / "metrics.jsonl").read_text()) == want
     assert MEMORY.exists(f"{mem}/runs/run/checkpoints/4/kiln_manifest.json")  # saved again
 
@@ -155,9 +156,9 @@ def test_a_run_at_a_url_resumes_from_it_on_another_machine(tmp_path, mem, compil
 def test_a_failed_upload_stops_the_run_in_one_line(tmp_path, async_save):
     import jax.numpy as jnp
 
-    from kiln.checkpoint import Checkpointer
     from kiln.config import CheckpointConfig
     from kiln.errors import RunStopped
+    from kiln.runs.checkpoint import Checkpointer
 
     def refuse():
         raise KilnError("train.output_dir: cannot write memory://b/run/x: 403 Forbidden")

@@ -14,16 +14,17 @@ import numpy as np
 import pytest
 
 from conftest import REPO, assert_user_error, kiln, kiln_env, make_config, start_kiln
-from kiln import losses, train
-from kiln.checkpoint import Checkpointer
+from kiln import losses
 from kiln.data import make_datasets
-from kiln.distill import load_teacher
+from kiln.distill import reader
+from kiln.distill.store import read_manifest, shards
+from kiln.distill.teacher import load_teacher
+from kiln.distill.writer import write_store
 from kiln.errors import KilnError
-from kiln.loop import checkpoint_tree
-from kiln.mesh import make_mesh
-from kiln.offline import reader
-from kiln.offline.store import read_manifest, shards
-from kiln.offline.writer import write_store
+from kiln.parallel.mesh import make_mesh
+from kiln.runs.checkpoint import Checkpointer
+from kiln.training import train
+from kiln.training.loop import checkpoint_tree
 
 SEQ, BATCH, STEPS, K, T = 16, 8, 5, 8, 2.0
 TEACHER = {"vocab_size": 384, "d_model": 32, "num_layers": 2, "num_heads": 4, "d_ff": 64,
@@ -267,15 +268,15 @@ def run_metrics(run_dir):
 
 
 def fresh_student(config):
-    from kiln.distill import init_student
-    from kiln.offline.distill import stored_teacher
+    from kiln.distill.offline import stored_teacher
+    from kiln.distill.online import init_student
 
     teacher = stored_teacher(config, read_manifest(config.distillation.teacher_logits_dir))
     return init_student(config, make_mesh(config), teacher.config)
 
 
 def final_state(config):
-    from kiln.checkpoint import abstract_like, latest_complete_step, restore
+    from kiln.runs.checkpoint import abstract_like, latest_complete_step, restore
 
     state = fresh_student(config)
     directory = config.run_dir / "checkpoints"
@@ -334,7 +335,7 @@ def test_distill_from_the_store_trains_and_a_killed_run_resumes_bitwise(teacher_
 def test_compile_lowers_the_offline_step_with_the_stores_rows(teacher_dir, store):
     """`kiln compile` of an offline config lowers the step `kiln distill` runs: the batch
     carries the store's top-k rows, and the arguments hold no teacher parameters."""
-    from kiln.compile import lower_step
+    from kiln.commands.compile import lower_step
 
     config = offline(teacher_dir, store)
     lowered, command, objective, _ = lower_step(config, jax.devices())

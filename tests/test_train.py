@@ -9,9 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from kiln import train
 from kiln.config import MESH_AXES, config_from_dict
 from kiln.errors import RunStopped
+from kiln.training import pretrain, train
 
 SEQ, BATCH, VOCAB = 16, 32, 128
 MODEL = {
@@ -293,7 +293,7 @@ def test_too_many_skips_stop_the_run(tmp_path, monkeypatch):
         model={"vocab_size": 384},  # the byte tokenizer's 259 ids, rounded up
     )
     with pytest.raises(RunStopped, match="3 consecutive steps"):
-        train.run(config)
+        pretrain.run(config)
     lines = [
         json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()
     ]
@@ -315,7 +315,7 @@ def test_a_run_whose_every_step_is_skipped_fails(tmp_path, monkeypatch):
     # Shorter than the consecutive-skip limit, yet nothing was trained: not a success, and the
     # parameters are finite, so the batches are named.
     with pytest.raises(RunStopped, match=r"every step of this run.*likely cause: the batches"):
-        train.run(config)
+        pretrain.run(config)
     assert not list((config.run_dir / "checkpoints").glob("[0-9]*"))
 
 

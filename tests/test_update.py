@@ -1,7 +1,7 @@
-"""One optimizer update (`kiln.train.make_update`) against optax's own AdamW on the real tree.
+"""One optimizer update (`kiln.training.train.make_update`) against optax's own AdamW on the real tree.
 
 kiln chains clipping, Adam scaling and decoupled weight decay in optax and applies the
-learning rate outside it (see `kiln.optim.make_optimizer`); the reference below is optax's
+learning rate outside it (see `kiln.training.optim.make_optimizer`); the reference below is optax's
 stock `clip_by_global_norm` + `adamw(mask=...)`, with a mask written here independently.
 """
 
@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 from conftest import make_config
-from kiln import train
-from kiln.optim import decay_mask
+from kiln.training import train
+from kiln.training.optim import decay_mask
 
 LR, B1, B2, EPS, WD, CLIP = 1e-2, 0.8, 0.9, 1e-6, 0.1, 0.5
 MODEL = {

@@ -10,7 +10,7 @@ import pytest
 
 from kiln.cli import main
 from kiln.config import config_from_dict
-from kiln.metrics import MetricsLogger
+from kiln.training.metrics import MetricsLogger
 
 wandb_internal_pb2 = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 

@@ -7,9 +7,11 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 from typing import NoReturn
 
-from kiln.commands import (  # noqa: F401 - format_schema: kiln.cli's before kiln.commands was
+import kiln
+from kiln.commands.handlers import (
     cmd_compare,
     cmd_compile,
     cmd_config,
@@ -21,9 +23,9 @@ from kiln.commands import (  # noqa: F401 - format_schema: kiln.cli's before kil
     cmd_prepare,
     cmd_teacher_logits,
     cmd_train,
-    format_schema,
 )
 from kiln.errors import KilnError, RunStopped
+from kiln.util.interrupt import exit_on_signals
 
 
 class _Parser(argparse.ArgumentParser):
@@ -96,10 +98,6 @@ def _add_device_args(p: argparse.ArgumentParser) -> None:
 
 def version() -> str:
     """kiln's version and the versions of the libraries a run's numbers depend on."""
-    from importlib import metadata
-
-    import kiln
-
     pinned = []
     for name in ("jax", "flax", "optax", "orbax-checkpoint"):
         try:
@@ -336,8 +334,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         if args.command in ("train", "distill", "teacher-logits"):
-            from kiln.interrupt import exit_on_signals
-
             # Until the loop takes over the signals, start-up stops at once, with one line.
             with exit_on_signals():
                 return args.func(args)
@@ -355,8 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _leave(code: int) -> int:
-    """The exit code; a process of a multi-process run exits at once (see kiln.distributed)."""
-    distributed = sys.modules.get("kiln.distributed")  # only loaded by the run functions
+    """The exit code; a process of a multi-process run exits at once (see kiln.parallel.distributed)."""
+    distributed = sys.modules.get("kiln.parallel.distributed")  # only loaded by the run functions
     if distributed is not None:
         distributed.leave_if_joined(code)
     return code

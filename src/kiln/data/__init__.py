@@ -1,4 +1,17 @@
-"""Training data: tokenizers, `kiln prepare` shards, and packed batches through grain."""
+"""Training data: tokenizers, `kiln prepare` shards, and packed batches through grain.
+
+Modules: `tokenizers`, `sources` (input files and URLs, the stdlib corpus), `chat` (chat and
+prompt/completion records with loss weights), `prepare`, `manifest`, `upload` and `workers`
+(`kiln prepare`), `corpus` and `remote_tokens` (reading shards), `pipeline`, `mixture` and
+`synthetic` (packed batches), `resolve` (the config fields the data decides), `eval_tasks`
+(eval task strings and their data). Nothing here imports JAX.
+
+May import: `kiln.errors`, `kiln.util`. Config sections arrive as arguments, never imported:
+the config layer sits above this one, since loading a config reads the data's tokenizer.
+
+Public names: `make_datasets`, `Datasets`, `Batch`, `load_tokenizer`, `Tokenizer`,
+`prepare.prepare`, `prepare.run_prepare`, `eval_tasks.parse_tasks`.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from kiln import storage
 from kiln.data.chat import record_format
 from kiln.data.corpus import open_corpus, read_manifest, split_documents
 from kiln.data.mixture import MixedDatasets, SourceSplit, source_seed
@@ -22,7 +34,8 @@ from kiln.data.sources import input_identity, resolve_inputs
 from kiln.data.synthetic import markov_chain
 from kiln.data.tokenizers import Tokenizer, load_tokenizer
 from kiln.errors import KilnError
-from kiln.humanize import plural
+from kiln.util import storage
+from kiln.util.humanize import plural
 
 __all__ = [
     "Batch",

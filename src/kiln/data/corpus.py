@@ -10,12 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from kiln import storage
-from kiln.checksums import crc32_of
-from kiln.data.prepare import MANIFEST, READ_VERSIONS
+from kiln.data.manifest import MANIFEST, READ_VERSIONS
 from kiln.data.remote_tokens import RemoteTokens, crc32_of_url
 from kiln.data.tokenizers import Tokenizer
 from kiln.errors import KilnError
+from kiln.util import storage
+from kiln.util.checksums import crc32_of
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ def source_seed(seed: int, index: int) -> int:
 
 @dataclass
 class SourceSplit:
-    """One source's training and held-out windows, and what pins it (see kiln.pinned)."""
+    """One source's training and held-out windows, and what pins it (see kiln.runs.pinned)."""
 
     train: StreamWindows | SyntheticWindows
     held_out: StreamWindows | SyntheticWindows

@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from kiln import storage
 from kiln.data import chat
 from kiln.data.chat import RecordFormat, encode_records, eos_weight
+from kiln.data.manifest import MANIFEST, identity_of, up_to_date
 from kiln.data.sources import (
     OnDecodeError,
     Task,
@@ -49,14 +49,13 @@ from kiln.data.sources import (
     read_documents,
     resolve_inputs,
 )
-from kiln.data.tokenizers import Tokenizer, identity, load_tokenizer
+from kiln.data.tokenizers import Tokenizer, load_tokenizer
+from kiln.data.upload import prepare_to_url
 from kiln.data.workers import sigterm_as_interrupt, worker_pool
 from kiln.errors import KilnError
-from kiln.humanize import plural
+from kiln.util import storage
+from kiln.util.humanize import plural
 
-MANIFEST = "manifest.json"
-MANIFEST_VERSION = 2  # the newest this kiln writes (with loss weights)
-READ_VERSIONS = (1, 2)  # 1: tokens only, every token a target; 2: may carry .wts weights
 _MIN_TASK_BYTES = 64 << 10
 _MAX_TASK_BYTES = 64 << 20
 # Below this much input a pool of processes costs more (start-up, imports) than it saves.
@@ -88,20 +87,26 @@ def prepare(
     record_format: JSONL records as chat or prompt/completion, with loss weights (data.format).
     """
     if storage.is_remote(output):
-        from kiln.data.upload import prepare_to_url  # it calls prepare for the local copy
 
-        return prepare_to_url(
-            files,
-            fmt,
-            field,
-            tokenizer,
-            str(output),
-            workers,
-            progress,
-            what,
-            on_decode_error,
-            record_format,
+        def prepare_local(local: Path) -> tuple[dict[str, Any], bool]:
+            return prepare(
+                files,
+                fmt,
+                field,
+                tokenizer,
+                local,
+                workers=workers,
+                progress=progress,
+                what=what,
+                on_decode_error=on_decode_error,
+                record_format=record_format,
+            )
+
+        storage.filesystem(str(output), what)  # a missing backend is named before any work
+        wanted = identity_of(
+            fmt, field, tokenizer, input_identity(files), on_decode_error, record_format
         )
+        return prepare_to_url(prepare_local, wanted, str(output), what)
     output = Path(output).absolute()
     inputs = input_identity(files)
     wanted = identity_of(fmt, field, tokenizer, inputs, on_decode_error, record_format)
@@ -167,28 +172,6 @@ def prepare(
     return manifest, True
 
 
-def identity_of(
-    fmt: str,
-    field: str,
-    tokenizer: Tokenizer,
-    inputs: list,
-    on_decode_error: str,
-    record_format: RecordFormat | None = None,
-) -> dict[str, Any]:
-    out = {
-        "version": 1 if record_format is None else MANIFEST_VERSION,
-        "format": fmt,
-        "field": None if fmt == "text" else field,
-        "tokenizer": identity(tokenizer),
-        "inputs": inputs,
-    }
-    if on_decode_error != "error":  # absent for the default, so older outputs stay up to date
-        out["on_decode_error"] = on_decode_error
-    if record_format is not None:
-        out["record_format"] = record_format.identity()
-    return out
-
-
 def _scored(shards: list[dict[str, Any]], record_format: RecordFormat | None) -> dict[str, int]:
     """Tokens with loss weight 1, for manifests of weighted shards."""
     if record_format is None:
@@ -217,30 +200,6 @@ def decode_error_note(manifest: dict[str, Any]) -> str | None:
                 f"{errors.get('first')})"
             )
     return None
-
-
-def up_to_date(output: storage.Location, wanted: dict[str, Any], what: str) -> dict | None:
-    """The manifest of `output` when it was prepared as `wanted`, None when there is none;
-    KilnError when it holds shards of other inputs or another tokenizer."""
-    existing = existing_manifest(output)
-    if existing is None:
-        return None
-    if {k: existing.get(k) for k in wanted} == wanted:
-        return existing
-    raise KilnError(
-        f"{what} {output}: already holds shards prepared from other inputs or another "
-        "tokenizer (its manifest.json differs); choose a new directory or delete it"
-    )
-
-
-def existing_manifest(output: storage.Location) -> dict[str, Any] | None:
-    path = storage.join(output, MANIFEST)
-    if not storage.is_file(path):
-        return None
-    try:
-        return json.loads(storage.read_bytes(path))
-    except (KilnError, ValueError):
-        return {}
 
 
 def _remove_stale_staging(output: Path) -> None:

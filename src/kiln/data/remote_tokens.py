@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from kiln import storage
 from kiln.errors import KilnError
+from kiln.util import storage
 
 # Positions closer than this many bytes are fetched in one range: fewer requests for the
 # short gaps between rows of a batch, at the cost of reading the gap.

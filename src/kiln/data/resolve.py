@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kiln import storage
 from kiln.data.corpus import read_manifest
 from kiln.data.tokenizers import load_tokenizer
 from kiln.errors import KilnError
+from kiln.util import storage
 
 VOCAB_MULTIPLE = 128  # embedding and head widths that tile evenly on TPU and GPU
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from kiln import storage
 from kiln.errors import KilnError, first_line
-from kiln.storage import Location
+from kiln.util import storage
+from kiln.util.storage import Location
 
 Format = Literal["text", "jsonl", "parquet"]
 # Rows per Arrow batch read from Parquet: memory is bounded by a batch, never a whole file.
@@ -38,7 +38,7 @@ def resolve_inputs(patterns: Sequence[str], what: str = "data.paths") -> list[Lo
     """Files named by paths, directories (all files below) or globs; `stdlib:GLOB` is a glob
     inside the running interpreter's standard library (site-packages excluded), `kiln:GLOB`
     one among the data files shipped with kiln. A URL (gs://, s3://, hf://, memory://, ...;
-    see kiln.storage) gives its files as URL strings."""
+    see kiln.util.storage) gives its files as URL strings."""
     if not patterns:
         raise KilnError(
             f"{what}: no input given; allowed: files, directories, globs, stdlib:GLOB, kiln:GLOB"

@@ -1,42 +1,32 @@
 """`kiln prepare` into a URL (gs://, s3://, memory://, ...): tokenized into a local temporary
-directory by `prepare`, then uploaded shard by shard with manifest.json last, so a store
+directory by `kiln.data.prepare.prepare`, then uploaded shard by shard with manifest.json last, so a store
 without a manifest is an interrupted upload, never a valid output."""
 
 from __future__ import annotations
 
 import re
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kiln import storage
-from kiln.data.chat import RecordFormat
-from kiln.data.prepare import MANIFEST, identity_of, prepare, up_to_date
-from kiln.data.sources import OnDecodeError, input_identity
-from kiln.data.tokenizers import Tokenizer
+from kiln.data.manifest import MANIFEST, up_to_date
 from kiln.errors import KilnError
+from kiln.util import storage
 
 _SHARD_FILE = re.compile(r"shard-\d{5}\.(bin|idx|wts)")
 
 
 def prepare_to_url(
-    files: Sequence[storage.Location],
-    fmt: str,
-    field: str,
-    tokenizer: Tokenizer,
+    prepare_local: Callable[[Path], tuple[dict[str, Any], bool]],
+    wanted: dict[str, Any],
     output: str,
-    workers: int | None,
-    progress: bool,
     what: str,
-    on_decode_error: OnDecodeError,
-    record_format: RecordFormat | None,
 ) -> tuple[dict[str, Any], bool]:
-    """`prepare` into a URL: tokenized locally, then uploaded with manifest.json last."""
-    storage.filesystem(output, what)  # a missing backend is named before any work
-    wanted = identity_of(
-        fmt, field, tokenizer, input_identity(files), on_decode_error, record_format
-    )
+    """`prepare` into a URL: `prepare_local(directory)` tokenizes into a local temporary
+    directory, whose shards are then uploaded with manifest.json last. `wanted` is the output's
+    identity (`kiln.data.manifest.identity_of`): a URL that holds it already is left as it is.
+    The caller has checked that `output`'s filesystem is installed."""
     existing = up_to_date(output, wanted, what)
     if existing is not None:
         return existing, False
@@ -50,18 +40,7 @@ def prepare_to_url(
         )
     with tempfile.TemporaryDirectory(prefix="kiln-prepare-") as tmp:
         local = Path(tmp) / "shards"
-        manifest, _ = prepare(
-            files,
-            fmt,
-            field,
-            tokenizer,
-            local,
-            workers=workers,
-            progress=progress,
-            what=what,
-            on_decode_error=on_decode_error,
-            record_format=record_format,
-        )
+        manifest, _ = prepare_local(local)
         storage.make_dirs(output, what)
         for stale in names:
             storage.remove(f"{output}/{stale}", what)

@@ -5,6 +5,11 @@ Modules: `core` (the head logits, the mergeable log-normaliser, argument checks)
 (a call's static settings: mesh axes, chunking, and their checks), `engine` (the tiled chunk
 loop, its shard_map plumbing and custom VJP), `lm` (the LM loss) and `distill` (soft, fused
 hard + soft, feature and combined distillation losses).
+
+May import: `kiln.errors`, `kiln.util`, `kiln.data`, `kiln.config`, `kiln.parallel`. The losses
+see hidden states and a head matrix, never a model.
+
+Public names: those of `__all__` below.
 """
 
 from kiln.losses.core import TopK, logits

@@ -46,7 +46,7 @@ from kiln.losses.core import (
 )
 from kiln.losses.tiling import Inputs, Tiling, all_explicit
 from kiln.losses.top_k import block_columns
-from kiln.mesh import traced_platform
+from kiln.parallel.mesh import traced_platform
 
 # Per-token terms that can carry a gradient to the student, and the sums they give.
 DIFFERENTIABLE = ("loss", "z_loss", "soft")

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from kiln.config import DEFAULT_AXIS_RULES
 from kiln.losses.core import TopK, check_positive_int, logits
-from kiln.mesh import logical_spec
+from kiln.parallel.mesh import logical_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,7 @@ def _axes(entry) -> tuple[str, ...]:
 
 
 def mesh_axes(mesh: Mesh | None, rules, d_model: int) -> MeshAxes:
-    """The logits' axes from `kiln.mesh.logical_spec` (batch, length, vocab), and the scatter axes."""
+    """The logits' axes from `kiln.parallel.mesh.logical_spec` (batch, length, vocab), and the scatter axes."""
     if mesh is None:
         return MeshAxes()
     rules = DEFAULT_AXIS_RULES if rules is None else rules

@@ -3,6 +3,17 @@
 `model.family` picks the implementation from `FAMILIES` (one line per family); every family
 implements `LanguageModel`, so the trainer, the distillation objective, Hugging Face interop
 and the size summary never name a concrete class.
+
+Modules: `interface` (`LanguageModel`, `ModelOutput`, `KVCache`), `llama` (the decoder-only
+Transformer), `attention` (XLA, cuDNN and Pallas attention kernels behind one call), `project`
+(projections with their gradient-reduction dtype), `student` (the distillation student's extra
+parameters). A new family is one module here and one line in `FAMILIES`.
+
+May import: `kiln.errors`, `kiln.util`, `kiln.data`, `kiln.config`, `kiln.parallel`,
+`kiln.losses` (the head's logits).
+
+Public names: `FAMILIES`, `LanguageModel`, `build_model`, `create_model`, `flops_per_token`,
+`summary`, `DTYPES`, `KVCache`, `ModelOutput`.
 """
 
 from __future__ import annotations
@@ -15,10 +26,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kiln.config import ModelConfig
-from kiln.humanize import plural
-from kiln.mesh import mesh_sizes_for_summary, sharded_init, shards_per_dim, state_specs
 from kiln.model.interface import DTYPES, KVCache, LanguageModel, ModelOutput, logits_dtype
 from kiln.model.llama import Transformer
+from kiln.parallel.mesh import mesh_sizes_for_summary, sharded_init, shards_per_dim, state_specs
+from kiln.util.humanize import plural
 
 # model.family -> the class that implements it; built as cls(model_cfg, rngs=...).
 FAMILIES: dict[str, type[LanguageModel]] = {

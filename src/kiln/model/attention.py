@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kiln.errors import KilnError
-from kiln.mesh import constrain, current_rules, logical_spec, mesh_axes, traced_platform
+from kiln.parallel.mesh import constrain, current_rules, logical_spec, mesh_axes, traced_platform
 
 # Masked scores: exp(MASKED - max) is exactly 0 in float32, so no gradient leaks through.
 MASKED = float(jnp.finfo(jnp.float32).min)

@@ -17,10 +17,10 @@ from jax.ad_checkpoint import checkpoint_name
 from kiln.config import ModelConfig
 from kiln.errors import KilnError
 from kiln.losses import logits as head_logits
-from kiln.mesh import constrain
 from kiln.model.attention import attention, cached_attention, causal_attention
 from kiln.model.interface import DTYPES, KVCache, ModelOutput, logits_dtype
 from kiln.model.project import project
+from kiln.parallel.mesh import constrain
 
 # Residual stream and every [batch, seq, d_model] activation between sub-layers: its length is
 # `act_length` (sequence parallelism over tensor), inside a sub-layer it is `length`.
@@ -247,8 +247,8 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
     """Token embedding, `num_layers` scanned blocks, final RMSNorm; the LM head is separate.
 
-    Implements `kiln.model.LanguageModel`; activations are sharded by `kiln.mesh.constrain`,
-    so run it inside `kiln.mesh.use_mesh` to shard, outside to run on one device.
+    Implements `kiln.model.LanguageModel`; activations are sharded by `kiln.parallel.mesh.constrain`,
+    so run it inside `kiln.parallel.mesh.use_mesh` to shard, outside to run on one device.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):

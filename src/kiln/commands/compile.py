@@ -1,0 +1,382 @@
+"""`kiln compile`: the real train step compiled ahead of time, without allocating a parameter.
+
+The step is `kiln.training.train.make_step` of the objective `kiln train` (or `kiln distill`) builds,
+lowered with the train state and a global batch as sharded ShapeDtypeStructs and compiled for
+N simulated CPU devices or for a TPU topology (libtpu's compiler runs without a TPU). Every
+figure comes from the compiled executable: memory from `memory_analysis()`, collectives from
+its HLO; FLOPs from kiln's formula beside XLA's `cost_analysis` (which counts the body of a
+`scan`, such as the layer loop, once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib.util
+import math
+import os
+import re
+import time
+from typing import Any
+
+import jax
+
+from kiln.config import MESH_AXES, Config
+from kiln.distill.offline import abstract_offline, abstract_teacher_rows
+from kiln.distill.online import abstract_distillation
+from kiln.distill.reader import check
+from kiln.errors import KilnError, RunStopped
+from kiln.parallel.mesh import make_mesh
+from kiln.training.train import abstract_batch, abstract_pretraining, make_step, shardings_of
+from kiln.util.humanize import plural
+
+GB = 1e9  # --hbm-gb is in decimal gigabytes, as accelerator memory is sold
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "bf16": 16, "f16": 16, "s16": 16}
+_BITS |= {"u16": 16, "f32": 32, "s32": 32, "u32": 32, "f64": 64, "s64": 64, "u64": 64}
+_BITS |= {"c64": 64, "c128": 128}
+# `%name = TYPE op(`; an async collective is counted at its `-done`, whose type is the result.
+_OP = re.compile(r"=\s+(.+?)\s+(" + "|".join(COLLECTIVES) + r")(?:-done)?\(")
+# A computation's header, `%name (params) -> RESULT {` (ENTRY too): its name and result type.
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.-]+)\s+\(.*\)\s+->\s+(.+?)\s*\{\s*$")
+# Call sites in an instruction: a while's body and condition, a reduction's to_apply, a
+# fusion's or call's computation, a conditional's branches; and a while's known trip count.
+_CALLEE = re.compile(r"\b(body|condition|to_apply|calls)=%([\w.-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+
+
+def use_cpu_devices(count: int) -> list[Any]:
+    """`count` simulated CPU devices; set before JAX's backend starts (else it must have enough)."""
+    # Refused once the backend has started: then its devices are used, if there are enough.
+    # CPU only, so that an installed libtpu or CUDA plugin is not started for nothing.
+    with contextlib.suppress(RuntimeError):
+        jax.config.update("jax_num_cpu_devices", count)
+        jax.config.update("jax_platforms", "cpu")
+    devices = jax.devices("cpu")
+    if len(devices) < count:
+        raise KilnError(
+            f"--devices: {count} requested, but JAX's CPU backend already started with "
+            f"{len(devices)}; run `kiln compile` in a fresh process (or set XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={count} before JAX starts)"
+        )
+    return devices[:count]
+
+
+def tpu_topology(name: str) -> dict[str, Any]:
+    """libtpu's arguments for a slice name: v4-N and v5p-N (N TensorCores), v5e-N and v6e-N (N chips)."""
+    match = re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", name)
+    size = int(match.group(2)) if match else 0
+    megacore = bool(match) and match.group(1) in ("v4", "v5p")
+    low, high = (8, 4096) if megacore else (4, 256)
+    if not match or size < low or size > high or size & (size - 1):
+        raise KilnError(
+            f"--topology: unknown TPU slice {name!r}; allowed: v4-N or v5p-N (N TensorCores, "
+            "a power of 2 from 8 to 4096), v5e-N or v6e-N (N chips, a power of 2 from 4 to 256)"
+        )
+    # Slices grow by doubling their shortest side (the last of equals): 2x2x1, 2x2x2, 2x2x4, ...
+    dims = [2, 2, 1] if megacore else [2, 2]
+    while math.prod(dims) < (size // 2 if megacore else size):
+        shortest = min(dims)
+        last = max(i for i, d in enumerate(dims) if d == shortest)
+        dims[last] *= 2
+    if megacore:  # a full 4x4x4 cube and larger are tori
+        wrap = tuple(all(d >= 4 for d in dims) for _ in dims)
+    else:
+        wrap = (*(d >= 16 for d in dims), False)
+    generation = {"v4": "v4", "v5p": "v5", "v5e": "v5e", "v6e": "v6e"}[match.group(1)]
+    return {
+        "topology_name": f"{generation}:{'x'.join(map(str, dims))}",
+        "chip_config_name": "megacore" if megacore else "default",
+        "chips_per_host_bounds": (2, 2, 1),
+        "num_slices": 1,
+        "wrap": wrap,
+    }
+
+
+def topology_devices(name: str) -> list[Any]:
+    """The compile-only devices of a TPU slice (libtpu, the `kiln[tpu]` extra)."""
+    args = tpu_topology(name)
+    if importlib.util.find_spec("libtpu") is None:
+        raise KilnError(
+            f"--topology {name}: compiling for TPU needs libtpu; install the extra: "
+            "pip install 'kiln[tpu]'"
+        )
+    from jax.experimental.topologies import get_topology_desc
+
+    # Compile-only devices hold no chip: libtpu's one-process-per-TPU lock does not apply.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+    return list(get_topology_desc(platform="tpu", **args).devices)
+
+
+def abstract_run(config: Config, mesh) -> tuple[Any, Any, str]:
+    """(objective, abstract train state, command) of the step `kiln train`/`kiln distill` runs."""
+    if config.distillation.teacher_logits_dir:
+        return (*abstract_offline(config, mesh), "kiln distill")
+    if config.distillation.teacher_run_dir:
+        return (*abstract_distillation(config, mesh), "kiln distill")
+    return (*abstract_pretraining(config, mesh), "kiln train")
+
+
+@dataclasses.dataclass
+class StepReport:
+    """What the compiler says about one config's step, per device."""
+
+    command: str
+    platform: str
+    devices: int
+    mesh: dict[str, int]
+    compile_seconds: float
+    memory: dict[str, int]  # bytes per device: arguments, outputs, temporaries, aliased, peak
+    peak_source: str
+    flops: dict[str, float]
+    # kind -> {"ops", "bytes"} static, {"ops_per_step", "bytes_per_step"} as run (see collectives)
+    collectives: dict[str, dict[str, int | None]]
+
+    def fits(self, hbm_gb: float | None) -> bool:
+        return hbm_gb is None or self.memory["peak"] <= hbm_gb * GB
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def lower_step(config: Config, devices: list[Any]):
+    """(lowered step, command, objective, mesh): the step of `kiln.training.train.make_step`, abstract inputs."""
+    mesh = make_mesh(config, devices)
+    objective, state, command = abstract_run(config, mesh)
+    step = make_step(objective, shardings_of(state))
+    batch = abstract_batch(config, mesh)
+    if config.distillation.teacher_logits_dir:  # the store's top-k rows ride in the batch
+        batch.update(abstract_teacher_rows(config, mesh, check(config)["top_k"]))
+    return step.lower(state, batch), command, objective, mesh
+
+
+def compile_report(config: Config, devices: list[Any]) -> StepReport:
+    """Compile `config`'s train step for `devices` and report its memory, FLOPs and collectives."""
+    start = time.perf_counter()
+    lowered, command, objective, mesh = lower_step(config, devices)
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - start
+    memory, peak_source = memory_figures(compiled.memory_analysis(), devices[0].platform)
+    tokens = config.train.global_batch_size * config.data.seq_len
+    kiln_flops = objective.flops_per_token() * tokens
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    return StepReport(
+        command=command,
+        platform=devices[0].platform,
+        devices=len(devices),
+        mesh=dict(mesh.shape),
+        compile_seconds=round(seconds, 2),
+        memory=memory,
+        peak_source=peak_source,
+        flops={
+            "kiln_per_step": kiln_flops,
+            "kiln_per_device": kiln_flops / len(devices),
+            "xla_cost_analysis_per_device": float((cost or {}).get("flops", float("nan"))),
+        },
+        collectives=collectives(compiled.as_text()),
+    )
+
+
+def memory_figures(stats, platform: str) -> tuple[dict[str, int], str]:
+    """Per-device bytes of `memory_analysis()` and how the peak was found.
+
+    TPU and GPU compilers report the peak of their buffer assignment; XLA:CPU's
+    `peak_memory_in_bytes` leaves the temporaries out, so on CPU the peak is the sum.
+    """
+    memory = {
+        "arguments": int(stats.argument_size_in_bytes),
+        "outputs": int(stats.output_size_in_bytes),
+        "temporaries": int(stats.temp_size_in_bytes),
+        "aliased": int(stats.alias_size_in_bytes),
+    }
+    peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
+    if peak > 0 and platform != "cpu":
+        memory["peak"] = peak
+        return memory, "the compiler's peak_memory_in_bytes"
+    # Donated inputs reused as outputs are counted once.
+    memory["peak"] = memory["arguments"] + memory["outputs"] + memory["temporaries"]
+    memory["peak"] -= memory["aliased"]
+    return memory, "arguments + outputs + temporaries - aliased"
+
+
+def collectives(hlo: str) -> dict[str, dict[str, int | None]]:
+    """Collective ops of a compiled HLO module by kind: op count and bytes of their results.
+
+    `ops` and `bytes` are static: an op in a loop body (the layer scan, accumulation, attention's
+    query blocks) is counted once. `ops_per_step` and `bytes_per_step` count it as often as one
+    step runs it (see `collective_ops`; None when a loop's trip count is unknown).
+    """
+    out: dict[str, dict[str, int | None]] = {
+        kind: {"ops": 0, "bytes": 0, "ops_per_step": 0, "bytes_per_step": 0} for kind in COLLECTIVES
+    }
+    for kind, result, runs in collective_ops(hlo):
+        count, nbytes = out[kind], shape_bytes(result)
+        count["ops"] += 1
+        count["bytes"] += nbytes
+        if runs is None or count["ops_per_step"] is None:
+            count["ops_per_step"] = count["bytes_per_step"] = None
+        else:
+            count["ops_per_step"] += runs
+            count["bytes_per_step"] += runs * nbytes
+    return out
+
+
+def collective_ops(hlo: str) -> list[tuple[str, str, int | None]]:
+    """Every collective op of a compiled HLO module: (kind, result type, runs per step).
+
+    Runs per step: the product of the trip counts of the loops around the op (None when one is
+    not in the HLO, as in the TPU compiler's); a conditional's branches count as taken. The
+    TPU compiler emits a reduce-scatter as an `all-reduce-scatter` fusion (an all-reduce whose
+    result is sliced inside it): it is a reduce-scatter with the fusion's result.
+    """
+    found, call_sites = _read_module(hlo)
+    runs = _runs_per_step(call_sites)
+    return [(kind, result, runs(computation)) for computation, kind, result in found]
+
+
+def _read_module(hlo: str):
+    """([(computation, kind, result type)] of the collectives, {callee: [(caller, runs)]}).
+
+    `runs` is how often one run of the caller runs the callee: a while loop's trip count for
+    its body (one more for its condition), None when unknown, 1 for any other call.
+    """
+    found, call_sites = [], {}
+    computation, scatter_result = None, None  # scatter_result: of the all-reduce-scatter read
+    for line in hlo.splitlines():
+        header = _COMPUTATION.match(line)
+        if header is not None:
+            computation = header.group(1)
+            is_scatter = computation.startswith("all-reduce-scatter")
+            scatter_result = header.group(2) if is_scatter else None
+            continue
+        trips = _TRIPS.search(line)
+        trips = int(trips.group(1)) if trips else None
+        for role, callee in _CALLEE.findall(line):
+            loop = {"body": trips, "condition": None if trips is None else trips + 1}
+            call_sites.setdefault(callee, []).append((computation, loop.get(role, 1)))
+        for branches in _BRANCHES.findall(line):
+            for callee in re.findall(r"%([\w.-]+)", branches):
+                call_sites.setdefault(callee, []).append((computation, 1))
+        match = _OP.search(line)
+        if match is None:
+            continue
+        kind, result = match.group(2), match.group(1)
+        if kind == "all-reduce" and scatter_result is not None:
+            kind, result = "reduce-scatter", scatter_result
+        found.append((computation, kind, result))
+    return found, call_sites
+
+
+def _runs_per_step(call_sites):
+    """computation -> how often one run of the module runs it (None: a loop count unknown)."""
+
+    @functools.cache
+    def runs(computation):
+        if computation not in call_sites:  # the entry computation (or ops outside any header)
+            return 1
+        total = 0
+        for caller, times in call_sites[computation]:
+            outer = runs(caller)
+            if times is None or outer is None:
+                return None
+            total += outer * times
+        return total
+
+    return runs
+
+
+def shape_bytes(hlo_type: str) -> int:
+    """Bytes of an HLO result type: an array `bf16[8,128]{1,0}` or a tuple of them."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(hlo_type):
+        bits = _BITS.get(dtype, 8)  # float8 variants (f8e4m3fn, ...) are one byte
+        total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+    return total
+
+
+def format_report(report: StepReport, config_path: str) -> str:
+    """The human-readable report of `kiln compile`."""
+    mesh = " x ".join(f"{a}={s}" for a, s in report.mesh.items())
+    m, f = report.memory, report.flops
+    lines = [
+        f"compiled the `{report.command}` step of {config_path} for "
+        f"{plural(report.devices, report.platform + ' device')} ({mesh}) in "
+        f"{report.compile_seconds:.1f} s",
+        "memory per device (memory_analysis):",
+        f"  arguments    {_gb(m['arguments'])}  (state, batch)",
+        f"  outputs      {_gb(m['outputs'])}",
+        f"  temporaries  {_gb(m['temporaries'])}  (activations, gradients, loss chunks)",
+        f"  aliased      {_gb(m['aliased'])}  (donated state reused for the new state)",
+        f"  peak         {_gb(m['peak'])}  ({report.peak_source})",
+        f"FLOPs per step: {f['kiln_per_step']:.4g} by kiln's formula "
+        f"({f['kiln_per_device']:.4g} per device); XLA cost_analysis "
+        f"{f['xla_cost_analysis_per_device']:.4g} per device (counts a scan body once)",
+        "collectives in the compiled HLO (static: an op inside a loop counted once; per step: "
+        "as often as the loops around it run):",
+    ]
+    for kind, c in report.collectives.items():
+        per_step = (
+            "per step: loop counts unknown"
+            if c["ops_per_step"] is None
+            else f"per step {c['ops_per_step']:>5} ops  {_gb(c['bytes_per_step'])}"
+        )
+        lines.append(f"  {kind:<19} {c['ops']:>4} ops  {_gb(c['bytes'])}    {per_step}")
+    return "\n".join(lines)
+
+
+def _gb(n: int | float) -> str:
+    return f"{n / GB:9.3f} GB"
+
+
+def target_devices(devices: int | None, topology: str | None) -> list[Any]:
+    """The devices to compile for: N simulated CPU devices, a TPU slice, or the local devices."""
+    if devices is not None and topology is not None:
+        raise KilnError("kiln compile: give --devices N or --topology NAME, not both")
+    if topology is not None:
+        return topology_devices(topology)
+    if devices is not None:
+        return use_cpu_devices(devices)
+    return jax.devices()
+
+
+def check_fits(report: StepReport, hbm_gb: float | None, config_path: str) -> None:
+    """RunStopped (exit 1, one line) when the compiled peak exceeds `hbm_gb`."""
+    if not report.fits(hbm_gb):
+        raise RunStopped(
+            f"peak memory {report.memory['peak'] / GB:.2f} GB per device exceeds "
+            f"--hbm-gb {hbm_gb:g}; search settings that fit with "
+            f"`kiln compile {config_path} --fit --hbm-gb {hbm_gb:g}`"
+        )
+
+
+def summary_devices(config: Config, devices: int | None, topology: str | None) -> list[Any]:
+    """Devices for `kiln config --summary`: as `kiln compile`, or as many as an explicit mesh has."""
+    sizes = [getattr(config.mesh, a) for a in MESH_AXES]
+    if devices is None and topology is None and -1 not in sizes:
+        devices = math.prod(sizes)
+    return target_devices(devices, topology)
+
+
+def summary_lines(report: StepReport, hbm_gb: float | None) -> str:
+    """The compiled memory of `kiln config --summary`: activations and whether the peak fits."""
+    m = report.memory
+    lines = [
+        f"compiled step:     {plural(report.devices, report.platform + ' device')}, per device: "
+        "arguments "
+        f"{m['arguments'] / GB:.2f} GB + activations and temporaries {m['temporaries'] / GB:.2f} GB"
+        f" -> peak {m['peak'] / GB:.2f} GB ({report.peak_source}; `kiln compile` for more)"
+    ]
+    if hbm_gb is None:
+        lines.append("fits:              give --hbm-gb X to check the peak against X GB")
+    else:
+        verdict = "yes" if report.fits(hbm_gb) else "NO"
+        lines.append(
+            f"fits:              {verdict}, peak {m['peak'] / GB:.2f} GB per device vs {hbm_gb:g} GB"
+            + ("" if report.fits(hbm_gb) else "; try `kiln compile --fit`")
+        )
+    return "\n".join(lines)

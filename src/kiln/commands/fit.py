@@ -1,0 +1,230 @@
+"""`kiln compile --fit`: the settings with the least recompute whose compiled step fits in memory.
+
+The search covers `model.remat` x `train.gradient_accumulation_steps` x `loss.num_vocab_tiling`
+and compiles as few steps as it can, in this order:
+
+1. Remat policies from the least recompute to the most: `none` first, `full` last, the
+   schema's other policies in between in the order the schema lists them. The first policy
+   with a fitting setting wins: remat costs recomputed FLOPs on every step, while
+   accumulation only shrinks the micro-batch and vocabulary tiling only cuts the loss into
+   chunks (no recompute).
+2. For a policy, the largest valid accumulation with the largest tiling is compiled first: if
+   that does not fit, nothing with this policy does. Otherwise a binary search finds the
+   smallest accumulation that fits (memory falls as the micro-batch shrinks).
+3. At that accumulation, a binary search finds the smallest tiling that fits.
+
+Accumulations are the divisors of the global batch whose micro-batch splits over the batch
+shards; tilings are the powers of two up to 32 that divide one shard's tokens (the checks of
+the config itself decide what is valid).
+
+With mesh axes to search (`--fit-mesh fsdp,tensor`), the other axes keep their resolved sizes
+and the splits of the remaining devices over the named axes join step 1: for each remat policy,
+each valid split is probed (step 2's first compile) in order, the config's own split first, then
+the others with the first named axis largest; the first split that fits gets steps 2-3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from typing import Any
+
+from kiln.commands.compile import GB, compile_report
+from kiln.config import Config, check_devices, config_from_dict, schema
+from kiln.config.axes import MESH_AXES
+from kiln.errors import KilnError
+
+TILINGS = (1, 2, 4, 8, 16, 32)
+
+
+def remat_policies() -> list[str]:
+    """`model.remat` values from the schema, least recompute first (none ... full)."""
+    names = typing.get_args(schema.ModelConfig.model_fields["remat"].annotation)
+    middle = [n for n in names if n not in ("none", "full")]
+    return [n for n in ("none",) if n in names] + middle + [n for n in ("full",) if n in names]
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    remat: str
+    num_vocab_tiling: int
+    gradient_accumulation_steps: int
+    mesh: tuple[tuple[str, int], ...] = ()  # every mesh axis's size when the mesh is searched
+
+    def overrides(self) -> str:
+        mesh = "".join(f" mesh.{axis}={size}" for axis, size in self.mesh)
+        return (
+            f"model.remat={self.remat} loss.num_vocab_tiling={self.num_vocab_tiling} "
+            f"train.gradient_accumulation_steps={self.gradient_accumulation_steps}{mesh}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        fields = dataclasses.asdict(self)
+        del fields["mesh"]
+        return {**fields, "mesh": dict(self.mesh)} if self.mesh else fields
+
+
+@dataclasses.dataclass
+class FitResult:
+    hbm_gb: float
+    trials: list[tuple[Setting, int]]  # (setting, compiled peak bytes per device), in order
+    best: Setting | None
+    mesh_axes: tuple[str, ...] = ()  # the searched axes; () = the config's mesh only
+    skipped: list[tuple[dict[str, int], str]] = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {
+            "hbm_gb": self.hbm_gb,
+            "fits": self.best is not None,
+            "overrides": None if self.best is None else self.best.overrides(),
+            "best": None if self.best is None else self.best.to_json(),
+            "trials": [
+                {**s.to_json(), "peak_bytes": peak, "fits": peak <= self.hbm_gb * GB}
+                for s, peak in self.trials
+            ],
+        }
+        if self.mesh_axes:
+            out["mesh_axes"] = list(self.mesh_axes)
+            out["skipped_splits"] = [{"mesh": m, "reason": r} for m, r in self.skipped]
+        return out
+
+
+def with_setting(config: Config, setting: Setting) -> Config:
+    """`config` with the settings replaced (validated like any config)."""
+    raw = config.model_dump(mode="json")
+    raw["model"]["remat"] = setting.remat
+    raw["loss"]["num_vocab_tiling"] = setting.num_vocab_tiling
+    raw["train"]["gradient_accumulation_steps"] = setting.gradient_accumulation_steps
+    for axis, size in setting.mesh:
+        raw["mesh"][axis] = size
+    return config_from_dict(raw)
+
+
+def check_mesh_axes(names: str) -> tuple[str, ...]:
+    """`--fit-mesh a,b` as a tuple of distinct mesh axis names; KilnError otherwise."""
+    axes = tuple(a.strip() for a in names.split(","))
+    for axis in axes:
+        if axis not in MESH_AXES:
+            raise KilnError(
+                f"kiln compile --fit-mesh: unknown mesh axis {axis!r} in {names!r}; "
+                f"allowed: {', '.join(MESH_AXES)} (comma-separated)"
+            )
+    if len(set(axes)) != len(axes):
+        raise KilnError(f"kiln compile --fit-mesh: {names!r} names an axis twice")
+    return axes
+
+
+def _factorizations(m: int, k: int) -> list[tuple[int, ...]]:
+    """Every k-tuple of positive integers whose product is m, largest first element first."""
+    if k == 1:
+        return [(m,)]
+    divisors = [d for d in range(m, 0, -1) if m % d == 0]
+    return [(d, *rest) for d in divisors for rest in _factorizations(m // d, k - 1)]
+
+
+def mesh_splits(config: Config, num_devices: int, axes: tuple[str, ...]) -> list[dict[str, int]]:
+    """Sizes of every mesh axis: the config's own first, then the others (first named largest)."""
+    own = check_devices(config, num_devices)
+    fixed = math.prod(size for axis, size in own.items() if axis not in axes)
+    splits = [own]
+    for sizes in _factorizations(num_devices // fixed, len(axes)):
+        split = {**own, **dict(zip(axes, sizes, strict=True))}
+        if split != own:
+            splits.append(split)
+    return splits
+
+
+def _valid(config: Config, setting: Setting, num_devices: int) -> bool:
+    try:
+        check_devices(with_setting(config, setting), num_devices)
+    except KilnError:
+        return False
+    return True
+
+
+def fit(
+    config: Config, devices: list[Any], hbm_gb: float, mesh_axes: tuple[str, ...] = ()
+) -> FitResult:
+    """Search the settings as the module docstring says; `best` is None if nothing fits."""
+    n = len(devices)
+    meshes: list[tuple[tuple[str, int], ...]] = [()]
+    skipped: list[tuple[dict[str, int], str]] = []
+    if mesh_axes:
+        meshes = []
+        batch = config.train.global_batch_size
+        own = (config.model.remat, config.loss.num_vocab_tiling)
+        for split in mesh_splits(config, n, mesh_axes):
+            mesh = tuple(split.items())
+            divisors = [a for a in range(1, batch + 1) if batch % a == 0]
+            if any(
+                _valid(config, Setting(own[0], t, a, mesh), n) for a in divisors for t in TILINGS
+            ):
+                meshes.append(mesh)
+                continue
+            reason = "no accumulation and tiling are valid on it"
+            try:  # the config's own settings on this split say why
+                check_devices(
+                    with_setting(
+                        config, Setting(*own, config.train.gradient_accumulation_steps, mesh)
+                    ),
+                    n,
+                )
+            except KilnError as e:
+                reason = str(e).replace("\n", "; ")
+            skipped.append((split, reason))
+    peaks: dict[Setting, int] = {}
+    trials: list[tuple[Setting, int]] = []
+
+    def fits(setting: Setting) -> bool:
+        if setting not in peaks:
+            peaks[setting] = compile_report(with_setting(config, setting), devices).memory["peak"]
+            trials.append((setting, peaks[setting]))
+        return peaks[setting] <= hbm_gb * GB
+
+    batch = config.train.global_batch_size
+    for remat in remat_policies():
+        for mesh in meshes:
+
+            def tilings(accum: int, remat: str = remat, mesh: Any = mesh) -> list[int]:
+                return [t for t in TILINGS if _valid(config, Setting(remat, t, accum, mesh), n)]
+
+            accums = [a for a in range(1, batch + 1) if batch % a == 0 and tilings(a)]
+            if not accums:
+                continue
+            if not fits(Setting(remat, tilings(accums[-1])[-1], accums[-1], mesh)):
+                continue
+            lo, hi = 0, len(accums) - 1  # accums[hi] fits
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if fits(Setting(remat, tilings(accums[mid])[-1], accums[mid], mesh)):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            accum, ladder = accums[hi], tilings(accums[hi])
+            lo, hi = 0, len(ladder) - 1  # ladder[hi] fits
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if fits(Setting(remat, ladder[mid], accum, mesh)):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            best = Setting(remat, ladder[hi], accum, mesh)
+            return FitResult(hbm_gb, trials, best, mesh_axes, skipped)
+    return FitResult(hbm_gb, trials, None, mesh_axes, skipped)
+
+
+def format_fit(result: FitResult) -> str:
+    """Every compiled trial, then the settings to paste (or that nothing fits)."""
+    lines = [
+        f"compiled {len(result.trials)} settings (peak per device, --hbm-gb {result.hbm_gb:g}):"
+    ]
+    for split, reason in result.skipped:
+        sizes = " x ".join(f"{axis}={size}" for axis, size in split.items())
+        lines.append(f"  skipped mesh {sizes}: {reason}")
+    for s, peak in result.trials:
+        verdict = "fits" if peak <= result.hbm_gb * GB else "too big"
+        lines.append(f"  {s.overrides():<80} {peak / GB:9.3f} GB  {verdict}")
+    if result.best is not None:
+        lines += ["fits with the least recompute:", result.best.overrides()]
+    return "\n".join(lines)

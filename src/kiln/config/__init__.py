@@ -1,0 +1,65 @@
+"""The run configuration: what a run is, validated before anything runs.
+
+Modules: `schema` (the sections: every field with its type, bounds, default and description),
+`axes` (the mesh axes, their default rules, the `mesh` section, and `resolve`, the one resolver
+from logical axis names to mesh axes), `rules` (the checks between fields), `loader` (the root
+`Config`, YAML with `base_config` and `a.b=c` overrides, one line per problem) and `explain`
+(`kiln config --explain`).
+
+May import: `kiln.errors`, `kiln.util`, `kiln.data` (`load_config` fills `model.vocab_size: auto`
+and the shards' tokenizer from the data). Imports no JAX.
+
+Public names: `Config`, `load_config`, `read_run_config`, `config_from_dict`, `yaml_layers`,
+`schema_rows`, `check_devices`, the section classes (`ModelConfig`, `DataConfig`, ...),
+`MESH_AXES`, `MeshAxis`, `DEFAULT_AXIS_RULES`, `INT32_MAX`, `DEFAULT_MAX_KD_SCALE`.
+"""
+
+from kiln.config.loader import (
+    DEFAULT_AXIS_RULES,
+    DEFAULT_MAX_KD_SCALE,
+    INT32_MAX,
+    MESH_AXES,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    DistillationConfig,
+    DistributedConfig,
+    LoggingConfig,
+    LossConfig,
+    MeshAxis,
+    MeshConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    check_devices,
+    config_from_dict,
+    load_config,
+    read_run_config,
+    schema_rows,
+    yaml_layers,
+)
+
+__all__ = [
+    "DEFAULT_AXIS_RULES",
+    "DEFAULT_MAX_KD_SCALE",
+    "INT32_MAX",
+    "MESH_AXES",
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "DistillationConfig",
+    "DistributedConfig",
+    "LoggingConfig",
+    "LossConfig",
+    "MeshAxis",
+    "MeshConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "TrainConfig",
+    "check_devices",
+    "config_from_dict",
+    "load_config",
+    "read_run_config",
+    "schema_rows",
+    "yaml_layers",
+]

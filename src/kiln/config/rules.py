@@ -1,0 +1,158 @@
+"""The rules between fields of a Config (e.g. heads that divide the width, a batch that the
+mesh splits evenly), each broken rule one line naming the fields, the values and what is allowed."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator
+from typing import TYPE_CHECKING
+
+from kiln.config.axes import MESH_AXES, resolve, shards_per_dim
+from kiln.errors import KilnError
+
+if TYPE_CHECKING:
+    from kiln.config.loader import Config
+    from kiln.config.schema import DistillationConfig, DistributedConfig, ModelConfig
+
+
+def cross_field_errors(
+    c: Config, valid: Collection[str] | None = None, num_devices: int | None = None
+) -> Iterator[str]:
+    """Every rule that relates two fields, each one line.
+
+    A rule is skipped when a section it reads is not in `valid` (None: all are valid; that
+    section's own errors are reported instead); `num_devices` resolves mesh -1 sizes when known.
+    """
+
+    def ok(*sections: str) -> bool:
+        return valid is None or all(s in valid for s in sections)
+
+    m, t = c.model, c.train
+    if ok("model"):
+        if m.head_dim is None and m.d_model % m.num_heads:
+            yield (
+                f"model.num_heads: {m.num_heads} does not divide model.d_model={m.d_model}; "
+                "choose a divisor or set model.head_dim"
+            )
+        if m.num_heads % m.kv_heads:
+            yield f"model.num_kv_heads: {m.kv_heads} does not divide model.num_heads={m.num_heads}"
+        if m.resolved_head_dim % 2:
+            yield f"model.head_dim: rotary embeddings need an even head width, got {m.resolved_head_dim}"
+    if ok("data", "model") and c.data.seq_len > m.max_seq_len:
+        yield f"data.seq_len: {c.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}"
+    if ok("data"):
+        yield from c.data.errors()
+    if ok("optim", "train") and c.optim.warmup_steps > t.steps:
+        yield (
+            f"optim.warmup_steps: {c.optim.warmup_steps} exceeds train.steps={t.steps}; "
+            f"allowed: at most train.steps (e.g. optim.warmup_steps={t.steps // 4})"
+        )
+    if ok("train") and t.profile_steps is not None and t.profile_steps[1] > t.steps:
+        yield (
+            f"train.profile_steps: {list(t.profile_steps)} ends after train.steps={t.steps}; "
+            "allowed: [start, stop] with 1 <= start <= stop <= train.steps, or null"
+        )
+    if ok("distillation"):
+        yield from _distillation_schedule_errors(c.distillation)
+    if ok("distillation", "model"):
+        yield from _layer_map_errors(c.distillation, m)
+    if ok("distributed"):
+        yield from _distributed_errors(c.distributed)
+    divisible = t.global_batch_size % t.gradient_accumulation_steps == 0
+    if ok("train") and not divisible:
+        yield (
+            f"train.global_batch_size: {t.global_batch_size} is not divisible by "
+            f"train.gradient_accumulation_steps={t.gradient_accumulation_steps}"
+        )
+    sizes = {a: getattr(c.mesh, a) for a in MESH_AXES}
+    if ok("mesh") and sum(s == -1 for s in sizes.values()) > 1:
+        yield f"mesh: at most one size may be -1, got {sizes}"
+    elif divisible and ok("mesh", "train", "data", "loss", "model"):
+        yield from _mesh_errors(c, num_devices)
+
+
+def _mesh_errors(c: Config, num_devices: int | None) -> Iterator[str]:
+    """The batch, sequence and vocabulary of one step against the shards the mesh gives them."""
+    mesh = {a: getattr(c.mesh, a) for a in MESH_AXES}
+    if num_devices is not None:
+        try:
+            mesh = c.mesh.sizes(num_devices)
+        except KilnError as e:
+            yield str(e)
+            return
+    elif -1 in mesh.values():
+        return  # checked again once the device count is known
+    t, loss, seq_len = c.train, c.loss, c.data.seq_len
+    micro = t.global_batch_size // t.gradient_accumulation_steps
+    # Shards as the resolver gives them to the logits [batch, length, vocab] (the token arrays
+    # [batch, length] get the same first two): an axis claimed by batch is not length's too.
+    spec = resolve(("batch", "length", "vocab"), c.mesh.rules)
+    batch_shards, seq_shards, vocab_shards = shards_per_dim(spec, mesh)
+    rows, cols = micro // batch_shards, seq_len // seq_shards  # one micro-batch on one shard
+    if micro % batch_shards:
+        yield (
+            f"train.global_batch_size: micro-batch of {micro} sequences (global_batch_size "
+            f"{t.global_batch_size} / gradient_accumulation_steps {t.gradient_accumulation_steps}) "
+            f"is not divisible by the {batch_shards} batch shards of the mesh ({mesh})"
+        )
+    elif seq_len % seq_shards:
+        yield f"data.seq_len: {seq_len} is not divisible by the {seq_shards} sequence shards of the mesh"
+    elif seq_len % (residual_shards := _residual_length_shards(c, mesh)):
+        yield (
+            f"data.seq_len: {seq_len} is not divisible by the {residual_shards} shards of the "
+            f"residual stream's length (mesh.rules.act_length={c.mesh.rules['act_length']} on "
+            f"mesh {mesh}); allowed: a multiple of {residual_shards}, or set "
+            "mesh.rules.act_length to [sequence]"
+        )
+    elif (rows * cols) % loss.num_vocab_tiling:
+        yield (
+            f"loss.num_vocab_tiling: {loss.num_vocab_tiling} does not divide the "
+            f"{rows * cols} tokens of one micro-batch on one shard "
+            f"({rows} sequences x {cols} tokens); allowed: a divisor of that number"
+        )
+    vocab, chunk = c.model.vocab_size, loss.vocab_chunk_size
+    if vocab == "auto":
+        return  # checked once the tokenizer has set it (kiln.data.resolve)
+    if chunk is not None and (vocab % vocab_shards or (vocab // vocab_shards) % chunk):
+        yield (
+            f"loss.vocab_chunk_size: {chunk} does not divide the vocabulary of one shard "
+            f"(model.vocab_size {vocab} / {vocab_shards} vocabulary shards); "
+            "allowed: a divisor of that number, or null"
+        )
+
+
+def _residual_length_shards(c: Config, mesh: dict[str, int]) -> int:
+    """Shards of the residual stream's length dimension (kiln.model.llama.ACT_BSD)."""
+    spec = resolve(("batch", "act_length", "act_embed"), c.mesh.rules)
+    return shards_per_dim(spec, mesh)[1]
+
+
+def _distillation_schedule_errors(dist: DistillationConfig) -> Iterator[str]:
+    if dist.schedule == "constant":
+        for name in ("alpha_end", "temperature_end", "beta_end"):
+            if getattr(dist, name) is not None:
+                yield (
+                    f"distillation.{name}: set to {getattr(dist, name)}, but "
+                    "distillation.schedule is constant; allowed: schedule linear or cosine, "
+                    f"or no {name}"
+                )
+
+
+def _layer_map_errors(dist: DistillationConfig, model: ModelConfig) -> Iterator[str]:
+    """Student layers against the student (the teacher's are checked when it is loaded)."""
+    for student, teacher in dist.layer_map:
+        if student >= model.num_layers:
+            yield (
+                f"distillation.layer_map: student layer {student} in [{student}, {teacher}] "
+                f"is out of range; allowed: 0..{model.num_layers - 1} "
+                f"(model.num_layers={model.num_layers})"
+            )
+
+
+def _distributed_errors(d: DistributedConfig) -> Iterator[str]:
+    if d.auto and (d.num_processes != 1 or d.process_id != 0):
+        yield (
+            "distributed.auto: true takes num_processes and process_id from the cluster; "
+            f"got num_processes={d.num_processes}, process_id={d.process_id} (remove them)"
+        )
+    elif d.process_id >= d.num_processes:
+        yield f"distributed.process_id: {d.process_id} must be < distributed.num_processes={d.num_processes}"

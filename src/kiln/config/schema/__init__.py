@@ -1,0 +1,39 @@
+"""The config sections: every field with its type, bounds, default and description.
+
+A constraint on one field lives on that field (bounds, `Literal`, a field validator); rules
+that relate several fields are in `kiln.config`.
+"""
+
+from kiln.config.schema.base import (
+    DEFAULT_MAX_KD_SCALE,
+    INT32_MAX,
+    Z_LOSS_MAX,
+    Count,
+    PositiveInt,
+    Section,
+    Seed,
+)
+from kiln.config.schema.data import DataConfig
+from kiln.config.schema.distillation import DistillationConfig
+from kiln.config.schema.model import ModelConfig
+from kiln.config.schema.runtime import DistributedConfig, LoggingConfig
+from kiln.config.schema.training import CheckpointConfig, LossConfig, OptimConfig, TrainConfig
+
+__all__ = [
+    "DEFAULT_MAX_KD_SCALE",
+    "INT32_MAX",
+    "Z_LOSS_MAX",
+    "CheckpointConfig",
+    "Count",
+    "DataConfig",
+    "DistillationConfig",
+    "DistributedConfig",
+    "LoggingConfig",
+    "LossConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "PositiveInt",
+    "Section",
+    "Seed",
+    "TrainConfig",
+]

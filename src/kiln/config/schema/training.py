@@ -1,0 +1,237 @@
+"""The config schema: what is optimised and how: optimizer, loss, the training loop, checkpoints."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pydantic
+from pydantic import Field
+
+from kiln.config.schema.base import INT32_MAX, Z_LOSS_MAX, Count, PositiveInt, Section, Seed
+from kiln.data.eval_tasks import parse_tasks
+from kiln.errors import KilnError
+from kiln.util.storage import local_dir, local_or_url
+
+
+class OptimConfig(Section):
+    """AdamW, gradient clipping and the learning-rate schedule."""
+
+    learning_rate: float = Field(
+        3e-4, gt=0, allow_inf_nan=False, description="Peak learning rate (> 0)."
+    )
+    schedule: Literal["constant", "cosine", "wsd", "linear"] = Field(
+        "cosine",
+        description="constant, cosine (warmup then cosine to final_lr_fraction), wsd (warmup-stable-decay) or linear (warmup then linear to final_lr_fraction).",
+    )
+    warmup_steps: Count = Field(0, description="Linear warmup steps from 0 to learning_rate.")
+    final_lr_fraction: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="Learning rate at the end of cosine/linear/wsd, as a fraction of the peak.",
+    )
+    decay_fraction: float = Field(
+        0.2,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        description="wsd: fraction of train.steps spent in the final decay.",
+    )
+    decay_shape: Literal["linear", "cosine"] = Field(
+        "linear", description="wsd: shape of the final decay."
+    )
+    weight_decay: float = Field(
+        0.1,
+        ge=0,
+        allow_inf_nan=False,
+        description="Decoupled weight decay (norm scales and biases are excluded).",
+    )
+    b1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
+    b2: float = Field(0.95, ge=0, lt=1, description="Adam beta2.")
+    eps: float = Field(1e-8, gt=0, allow_inf_nan=False, description="Adam epsilon.")
+    grad_clip: float | None = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Clip gradients to this global norm; null = no clipping.",
+    )
+
+
+class LossConfig(Section):
+    """The language-model loss."""
+
+    z_loss_multiplier: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description=f"Weight z of the z-loss z * logsumexp(logits)^2 per token (PaLM/ST-MoE use 1e-4); in [0, {Z_LOSS_MAX:g}], since larger weights overflow float32.",
+    )
+    num_vocab_tiling: PositiveInt = Field(
+        1,
+        description="Chunks of batch*sequence the loss is computed in, so full logits never exist; 1 = untiled. Must divide the tokens of one micro-batch on one data shard.",
+    )
+    label_smoothing: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="Label smoothing eps: target = (1-eps) onehot + eps/V; in [0, 1).",
+    )
+    vocab_chunk_size: int | None = Field(
+        None,
+        gt=0,
+        le=INT32_MAX,
+        description="Also cut each vocabulary shard into chunks of this many entries (online logsumexp), so loss memory stops growing with the vocabulary; costs 4/3 of the loss matmuls. Must divide vocab_size / vocabulary shards. null = whole vocabulary.",
+    )
+
+    @pydantic.field_validator("z_loss_multiplier")
+    @classmethod
+    def _z_bound(cls, z: float) -> float:
+        if z > Z_LOSS_MAX:
+            raise ValueError(
+                f"allowed: 0 <= z <= {Z_LOSS_MAX:g}; a larger weight makes z * logsumexp^2 "
+                "overflow float32, so every step is skipped (PaLM and MaxText use 1e-4)"
+            )
+        return z
+
+
+class TrainConfig(Section):
+    """The training loop."""
+
+    run_name: str = Field(
+        "run",
+        min_length=1,
+        description="Name of the run directory under output_dir: one path component (no '/', not '.' or '..').",
+    )
+    output_dir: str = Field(
+        "runs",
+        min_length=1,
+        description="Parent directory of run directories: a local path, a file:// URL (recorded as the path it names), or a URL (gs://, s3://, ...) whose run directories kiln works on in a local mirror (train.mirror_dir) and uploads after every checkpoint and at the end of the run.",
+    )
+    mirror_dir: str | None = Field(
+        None,
+        min_length=1,
+        description="Local directory that stands for a URL train.output_dir (run directories, data and compile caches); null = ~/.cache/kiln/runs/<hash of the URL>. Unused when train.output_dir is local.",
+    )
+    steps: PositiveInt = Field(100, description="Total optimizer steps.")
+    global_batch_size: PositiveInt = Field(
+        8,
+        description="Sequences per optimizer step, over all devices and micro-batches.",
+    )
+    gradient_accumulation_steps: PositiveInt = Field(
+        1,
+        description="Micro-batches per step; gradients are summed and divided once by the global token weight.",
+    )
+    seed: Seed = Field(
+        0,
+        description="Seed of parameter initialisation; 0 <= seed < 2^32.",
+    )
+    log_every_steps: PositiveInt = Field(
+        10,
+        description="Steps between metric writes (TensorBoard, metrics.jsonl, console).",
+    )
+    eval_every_steps: Count = Field(
+        0,
+        description="Steps between evaluations on held-out data; 0 = never.",
+    )
+    eval_batches: PositiveInt = Field(4, description="Global batches per evaluation.")
+    eval_tasks: tuple[str, ...] = Field(
+        (),
+        description="Tasks scored every eval_every_steps beside the held-out loss (never when it is 0), logged as eval/<task>/<metric>: [NAME=]perplexity:PATH (text/JSONL/Parquet files, stdlib:GLOB) or [NAME=]choice:FILE.jsonl; kiln:FILE is a task shipped with kiln (see docs/generate.md).",
+    )
+    grad_reduce_dtype: Literal["float32", "compute"] = Field(
+        "float32",
+        description=(
+            "Dtype in which each Transformer block's weight gradients are computed and summed "
+            "across data/fsdp devices: float32, or compute (model.dtype, e.g. bfloat16: half "
+            "the gradient reduce-scatter/all-reduce bytes, but each device's partial gradient "
+            "is rounded to 8 mantissa bits before the sum). Same computation when "
+            "model.dtype is float32."
+        ),
+    )
+    max_consecutive_skips: PositiveInt = Field(
+        10,
+        description="Stop the run after this many consecutive steps with a non-finite loss or gradient.",
+    )
+    profile_steps: tuple[int, int] | None = Field(
+        None,
+        description="[start, stop]: write a jax.profiler trace of steps start..stop (both included, start <= stop <= train.steps) into the run's tensorboard/ directory (TensorBoard's profile plugin, or Perfetto); null = no trace. Start after step 1 to leave compilation out.",
+    )
+    compilation_cache_dir: str | None = Field(
+        ".jax_cache",
+        min_length=1,
+        description="Persistent compilation cache, so that a restarted or resumed run does not compile again; a relative path is under train.output_dir (its local mirror when it is a URL); null = off.",
+    )
+
+    @pydantic.field_validator("profile_steps")
+    @classmethod
+    def _ordered(cls, window: tuple[int, int] | None) -> tuple[int, int] | None:
+        allowed = "allowed: [start, stop] with 1 <= start <= stop <= train.steps, or null"
+        if window is not None and window[0] < 1:
+            raise ValueError(f"start {window[0]} is before step 1; {allowed}")
+        if window is not None and window[0] > window[1]:
+            raise ValueError(f"start {window[0]} is after stop {window[1]}; {allowed}")
+        return window
+
+    @pydantic.field_validator("eval_tasks")
+    @classmethod
+    def _tasks_parse(cls, tasks: tuple[str, ...]) -> tuple[str, ...]:
+        try:
+            parse_tasks(tasks, "task")
+        except KilnError as e:
+            raise ValueError(str(e).removeprefix("task: ")) from None
+        return tasks
+
+    @pydantic.field_validator("output_dir")
+    @classmethod
+    def _local_output(cls, value: str) -> str:
+        return local_or_url(value)
+
+    @pydantic.field_validator("mirror_dir")
+    @classmethod
+    def _local_mirror(cls, value: str | None) -> str | None:
+        return local_dir(value, "train.mirror_dir")
+
+    @pydantic.field_validator("run_name")
+    @classmethod
+    def _one_component(cls, name: str) -> str:
+        if name in (".", "..") or any(c in name for c in "/\\\0"):
+            raise ValueError(
+                "allowed: a single directory name, without '/', '\\' or NUL, not '.' or '..'; "
+                "the run directory stays inside train.output_dir"
+            )
+        return name
+
+
+class CheckpointConfig(Section):
+    """Orbax checkpoints of the train state and data iterator."""
+
+    every_steps: Count = Field(
+        0,
+        description="Steps between checkpoints; 0 = only at the end (and on SIGTERM).",
+    )
+    keep: PositiveInt = Field(3, description="How many latest checkpoints to keep.")
+    keep_every: int | None = Field(
+        None,
+        gt=0,
+        le=INT32_MAX,
+        description="Also keep every checkpoint whose step is a multiple of this, forever.",
+    )
+    async_save: bool = Field(
+        True, description="Write checkpoints in the background while training goes on."
+    )
+    verify: bool = Field(
+        True,
+        description="At restore, check every file of a checkpoint against the CRC-32 recorded "
+        "when it was saved (false: only that each file is there with its size).",
+    )
+    load_params_from: str | None = Field(
+        None,
+        description="Initialise parameters (only) from this run directory or checkpoint; a URL (gs://, s3://, ...) is mirrored into {train.output_dir}/.cache/remote-runs/ first. The optimizer starts fresh.",
+    )
+
+    @pydantic.field_validator("load_params_from")
+    @classmethod
+    def _source(cls, value: str | None) -> str | None:
+        return local_or_url(value)

@@ -1,0 +1,230 @@
+"""The device mesh and the logical-axis rules that turn axis names into shardings.
+
+Every array dimension in kiln carries a logical name (`embed`, `heads`, `batch`, ...);
+`config.mesh.rules` maps each name to the mesh axes that split it. A mesh axis is used at
+most once per array: if two dimensions of one array claim the same mesh axis, the first
+dimension keeps it and the later one is replicated along it. `kiln.config.axes.resolve` is the
+one place that resolves names to axes (the config's checks use it too); `logical_spec` wraps it
+in a PartitionSpec, and everything else here derives from that.
+
+Model code does not hold the mesh: `use_mesh(mesh, rules)` sets JAX's mesh (`jax.set_mesh`)
+and kiln's rules for the code traced inside it, and `constrain` reads both. A jitted function
+that runs model code must therefore be traced (called) inside `use_mesh`; `in_mesh` wraps one
+so that every call is. The rules are not part of jit's cache key (the mesh is), so a jitted
+function belongs to one set of rules: build it per config, as the trainer does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from kiln.config import DEFAULT_AXIS_RULES, MESH_AXES, check_devices
+from kiln.config.axes import entry_axes, resolve, shards_per_dim
+from kiln.errors import KilnError
+
+Rules = Mapping[str, Sequence[str]] | Iterable[tuple[str, Sequence[str]]]
+# The rules of the innermost `use_mesh` (None outside: the defaults).
+_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("kiln_rules", default=None)
+
+
+def make_mesh(config: Any, devices: Sequence[Any] | None = None) -> Mesh:
+    """Mesh with axes (data, fsdp, tensor, sequence) sized by `config.mesh` over all devices.
+
+    `devices` (default: every device) may be compile-only devices of a TPU topology.
+    """
+    sizes = check_devices(config, jax.device_count() if devices is None else len(devices))
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+
+
+def traced_platform(mesh: Mesh | None = None) -> str:
+    """Platform ('cpu', 'gpu', 'tpu') of `mesh`'s devices, else of the traced mesh, else JAX's default.
+
+    A program compiled ahead of time for other devices (e.g. a TPU topology from a CPU host)
+    reports those devices, not the host's backend.
+    """
+    if mesh is not None:
+        return mesh.devices.flat[0].platform
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return device.platform if device is not None else jax.default_backend()
+
+
+def logical_spec(names: tuple[str | None, ...], rules: Rules) -> PartitionSpec:
+    """PartitionSpec for an array whose dimensions have these logical names (None = replicated)."""
+    return PartitionSpec(*resolve(names, dict(rules)))
+
+
+def logical_sharding(mesh: Mesh, rules: Rules, names: tuple[str | None, ...]) -> NamedSharding:
+    """NamedSharding on `mesh` for an array with these logical dimension names."""
+    return NamedSharding(mesh, logical_spec(names, rules))
+
+
+def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
+    """Sharding of a global [batch, seq] array of token ids, positions, segment ids or weights."""
+    return logical_sharding(mesh, rules, ("batch", "length"))
+
+
+def mesh_axes(
+    names: tuple[str | None, ...], rules: Rules, mesh_shape: Mapping[str, int]
+) -> tuple[tuple[str, ...], ...]:
+    """Per dimension, the mesh axes (those `mesh_shape` has) that split an array of these names."""
+    return tuple(
+        tuple(a for a in entry_axes(entry) if a in mesh_shape)
+        for entry in logical_spec(names, rules)
+    )
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh | None, rules: Rules | None = None) -> Iterator[None]:
+    """Run (and trace) model code on `mesh` with these rules (None = the defaults).
+
+    Sets `jax.set_mesh(mesh)`, so bare PartitionSpecs resolve against it, and the rules that
+    `constrain` reads. With `mesh=None` model code runs unsharded. Not usable inside jit.
+    """
+    token = _RULES.set(rules)
+    try:
+        with jax.set_mesh(mesh):
+            yield
+    finally:
+        _RULES.reset(token)
+
+
+def current_rules() -> Rules:
+    """The rules of the innermost `use_mesh` (the defaults outside one)."""
+    rules = _RULES.get()
+    return DEFAULT_AXIS_RULES if rules is None else rules
+
+
+@dataclasses.dataclass(frozen=True)
+class InMesh:
+    """A jitted function whose calls, traces and lowerings run inside `use_mesh(mesh, rules)`.
+
+    `args` are bound in front of the caller's (e.g. an objective, an argument of the compiled
+    step). `trace` and `lower` are jit's own (`kiln compile`-style ahead-of-time use, jaxprs).
+    """
+
+    fn: Any
+    mesh: Mesh | None
+    rules: Rules | None
+    args: tuple = ()
+
+    def _run(self, method, args, kwargs):
+        with use_mesh(self.mesh, self.rules):
+            return method(*self.args, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return self._run(self.fn, args, kwargs)
+
+    def trace(self, *args, **kwargs):
+        return self._run(self.fn.trace, args, kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self._run(self.fn.lower, args, kwargs)
+
+
+def in_mesh(fn: Any, mesh: Mesh | None, rules: Rules | None, *args: Any) -> InMesh:
+    """Jitted `fn` with every call (so every trace) inside `use_mesh(mesh, rules)`; `args` bound first."""
+    return InMesh(fn, mesh, rules, args)
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """Pin an activation's sharding by its logical names; a no-op outside `use_mesh`."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_spec(names, current_rules()))
+
+
+def param_spec(
+    path: str, shape: tuple[int, ...], names: tuple, rules: Rules, sizes
+) -> PartitionSpec:
+    """Spec of one parameter; a dimension its mesh axes do not divide is a KilnError."""
+    spec = logical_spec(tuple(names), rules)
+    for dim, (n, pieces, name) in enumerate(zip(shape, shards_per_dim(spec, sizes), names)):
+        if n % pieces:
+            raise KilnError(
+                f"mesh.rules.{name}: parameter {path} has size {n} in dimension {dim} "
+                f"({name}), not divisible by the {pieces} shards of mesh axes "
+                f"{spec[dim]}; change the mesh sizes or the rule for {name!r}"
+            )
+    return spec
+
+
+def _logical_names(var: nnx.Variable, ndim: int) -> tuple[str | None, ...]:
+    names = var.get_metadata().get("out_sharding") or ()
+    return tuple(names) + (None,) * (ndim - len(names))
+
+
+def _path_str(path: tuple) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def state_specs(state: Any, rules: Rules, sizes: Mapping[str, int]) -> Any:
+    """PartitionSpec per variable of an nnx state (arrays or ShapeDtypeStructs), by the rules."""
+
+    def spec(path, leaf):
+        if isinstance(leaf, nnx.Variable):
+            value = leaf.get_value()
+            names = _logical_names(leaf, len(value.shape))
+            return leaf.replace(param_spec(_path_str(path), value.shape, names, rules, sizes))
+        return PartitionSpec()
+
+    return jax.tree_util.tree_map_with_path(
+        spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+
+
+def state_shardings(state: Any, mesh: Mesh, rules: Rules) -> Any:
+    """NamedSharding per variable of an nnx state, matching its tree (for jit in/out_shardings)."""
+    sizes = dict(mesh.shape)
+    specs = state_specs(state, rules, sizes)
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s),
+        specs,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+
+
+def sharded_abstract(build: Callable[[], Any], mesh: Mesh | None, rules: Rules):
+    """(graphdef, state) of the module `build()` makes: ShapeDtypeStructs, sharded by the rules.
+
+    Nothing is allocated (`nnx.eval_shape`); without a mesh the structs carry no sharding.
+    """
+    graphdef, abstract = nnx.split(nnx.eval_shape(build))
+    if mesh is None:
+        return graphdef, abstract
+    shardings = state_shardings(abstract, mesh, rules)
+    return graphdef, jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+    )
+
+
+def sharded_init(build: Callable[[], Any], mesh: Mesh | None, rules: Rules):
+    """The module `build()` makes, its variables created directly in the rules' shardings.
+
+    `build` is traced twice (shapes, then values under jit with out_shardings): each device
+    computes only its own shards of the random init, so no full copy exists anywhere.
+    """
+    graphdef, abstract = sharded_abstract(build, mesh, rules)
+    shardings = None if mesh is None else jax.tree.map(lambda x: x.sharding, abstract)
+    with use_mesh(mesh, rules):
+        state = jax.jit(lambda: nnx.state(build()), out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def mesh_sizes_for_summary(config: Any, num_devices: int | None = None) -> dict[str, int]:
+    """Mesh sizes for planning: -1 resolved against `num_devices` (default: the local devices)."""
+    given = {a: getattr(config.mesh, a) for a in MESH_AXES}
+    if -1 not in given.values():
+        return given
+    count = jax.device_count() if num_devices is None else num_devices
+    return config.mesh.sizes(max(count, math.prod(s for s in given.values() if s > 0)))

@@ -1,0 +1,435 @@
+"""Checkpoints of a run, on orbax: the only module that imports it, since its API moves fastest.
+
+A checkpoint is a directory `checkpoints/<step>/` with two items: `state` (a pytree of arrays:
+step, params, optimizer state) and `data` (the data iterator's JSON state). orbax writes into a
+temporary directory and renames it when complete, so a killed save never looks finished;
+leftover temporaries are removed when a manager opens the directory. Once orbax has committed a
+step, process 0 writes its manifest of checksums (`kiln.util.checksums`); a restore checks it first,
+and a damaged checkpoint is reported as damage, never as a model that does not match.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from kiln.config import CheckpointConfig
+from kiln.errors import KilnError, RunStopped, first_line, write_error
+from kiln.util.checksums import (
+    CheckpointDamaged,
+    check_shapes,
+    damaged,
+    has_manifest,
+    non_finite_leaf,
+    step_files,
+    verify,
+    write_manifest,
+)
+
+# Key of orbax's per-step custom metadata: the step was saved by a kiln that writes manifests,
+# so a step without one is a save that did not finish (not a checkpoint from before them).
+SEALED = "kiln_manifest"
+
+
+class _QuietOrbax(logging.Filter):
+    """Drops orbax's records below CRITICAL: it logs routine events (read-only managers,
+    saves) as warnings, and its errors with tracebacks from every thread a failed save ran in,
+    while the same error reaches kiln, which reports it in one line. orbax logs through absl's
+    logger, which other libraries share, so the filter goes by the file a record comes from."""
+
+    root = str(Path(ocp.__file__).parents[1]) + os.sep  # site-packages/orbax/, as imported
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.CRITICAL or not record.pathname.startswith(self.root)
+
+
+_QUIET_ORBAX = _QuietOrbax()
+
+
+def _quiet_closed_loops(previous):
+    """sys.unraisablehook without orbax's "Event loop is closed": after one write of a save or
+    restore fails, orbax closes its event loop and tensorstore's other callbacks find it
+    closed, each printing a traceback that hides the one error kiln reports."""
+
+    def hook(unraisable) -> None:
+        value = unraisable.exc_value
+        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook.kiln_quiet = True
+    return hook
+
+
+def _manager(directory: Path, cfg: CheckpointConfig | None, *, read_only: bool = False):
+    logging.getLogger("absl").addFilter(_QUIET_ORBAX)  # once: addFilter skips a repeat
+    if not getattr(sys.unraisablehook, "kiln_quiet", False):
+        sys.unraisablehook = _quiet_closed_loops(sys.unraisablehook)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=cfg.keep if cfg else None,
+        keep_period=cfg.keep_every if cfg else None,
+        enable_async_checkpointing=bool(cfg and cfg.async_save),
+        cleanup_tmp_directories=not read_only,
+        create=not read_only,
+        read_only=read_only,
+    )
+    return ocp.CheckpointManager(directory, options=options, item_names=("state", "data"))
+
+
+def abstract_like(tree, shardings=None):
+    """ShapeDtypeStructs (with target shardings) of a pytree: what a restore fills in."""
+    if shardings is None:
+        shardings = jax.tree.map(lambda x: x.sharding, tree)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
+
+
+class Checkpointer:
+    """Saves a run's state and data-iterator state under `run_dir/checkpoints`, each step sealed
+    by a manifest of checksums once orbax has committed it (in the background when async)."""
+
+    def __init__(self, run_dir: Path, cfg: CheckpointConfig):
+        self.directory = Path(run_dir).absolute() / "checkpoints"
+        self.cfg = cfg
+        self._mgr = _manager(self.directory, cfg)
+        self._pending: int | None = None  # the step of the latest save started
+        self._sealer: threading.Thread | None = None
+        self._seal_error: BaseException | None = None
+        self.sealed_bytes = 0  # of the last manifest, for benchmarks
+        # Called once a step is sealed (in the sealing thread when async): uploads of a run
+        # whose output_dir is a URL; its errors stop the run like those of the save.
+        self.after_seal: Callable[[], None] | None = None
+
+    def latest_step(self) -> int | None:
+        return self._mgr.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._mgr.all_steps())
+
+    def save(self, step: int, state, data_state: Mapping[str, Any] | None) -> None:
+        """Start saving (in the background when async); a save at an existing step is a no-op.
+
+        RunStopped (one line) if the directory cannot be written or an earlier background save
+        failed: orbax would otherwise fail in a thread and wait minutes for the lost signal.
+        """
+        if step in self._mgr.all_steps():
+            return
+        self.check()
+        self._join_sealer()
+        with self._failures(step):
+            # A probe, so that a read-only or vanished directory stops the run here and now.
+            os.rmdir(tempfile.mkdtemp(prefix=".kiln-probe-", dir=self.directory))
+            args = ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=ocp.args.JsonSave(dict(data_state or {})),
+            )
+            self._mgr.save(step, args=args, force=True, custom_metadata={SEALED: 1})
+        self._pending = step
+        if jax.process_index() != 0:
+            return
+        if self.cfg.async_save:
+            self._sealer = threading.Thread(
+                target=self._seal_in_background, args=(step,), name="kiln-manifest", daemon=True
+            )
+            self._sealer.start()
+        else:
+            with self._failures(step):
+                self._seal(step)
+
+    def _seal(self, step: int) -> None:
+        # orbax renames the step directory when every process has written its files; its
+        # post-finalization callback runs before that rename, so kiln waits for the save instead.
+        self._mgr.wait_until_finished()
+        self.sealed_bytes = write_manifest(self.directory / str(step))
+        if self.after_seal is not None:
+            self.after_seal()
+
+    def _seal_in_background(self, step: int) -> None:
+        try:
+            self._seal(step)
+        except BaseException as e:  # re-raised in the main thread by _join_sealer
+            self._seal_error = e
+
+    def _join_sealer(self) -> None:
+        if self._sealer is not None:
+            self._sealer.join()
+            self._sealer = None
+        if self._seal_error is not None:
+            error, self._seal_error = self._seal_error, None
+            with self._failures(self._pending):
+                raise error
+
+    def check(self) -> None:
+        """RunStopped if a background save has failed (cheap: called after every step)."""
+        if self._pending is not None:
+            with self._failures(self._pending):
+                self._mgr.check_for_errors()
+            if self._seal_error is not None:
+                self._join_sealer()
+
+    def wait(self) -> None:
+        with self._failures(self._pending):
+            self._mgr.wait_until_finished()
+            self._mgr.check_for_errors()
+        self._join_sealer()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._mgr.close()
+
+    @contextmanager
+    def _failures(self, step: int | None) -> Iterator[None]:
+        """Errors of saving `step` as one RunStopped line; the last complete checkpoint stays."""
+        try:
+            yield
+        except Exception as e:
+            what = self.directory / str(step)
+            kept = latest_complete_step(self.directory)
+            code = re.search(r"os_error_code='(\d+)'", str(e))  # tensorstore's errors
+            if not isinstance(e, OSError) and code:
+                e = OSError(int(code[1]), os.strerror(int(code[1])))
+            if isinstance(e, OSError):
+                raise write_error(e, what, kept) from None
+            raise RunStopped(
+                f"saving {what} failed: {first_line(e)} (last complete checkpoint: {kept})"
+            ) from None
+
+
+def complete_steps(directory: Path) -> list[int]:
+    """Steps orbax finished in `directory`, newest first, without a save that never sealed."""
+    directory = Path(directory).absolute()
+    if not directory.is_dir():
+        return []
+    mgr = _manager(directory, None, read_only=True)
+    try:
+        steps = sorted(mgr.all_steps(), reverse=True)
+        return [s for s in steps if has_manifest(directory / str(s)) or not _sealed(mgr, s)]
+    finally:
+        mgr.close()
+
+
+def latest_complete_step(directory: Path) -> int | None:
+    """Newest finished checkpoint in `directory` (None if there is none); creates nothing."""
+    steps = complete_steps(directory)
+    return steps[0] if steps else None
+
+
+def _sealed(mgr, step: int) -> bool:
+    """Whether the step was saved to get a manifest (unreadable metadata: assume not)."""
+    try:
+        return SEALED in (mgr.metadata(step).custom_metadata or {})
+    except Exception:  # a damaged _CHECKPOINT_METADATA: the checks of the step's files decide
+        return False
+
+
+def check_files(mgr, directory: Path, step: int, *, checksums: bool) -> bool:
+    """CheckpointDamaged if step's files are not as written; returns whether a manifest vouched."""
+    step_dir = directory / str(step)
+    if has_manifest(step_dir):
+        verify(step_dir, checksums=checksums)
+        manifest = True
+    elif _sealed(mgr, step):
+        raise CheckpointDamaged("its save did not finish (no kiln_manifest.json, written last)")
+    elif not step_files(step_dir):
+        raise CheckpointDamaged("the step directory is empty")
+    else:
+        manifest = False  # saved before manifests: checked by structure, then finite values
+    data = step_dir / "data" / "metadata"
+    try:
+        json.loads(data.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointDamaged(f"data/metadata is missing or not JSON ({first_line(e)})") from None
+    return manifest
+
+
+def _array_shapes(directory: Path, step: int) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every array of a step's `state`, from orbax's metadata."""
+    try:
+        tree = ocp.StandardCheckpointHandler().metadata(directory / str(step) / "state").tree
+        return {m.name: tuple(m.shape) for m in jax.tree.leaves(tree)}
+    except Exception as e:  # orbax raises many types for a missing or garbled _METADATA
+        raise CheckpointDamaged(
+            f"state/_METADATA is missing or unreadable ({first_line(e)})"
+        ) from None
+
+
+def _restore_step(
+    mgr, directory: Path, step: int, abstract, *, checksums: bool, what: str | None = None
+):
+    """(state tree, data state) of one step, checked; CheckpointDamaged or KilnError if not.
+
+    With `what` (the field or command asking, e.g. "kiln generate"), `abstract` is the
+    parameters alone, read without the rest of the state; the data state is then {}.
+    """
+    vouched = check_files(mgr, directory, step, checksums=checksums)
+    where = f"{what}: {directory / str(step)}" if what else f"checkpoint {directory / str(step)}"
+    try:
+        check_shapes(_array_shapes(directory, step), abstract, prefix="params." if what else "")
+    except CheckpointDamaged:
+        raise
+    except KilnError as e:
+        raise KilnError(f"{where} does not match this model: {e}") from None
+    if what:
+        item = {"params": abstract}
+        restore_args = jax.tree.map(
+            lambda a: ocp.ArrayRestoreArgs(
+                sharding=a.sharding, global_shape=a.shape, dtype=a.dtype
+            ),
+            item,
+        )
+        state = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+        args = ocp.args.Composite(state=state)
+    else:
+        args = ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()
+        )
+    try:
+        restored = mgr.restore(step, args=args)
+    except Exception as e:  # files vouched for (or structure matched) but unreadable: damage
+        raise CheckpointDamaged(f"its arrays could not be read ({first_line(e)})") from None
+    leaves = jax.tree.leaves(restored.state["params"] if what else restored.state)
+    state = jax.tree.unflatten(jax.tree.structure(abstract), leaves)
+    if not vouched and (bad := non_finite_leaf(state)):
+        raise CheckpointDamaged(f"{'params.' if what else ''}{bad} holds non-finite values")
+    return state, ({} if what else dict(restored.data or {}))
+
+
+def restore(
+    directory: Path, step: int | None, abstract_state, *, checksums: bool = True
+) -> tuple[Any, dict[str, Any]]:
+    """Read checkpoint `step` (None = latest) of `directory` into `abstract_state`'s shardings."""
+    directory = Path(directory).absolute()
+    if not directory.is_dir():
+        raise KilnError(f"checkpoint directory not found: {directory}")
+    step = latest_complete_step(directory) if step is None else step
+    if step is None:
+        raise KilnError(f"no complete checkpoint in {directory}")
+    mgr = _manager(directory, None, read_only=True)
+    try:
+        return _restore_step(mgr, directory, step, abstract_state, checksums=checksums)
+    except CheckpointDamaged as e:
+        raise damaged(directory, step, str(e)) from None
+    finally:
+        mgr.close()
+
+
+def restore_newest_intact(
+    directory: Path, abstract_state, *, checksums: bool, skipped: Callable[[int, str], None]
+) -> tuple[int, Any, dict[str, Any]] | None:
+    """(step, state, data state) of the newest intact checkpoint, None if there is none at all;
+    `skipped(step, reason)` is told of each damaged newer one. KilnError if all are damaged."""
+    directory = Path(directory).absolute()
+    if not directory.is_dir():
+        return None
+    mgr = _manager(directory, None, read_only=True)
+    try:
+        steps = sorted(mgr.all_steps(), reverse=True)
+        reasons = []
+        for step in steps:
+            try:
+                state, data = _restore_step(
+                    mgr, directory, step, abstract_state, checksums=checksums
+                )
+            except CheckpointDamaged as e:
+                skipped(step, str(e))
+                reasons.append(f"step {step}: {e}")
+                continue
+            return step, state, data
+    finally:
+        mgr.close()
+    if not steps:
+        return None
+    raise CheckpointDamaged(f"no intact checkpoint in {directory}: {'; '.join(reasons)}")
+
+
+def restore_params(
+    path: str | Path,
+    abstract_params,
+    *,
+    what: str = "checkpoint.load_params_from",
+    checksums: bool = True,
+) -> tuple[Any, int, list[str]]:
+    """(params, step, notes) of a run directory, a checkpoints directory or one step's directory.
+
+    A named step must be intact; otherwise the newest intact step is used, with a note for each
+    damaged newer one.
+    """
+    directory, step = resolve(path)
+    return _restore_params(directory, step, abstract_params, what, checksums)
+
+
+def restore_run_params(
+    run_dir: str | Path, abstract_params, step: int | None = None, *, context: str
+) -> tuple[Any, int]:
+    """(params, step) of checkpoint `step` (None = the newest intact) of a run directory, nothing
+    else; a damaged newer checkpoint skipped is said on stderr.
+
+    Errors are KilnErrors starting with `context` (e.g. "kiln generate"): no checkpoint, or
+    no checkpoint `step` (naming the steps there are).
+    """
+    directory = Path(run_dir).expanduser().absolute() / "checkpoints"
+    if not directory.is_dir():
+        raise KilnError(
+            f"{context}: no complete checkpoint in {run_dir}: it has no checkpoints/ directory"
+        )
+    steps = sorted(complete_steps(directory))
+    if not steps:
+        raise KilnError(f"{context}: no complete checkpoint in {directory}")
+    if step is not None and step not in steps:
+        raise KilnError(
+            f"{context}: --step {step}: no such checkpoint in {directory}; there are {steps}"
+        )
+    params, step, notes = _restore_params(directory, step, abstract_params, context, True)
+    for note in notes:
+        print(f"kiln: {note}", file=sys.stderr)
+    return params, step
+
+
+def _restore_params(directory: Path, step: int | None, abstract_params, what: str, checksums: bool):
+    mgr = _manager(directory, None, read_only=True)
+    notes = []
+    try:
+        candidates = [step] if step is not None else complete_steps(directory)
+        if not candidates:
+            raise KilnError(f"{what}: no complete checkpoint in {directory}")
+        for s in candidates:
+            try:
+                params, _ = _restore_step(
+                    mgr, directory, s, abstract_params, checksums=checksums, what=what
+                )
+            except CheckpointDamaged as e:
+                if s == candidates[-1]:
+                    raise KilnError(f"{what}: {damaged(directory, s, str(e))}") from None
+                notes.append(f"{what}: checkpoint step {s} skipped, it is damaged: {e}")
+                continue
+            return params, s, notes
+    finally:
+        mgr.close()
+    raise AssertionError("unreachable: the last candidate returns or raises")
+
+
+def resolve(path: str | Path) -> tuple[Path, int | None]:
+    """(checkpoints directory, step or None for latest) from a run, checkpoints or step path."""
+    path = Path(path).expanduser().absolute()
+    if (path / "checkpoints").is_dir():
+        return path / "checkpoints", None
+    if path.name.isdigit() and ((path / "state").is_dir() or path.parent.name == "checkpoints"):
+        return path.parent, int(path.name)
+    if path.is_dir():
+        return path, None
+    raise KilnError(f"checkpoint path not found: {path}")

@@ -1,0 +1,16 @@
+"""Training: the objective seam, exact accumulation, the pure step, and the loop around it.
+
+Modules: `train` (TrainState, the `Objective` protocol and `LMObjective`, loss-and-grads with
+gradient accumulation, `make_step`, the update), `optim` (optimizer and schedule), `loop`
+(steps, checkpoints, evaluation, signals), `metrics`, `console`, `tracking` (TensorBoard,
+metrics.jsonl, Weights & Biases), `profiling`, `scoring` (eval tasks on the mesh), `resume`
+(may this config continue its run), `runner` (start-up shared by every command that trains)
+and `pretrain` (`kiln train`).
+
+May import: every layer below: `kiln.errors`, `kiln.util`, `kiln.data`, `kiln.config`,
+`kiln.parallel`, `kiln.losses`, `kiln.model`, `kiln.runs`.
+
+Public names: `train.TrainState`, `train.Objective`, `train.LMObjective`, `train.make_step`,
+`train.loss_and_grads`, `train.run_objective`, `train.init_state`, `runner.execute`,
+`pretrain.run`, `scoring.Evaluator`.
+"""

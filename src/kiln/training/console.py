@@ -1,0 +1,176 @@
+"""What a run prints: one line per logged step on stdout, diagnostics on stderr, a live progress
+bar on a terminal, the compile status, and a summary at the end (rich renders all of them)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from kiln.util.humanize import count, plural
+
+# What a step line shows, in order, with its short name: the loss as trained (in distillation
+# the balanced total), then the parts a reader compares, the raw (unclipped) gradient norm,
+# the learning rate and speed. Absent tags are left out (perf/mfu without a known peak).
+STEP_COLUMNS = (
+    ("learning/loss", "loss"),
+    ("distill/hard_loss", "hard"),
+    ("distill/soft_loss", "soft"),
+    ("distill/feature_loss", "feature"),
+    ("learning/z_loss", "z_loss"),
+    ("learning/raw_grad_norm", "grad_norm"),
+    ("learning/current_learning_rate", "lr"),
+    ("perf/tokens_per_sec", "tok/s"),
+    ("perf/mfu", "mfu"),
+)
+EVAL_COLUMNS = (("eval/loss", "eval/loss"), ("eval/perplexity", "eval/perplexity"))
+
+
+def step_line(step: int, total: int, values: Mapping[str, float]) -> str:
+    """The scrollback line of a logged step (or of an eval row)."""
+    columns = EVAL_COLUMNS if any(k.startswith("eval/") for k in values) else STEP_COLUMNS
+    if columns is EVAL_COLUMNS:  # each source of a mixture: eval/loss/<name>, shown as <name>
+        sources = sorted(k for k in values if k.startswith("eval/loss/"))
+        columns = (*columns, *((k, k.removeprefix("eval/loss/")) for k in sources))
+    shown = [_cell(tag, name, values[tag]) for tag, name in columns if _shown(tag, values)]
+    return f"step {step}/{total}  " + "  ".join(shown)
+
+
+def _shown(tag: str, values: Mapping[str, float]) -> bool:
+    # A feature term switched off (beta = 0) and a z-loss of 0 are not worth a column.
+    if tag in ("distill/feature_loss", "learning/z_loss"):
+        return values.get(tag, 0.0) != 0.0
+    return tag in values
+
+
+def _cell(tag: str, name: str, value: float) -> str:
+    if tag == "perf/tokens_per_sec":
+        return f"{count(value)} {name}"
+    if tag == "perf/mfu":
+        return f"{name} {value:.1%}"
+    if "loss" in tag:
+        return f"{name} {value:.4f}"
+    if tag == "learning/current_learning_rate":
+        return f"{name} {value:.3g}"
+    return f"{name} {value:,.4g}" if abs(value) < 1e4 else f"{name} {count(value)}"
+
+
+@dataclass
+class Summary:
+    """What a finished run reports: its figures and where its results are."""
+
+    run_dir: Path
+    steps: int  # trained by this invocation
+    last_step: int
+    seconds: float  # wall time from start-up
+    tokens_per_sec: float | None  # after the first step (compilation excluded)
+    train_loss: float | None
+    eval_loss: float | None
+    checkpoint: Path | None
+
+
+def summary_table(s: Summary) -> Table:
+    """The end-of-run figures as a two-column table."""
+    table = Table(title="run complete", title_justify="left", box=None, show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    minutes, seconds = divmod(s.seconds, 60)
+    wall = f"{int(minutes)} min {seconds:.0f} s" if minutes else f"{seconds:.1f} s"
+    rows = [
+        ("steps", f"{plural(s.steps, 'step')} trained, now at step {s.last_step}"),
+        ("wall time", f"{wall} (start-up and compilation included)"),
+        ("tokens/s", "n/a" if s.tokens_per_sec is None else count(s.tokens_per_sec)),
+        ("train loss", "n/a" if s.train_loss is None else f"{s.train_loss:.4f}"),
+        ("eval loss", "not evaluated" if s.eval_loss is None else f"{s.eval_loss:.4f}"),
+        ("checkpoint", str(s.checkpoint) if s.checkpoint else "none"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def next_commands(run: Path) -> list[str]:
+    """What a user runs next with a finished run."""
+    return [
+        f"tensorboard --logdir {run / 'tensorboard'}",
+        f"kiln compare {run} --metrics learning/loss,eval/loss --out {run / 'loss.png'}",
+        f'kiln generate {run} --prompt "def main(" --max-new-tokens 100',
+        f"kiln eval {run} choice:kiln:stdlib_next_line.jsonl",
+        f"kiln export-hf {run} --out {run}-hf",
+    ]
+
+
+def _width(stream) -> int | None:
+    """None (the terminal's width) on a terminal, else wide enough for any path."""
+    return None if stream.isatty() else 1000
+
+
+class RunConsole:
+    """Process 0's console: step lines on stdout, everything else on stderr, a bar on a terminal."""
+
+    def __init__(self, total: int, start_step: int, *, progress: bool):
+        self.total = total
+        # stdout (looked up at each print, so a live bar can route it); a file or pipe gets
+        # the summary at its natural width rather than wrapped or cropped at 80 columns.
+        self.out = Console(soft_wrap=True, highlight=False, markup=False, width=_width(sys.stdout))
+        self.err = Console(
+            stderr=True, soft_wrap=True, highlight=False, markup=False, width=_width(sys.stderr)
+        )
+        self.bar = None
+        if progress and sys.stderr.isatty():
+            self.bar = Progress(
+                TextColumn("step {task.completed}/{task.total}"),
+                BarColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=self.err,
+                # Step lines printed to a terminal stdout go above the bar; stdout redirected
+                # to a file keeps them (the bar stays on the terminal).
+                redirect_stdout=sys.stdout.isatty(),
+                redirect_stderr=True,
+            )
+            self.task = self.bar.add_task("train", total=total, completed=start_step, status="")
+            self.bar.start()
+
+    def status(self, text: str) -> None:
+        """Say what is happening now: the bar's status field, or a line on stderr."""
+        if self.bar is not None:
+            self.bar.update(self.task, status=text)
+        elif text:
+            self.info(text)
+
+    def advance(self, step: int, status: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, status=status)
+
+    def step(self, step: int, values: Mapping[str, float]) -> None:
+        evals = {k: v for k, v in values.items() if k.startswith("eval/")}
+        rest = {k: v for k, v in values.items() if not k.startswith("eval/")}
+        for part in (evals, rest):  # a step's evaluation on a line of its own, first
+            if part:
+                self.out.print(step_line(step, self.total, part))
+
+    def info(self, message: str) -> None:
+        self.err.print(f"kiln: {message}")
+
+    def warn(self, message: str) -> None:
+        self.err.print(f"kiln: warning: {message}")
+
+    def summary(self, s: Summary) -> None:
+        self.close()  # the table goes below the finished bar
+        self.out.print(summary_table(s))
+        self.out.print("next:")
+        for command in next_commands(s.run_dir):
+            self.out.print(f"  {command}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None

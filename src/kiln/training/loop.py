@@ -1,0 +1,251 @@
+"""The training loop: steps, logging, evaluation, checkpoints and stop requests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.experimental import multihost_utils
+
+from kiln.config import Config
+from kiln.errors import RunStopped
+from kiln.runs.checkpoint import Checkpointer
+from kiln.training.console import Summary
+from kiln.training.metrics import MetricsLogger, perf_metrics
+from kiln.training.profiling import ProfileWindow, cache_events
+from kiln.util.checksums import non_finite_leaf
+
+
+def checkpoint_tree(state) -> dict[str, Any]:
+    """The arrays of a train state that a checkpoint holds."""
+    return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+
+
+def skip_cause(state) -> str:
+    """The likely cause of a run whose every step was skipped, for its error line."""
+    bad = non_finite_leaf(state.params)
+    if bad is not None:
+        return (
+            f"likely cause: the parameters hold non-finite values ({bad}): the checkpoint or "
+            "checkpoint.load_params_from source this run started from"
+        )
+    return (
+        "likely cause: the batches or the numerics (the parameters are finite, and token ids "
+        "are checked against model.vocab_size as they are read): check that data.paths gives "
+        "batches with tokens to predict, then model.dtype and the loss settings"
+    )
+
+
+@contextmanager
+def stop_requests(say: Callable[[str], None] = lambda message: None):
+    """Turn SIGTERM and SIGINT into a flag the loop polls, so it can checkpoint, then exit 0.
+
+    The first request is acknowledged at once through `say`; a second Ctrl-C (SIGINT) exits at
+    once with code 130, saving nothing. With several processes, JAX's preemption service keeps
+    SIGTERM (SIGINT is passed on to it as SIGTERM) and picks one step at which every process
+    stops: see `stop_due`.
+    """
+    requested: list[int] = []
+    several = jax.process_count() > 1
+
+    def handler(signum, _frame):
+        if requested and signum == signal.SIGINT:  # a second Ctrl-C
+            # os._exit: no checkpoint, no waiting for saves in flight (orbax leaves a temporary
+            # directory that the next run removes); metrics.jsonl is flushed row by row.
+            sys.stderr.write(
+                "kiln: interrupted again: exiting now without a checkpoint; the run resumes "
+                "from its last saved one\n"
+            )
+            sys.stderr.flush()
+            os._exit(130)
+        requested.append(signum)  # first: a second signal may arrive while this one is told
+        if len(requested) == 1:
+            name = signal.Signals(signum).name
+            again = "; Ctrl-C again to exit at once without one" if signum == signal.SIGINT else ""
+            say(f"{name}: stopping after this step with a checkpoint{again}")
+        if several:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signals = (signal.SIGINT,) if several else (signal.SIGTERM, signal.SIGINT)
+    previous = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield requested
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def stop_due(requested: list[int], step: int) -> bool:
+    """Whether to checkpoint and stop after `step`: all processes agree on the same step."""
+    if jax.process_count() == 1:
+        return bool(requested)
+    return multihost_utils.reached_preemption_sync_point(step)
+
+
+class StepClock:
+    """Wall time per step between log points, measured when a step's metrics arrive.
+
+    The interval holding the first step (compilation) is not counted.
+    """
+
+    def __init__(self, config: Config, flops_per_token: float):
+        self.config, self.flops = config, flops_per_token
+        self.last_step, self.last_time = None, None
+
+    def tick(self, step: int) -> dict[str, float] | None:
+        now = time.perf_counter()
+        if self.last_step is None:
+            self.last_step, self.last_time = step, now
+            return None
+        if step % self.config.train.log_every_steps and step != self.config.train.steps:
+            return None
+        seconds = (now - self.last_time) / max(1, step - self.last_step)
+        self.last_step, self.last_time = step, now
+        tokens = self.config.train.global_batch_size * self.config.data.seq_len
+        return perf_metrics(seconds, tokens, self.flops, self.config)
+
+
+@dataclass
+class Loop:
+    """One run's loop: `step_fn(state, batch) -> (state, metrics)` from state.step to train.steps."""
+
+    config: Config
+    command: str
+    step_fn: Callable
+    place: Callable[[Mapping[str, Any]], Any]
+    batches: Iterator
+    ckpt: Checkpointer
+    logger: MetricsLogger
+    flops_per_token: float
+    evaluate: Callable[[Any], dict[str, float]] | None = None
+    started: float | None = None  # perf_counter() at start-up, for the time to the first step
+
+    def run(self, state):
+        cfg = self.config
+        self._loop_start = time.perf_counter()
+        first = int(state.step) + 1
+        profile = ProfileWindow(cfg.train.profile_steps, cfg.run_dir / "tensorboard", first)
+        try:
+            return self._run(state, first, profile)
+        finally:
+            profile.close()  # a run stopped or failed inside the window still writes its trace
+
+    def _run(self, state, first: int, profile: ProfileWindow):
+        cfg = self.config
+        clock = StepClock(cfg, self.flops_per_token)
+        self._first_step = None if self.started is None else first
+        self._first_step_seconds: dict[str, float] = {}
+        self._first_done = None  # perf_counter() when the first step's metrics arrived
+        self._evals: dict[int, dict[str, float]] = {}  # eval figures waiting for their step's row
+        skips, pending = 0, None  # pending: (step, metrics on device), read one step late
+        with stop_requests(self.logger.info) as stop:
+            for step in range(first, cfg.train.steps + 1):
+                profile.before(step, state)
+                batch = self.place(next(self.batches))
+                if step == first:
+                    self.logger.status("compiling the train step…")
+                    compile_start = time.perf_counter()
+                state, metrics = self.step_fn(state, batch)
+                if step == first:  # jit traces and compiles in the call; the step runs after
+                    seconds = time.perf_counter() - compile_start
+                    self.logger.info(f"compiled the train step in {seconds:.1f}s")
+                    self.logger.status("")
+                profile.after(step, (state, metrics))
+                self.ckpt.check()  # a failed background save stops the run now, not later
+                if pending is not None:
+                    skips = skips + 1 if self._finish(*pending, clock) else 0
+                    if skips >= cfg.train.max_consecutive_skips:
+                        raise RunStopped(
+                            f"{skips} consecutive steps had a non-finite loss or gradient (last at "
+                            f"step {pending[0]}); stopping with the last good checkpoint kept "
+                            f"(train.max_consecutive_skips={cfg.train.max_consecutive_skips})"
+                        )
+                pending = (step, metrics)
+                if self.evaluate is not None and step % cfg.train.eval_every_steps == 0:
+                    self._evals[step] = self.evaluate(state)  # logged in the row of its step
+                if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+                    self._save(state)
+                if stop_due(stop, step):
+                    self._finish(*pending, clock)
+                    self._save(state)
+                    self.ckpt.wait()
+                    name = signal.Signals(stop[0]).name if stop else "SIGTERM"
+                    self.logger.warn(
+                        f"stopped by signal {name} at step {step}; "
+                        f"checkpoint saved, run `{self.command}` again to resume"
+                    )
+                    return state
+            if pending is not None:
+                skips = skips + 1 if self._finish(*pending, clock) else 0
+        self._trained_end = time.perf_counter()
+        trained = cfg.train.steps - first + 1
+        if trained > 0 and skips == trained:
+            raise RunStopped(
+                f"every step of this run ({first}..{cfg.train.steps}) had a non-finite loss or "
+                f"gradient and was skipped; nothing was trained or saved; {skip_cause(state)}"
+            )
+        self._save(state)
+        self.ckpt.wait()
+        self.logger.summary(self._summary(first, int(state.step)))
+        return state
+
+    def _summary(self, first: int, last: int) -> Summary:
+        """Figures of this invocation: steps, wall time, tokens/s after the first step, losses."""
+        cfg, now, end = self.config, time.perf_counter(), self._trained_end
+        tokens_per_sec = None
+        if self._first_done is not None and last > first and end > self._first_done:
+            # Steps after the first ran between its result and the last one (the final save
+            # and the compilation are left out).
+            tokens = (last - first) * cfg.train.global_batch_size * cfg.data.seq_len
+            tokens_per_sec = tokens / (end - self._first_done)
+        return Summary(
+            run_dir=cfg.run_dir,
+            steps=last - first + 1,
+            last_step=last,
+            seconds=now - (self.started if self.started is not None else self._loop_start),
+            tokens_per_sec=tokens_per_sec,
+            train_loss=self.logger.last.get("learning/loss"),
+            eval_loss=self.logger.last.get("eval/loss"),
+            checkpoint=cfg.run_dir / "checkpoints" / str(last),
+        )
+
+    def _save(self, state) -> None:
+        self.ckpt.save(int(state.step), checkpoint_tree(state), self.batches.get_state())
+
+    def _finish(self, step: int, metrics, clock: StepClock) -> bool:
+        """Fetch a dispatched step's metrics and log them when due; returns whether it skipped."""
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if self._first_done is None:
+            self._first_done = time.perf_counter()
+        if step == self._first_step:
+            self._first_step_seconds = {"perf/time_to_first_step_seconds": self._first_arrived()}
+        perf = clock.tick(step)
+        skipped = values.get("learning/step_skipped", 0.0) > 0
+        self.logger.progress(step, {**values, **(perf or {})})
+        if skipped:
+            self.logger.warn(f"step {step}: non-finite loss or gradient, update skipped")
+        due = step % self.config.train.log_every_steps == 0 or step == self.config.train.steps
+        evals = self._evals.pop(step, {})
+        if due or skipped:  # one row per step: the step's evaluation joins its figures
+            row = {**evals, **values, **(perf or {}), **self._first_step_seconds}
+            self.logger.write(step, row)
+            self._first_step_seconds = {}
+        elif evals:
+            self.logger.write(step, evals)
+        return skipped
+
+    def _first_arrived(self) -> float:
+        """Seconds from start-up to the first step's metrics (logged with the next row)."""
+        seconds = time.perf_counter() - self.started
+        hits, misses = cache_events["hits"], cache_events["misses"]
+        cache = self.config.train.compilation_cache_dir
+        where = "off" if cache is None else f"{hits} hits, {misses} misses"
+        self.logger.info(f"first step after {seconds:.1f}s (compile cache: {where})")
+        return seconds

@@ -1,0 +1,66 @@
+"""Whether a config may start or continue the run in its directory: a run with metrics but no
+checkpoint, a finished run, or a longer schedule whose learning rate would jump at the resume step
+is refused (or, when finished, reported) before anything is written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kiln.config import Config, OptimConfig
+from kiln.errors import KilnError
+from kiln.runs.rundir import RunComplete, metrics_rows
+from kiln.training.optim import make_schedule
+
+# A learning rate above the finished schedule's by more than float32 rounding is a jump up.
+LR_RTOL = 1e-6
+
+
+def check_start(config: Config, previous: Config | None, latest: int | None) -> None:
+    """Refuse (KilnError) or finish (RunComplete) a start that would not train what it says.
+
+    `previous` is the run directory's config.yaml and `latest` its latest complete checkpoint.
+    """
+    run_dir, steps = config.run_dir, config.train.steps
+    if latest is None:
+        rows = metrics_rows(run_dir)
+        if rows:
+            raise KilnError(
+                f"train.run_name: {run_dir} has {rows} rows of metrics but no checkpoint to "
+                "resume from; starting over would mix two runs in its metrics.jsonl: run again "
+                "with --restart (moves the earlier run aside) or use a new train.run_name"
+            )
+        return
+    if latest >= steps:
+        raise RunComplete(
+            f"run complete at step {latest} (train.steps={steps}); nothing trained, {run_dir} "
+            f"left as it was; {_way_on(config.optim, latest)}"
+        )
+    if previous is not None and previous.train.steps != steps:
+        jump = lr_jump(config.optim, latest, previous.train.steps, steps)
+        if jump is not None:
+            before, after = jump
+            raise KilnError(
+                f"train.steps: {previous.train.steps} -> {steps} moves the {config.optim.schedule} "
+                f"schedule backwards at the resume step {latest + 1}: the learning rate would "
+                f"jump from {before:.4g} to {after:.4g}; keep train.steps={previous.train.steps}, "
+                f"or start a new run from these weights ({_new_run(run_dir)})"
+            )
+
+
+def lr_jump(optim: OptimConfig, step: int, old_steps: int, new_steps: int):
+    """(old, new) learning rate of the update after checkpoint `step` when `train.steps` changes,
+    if the new schedule is higher there; None when it is not (a later, equal or lower rate)."""
+    old = float(make_schedule(optim, old_steps)(step))  # the update after step N uses lr(N)
+    new = float(make_schedule(optim, new_steps)(step))
+    return (old, new) if new > old * (1 + LR_RTOL) else None
+
+
+def _way_on(optim: OptimConfig, latest: int) -> str:
+    """What to do with a finished run: more steps only where the schedule allows them."""
+    if lr_jump(optim, latest, latest, latest + 1) is None:
+        return "use a new train.run_name or raise train.steps"
+    return f"use a new train.run_name (the {optim.schedule} schedule has ended)"
+
+
+def _new_run(run_dir: Path) -> str:
+    return f"train.run_name=NEW checkpoint.load_params_from={run_dir}, with a schedule of its own"

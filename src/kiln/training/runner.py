@@ -1,0 +1,416 @@
+"""The stateful run around a pure step: set-up, resume, checkpoints, signals, metrics one step late.
+
+Shared by `kiln train` and `kiln distill`: the caller supplies its objective and train state
+(`prepare_run`); this module owns everything that touches files, clocks and signals.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from kiln.config import Config, read_run_config
+from kiln.data import make_datasets
+from kiln.data.eval_tasks import parse_tasks
+from kiln.errors import KilnError, write_error
+from kiln.model.attention import check as check_attention
+from kiln.parallel.distributed import initialize
+from kiln.parallel.mesh import make_mesh
+from kiln.runs import pinned
+from kiln.runs import sync as run_sync
+from kiln.runs.checkpoint import (
+    Checkpointer,
+    abstract_like,
+    latest_complete_step,
+    restore,
+    restore_newest_intact,
+    restore_params,
+)
+from kiln.runs.lock import RunLock
+from kiln.runs.paths import check_output_paths
+from kiln.runs.remote import local_run
+from kiln.runs.rundir import RunComplete, keep_config_history, move_aside, restart_target
+from kiln.training import train
+from kiln.training.loop import Loop, checkpoint_tree
+from kiln.training.metrics import MetricsLogger
+from kiln.training.profiling import compilation_cache_for
+from kiln.training.resume import check_start
+from kiln.training.scoring import Evaluator, load_tasks
+from kiln.training.tracking import check_wandb
+from kiln.util.checksums import set_aside
+
+# Sections and fields a resumed run may not change: they define the model and the token stream.
+FROZEN_ON_RESUME = (
+    "model",
+    "data.source",
+    "data.synthetic_kind",
+    "data.paths",
+    "data.eval_paths",
+    "data.on_decode_error",
+    "data.field",
+    "data.tokenizer",
+    "data.seq_len",
+    "data.seed",
+    "data.eval_fraction",
+    "data.sources",
+    "train.global_batch_size",
+    "distillation.teacher_run_dir",
+    "distillation.teacher_logits_dir",
+)
+
+
+def previous_config(run_dir: Path) -> Config | None:
+    """The resolved config of an earlier invocation in this run directory, if it left one
+    (with or without checkpoints: its metrics belong to that config)."""
+    if not (run_dir / "config.yaml").is_file():
+        return None
+    return read_run_config(run_dir, "resume (the earlier run's config)")
+
+
+def resume_changes(old: Config, new: Config) -> list[str]:
+    """Changed fields as 'a.b: old -> new'; a KilnError if a frozen field changed."""
+    before, after = _flatten(old.model_dump(mode="json")), _flatten(new.model_dump(mode="json"))
+    changes = []
+    for key in sorted(set(before) | set(after)):
+        if before.get(key) == after.get(key):
+            continue
+        if any(key == f or key.startswith(f + ".") for f in FROZEN_ON_RESUME):
+            raise KilnError(
+                f"{key}: the run in {new.run_dir} was started with {before.get(key)!r}, this config "
+                f"says {after.get(key)!r}; a resumed run cannot change it (use a new "
+                "train.run_name, or checkpoint.load_params_from to start from its weights, or "
+                "--restart to start this run over)"
+            )
+        changes.append(f"{key}: {before.get(key)!r} -> {after.get(key)!r}")
+    return changes
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping) and not (prefix == "mesh." and k == "rules"):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def open_run_dir(
+    run_dir: Path,
+    config: Config,
+    lock: RunLock,
+    start_step: int = 0,
+    restart_to: Path | None = None,
+) -> tuple[bool, str | None]:
+    """Write the run directory and its config.yaml on process 0, which holds the run's lock;
+    returns whether this is process 0, and a note if a dead process's lock was taken over.
+
+    With several processes, nothing is written until every one of them has validated its config,
+    data and checkpoint (and has read the old config.yaml, which process 0 now replaces). A
+    changed config.yaml is kept as config.<start_step>.yaml; `--restart` first moves the earlier
+    run to `restart_to`.
+    """
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("kiln: every process validated the run")
+    is_main = jax.process_index() == 0
+    note = None
+    if is_main:
+        try:
+            if restart_to is not None:
+                move_aside(run_dir, restart_to)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            note = lock.acquire()  # a no-op if taken at start-up (the directory existed then)
+            keep_config_history(run_dir, config, start_step)
+            (run_dir / "config.yaml").write_text(config.to_yaml())
+        except OSError as e:
+            raise write_error(e, run_dir) from None
+    return is_main, note
+
+
+def resume_notes(config: Config, restart: bool = False) -> list[str]:
+    """What changed since the earlier invocation of this run (KilnError if it may not change);
+    then whether the run has anything to do (`kiln.training.resume.check_start`)."""
+    if restart:
+        return []
+    previous = previous_config(config.run_dir)
+    notes = (
+        [f"changed on resume: {c}" for c in resume_changes(previous, config)] if previous else []
+    )
+    check_start(config, previous, latest_complete_step(config.run_dir / "checkpoints"))
+    return notes
+
+
+def restore_latest(config: Config, state, batches) -> tuple[Any, list[str], list[int]]:
+    """`state` and the data iterator from the run's newest intact checkpoint, if there is one;
+    also a note per damaged newer checkpoint skipped, and their steps (set aside by run_loop)."""
+    directory = config.run_dir / "checkpoints"
+    notes, skipped = [], []
+
+    def skip(step: int, reason: str) -> None:
+        skipped.append(step)
+        notes.append(
+            f"checkpoint step {step} skipped, it is damaged: {reason}; "
+            f"moved to {config.run_dir / 'damaged-checkpoints'}"
+        )
+
+    abstract = abstract_like(checkpoint_tree(state))
+    found = restore_newest_intact(
+        directory, abstract, checksums=config.checkpoint.verify, skipped=skip
+    )
+    if found is None:
+        return state, notes, skipped
+    step, tree, data_state = found
+    state = state.replace(**tree)
+    if data_state:  # empty for a checkpoint of `kiln import-hf`: data from the start
+        batches.set_state(data_state)
+    return state, [f"resuming from step {step} ({directory / str(step)})", *notes], skipped
+
+
+@dataclass
+class PreparedRun:
+    """A validated run, ready to loop: nothing has been written to its run directory yet."""
+
+    config: Config
+    command: str  # what the user runs to resume it, e.g. "kiln train"
+    mesh: Any
+    objective: train.Objective
+    state: train.TrainState
+    datasets: Any
+    batches: Iterator
+    notes: list[str]
+    started: float  # time.perf_counter() when preparation began
+    lock: RunLock  # held by process 0 (taken in `prepare_run` or, for a new run, `run_loop`)
+    eval_tasks: list = field(default_factory=list)  # train.eval_tasks, read and tokenized
+    damaged: list[int] = field(default_factory=list)  # steps to set aside
+    inputs: dict[str, Any] = field(default_factory=dict)  # pinned in inputs.json
+    restart_to: Path | None = None  # `--restart`: where the earlier run is moved
+    sync: run_sync.RunSync | None = None  # a URL train.output_dir: the mirror's link to it
+
+
+def execute(
+    config: Config,
+    build: Callable[[Config, Any], tuple[train.Objective, train.TrainState, list[str]]],
+    *,
+    command: str,
+    check: Callable[[Config], Any] | None = None,
+    restart: bool = False,
+    wrap_batches: Callable[[Config, Any, Iterator], Iterator] | None = None,
+):
+    """`prepare_run`, then `run_loop`, with the run's persistent compilation cache in use.
+
+    A finished run (latest checkpoint at or past train.steps) says so in one line and returns
+    None, having read its config.yaml and checkpoint steps and written nothing.
+    """
+    with compilation_cache_for(config):
+        try:
+            run = prepare_run(
+                config, build, command=command, check=check, restart=restart,
+                wrap_batches=wrap_batches,
+            )  # fmt: skip
+        except RunComplete as done:
+            if jax.process_index() == 0:
+                print(f"kiln: {done}", file=sys.stderr)
+            return None
+        return run_loop(run)
+
+
+def prepare_run(
+    config: Config,
+    build: Callable[[Config, Any], tuple[train.Objective, train.TrainState, list[str]]],
+    *,
+    command: str,
+    check: Callable[[Config], Any] | None = None,
+    restart: bool = False,
+    wrap_batches: Callable[[Config, Any, Iterator], Iterator] | None = None,
+) -> PreparedRun:
+    """Validate against devices, data and any earlier run; build the state; resume or load.
+
+    `build(config, mesh) -> (objective, fresh state, notes)`; `check(config)` runs cheap
+    validation before any data or parameters are touched. The state then comes from the
+    run's latest checkpoint (with the data iterator's position) or, for a new run, takes
+    `checkpoint.load_params_from`'s parameters (those the objective adds to the model, e.g. a
+    distillation projection, stay fresh). `restart`: start over; the earlier run is moved aside
+    when the run directory is opened. `wrap_batches(config, datasets, iterator)` adds keys to
+    the training batches (an iterator with the data's get_state/set_state, restored with it).
+    Raises RunComplete when there is nothing to train.
+    """
+    started = time.perf_counter()
+    check_output_paths(config)
+    initialize(config)  # before any device is touched
+    lock = RunLock(config.run_dir, command)
+    # An existing run is locked before its checkpoints are read (and before a URL's files are
+    # fetched into its mirror); a new one when it is written.
+    main = jax.process_index() == 0
+    taken = lock.acquire() if main and config.run_dir.is_dir() else None
+    try:
+        sync = run_sync.start(config)  # a URL output_dir: the mirror is up to date from here
+        if main and config.run_dir.is_dir():  # a mirror the fetch made (a no-op if held)
+            taken = lock.acquire() or taken
+        run = _prepare(config, build, command, check, lock, started, restart, wrap_batches)
+    except BaseException:
+        lock.release()
+        raise
+    if taken:
+        run.notes.insert(0, taken)
+    if sync is not None:
+        run.sync = sync
+        run.notes.insert(
+            0,
+            f"run directory {sync.url} mirrored in {config.run_dir} "
+            f"({sync.fetched} files fetched); uploaded after each checkpoint",
+        )
+    return run
+
+
+def _prepare(config, build, command, check, lock, started, restart, wrap) -> PreparedRun:
+    notes = resume_notes(config, restart)  # reads only config.yaml and the checkpoint steps
+    mesh = make_mesh(config)
+    check_attention(config.model.attention, mesh.devices.flat[0].platform, config.model.dtype)
+    check_wandb(config)
+    if check is not None:
+        check(config)
+    datasets = make_datasets(config)
+    eval_tasks = []
+    if config.train.eval_every_steps:  # tasks run beside the held-out loss, or not at all
+        specs = parse_tasks(config.train.eval_tasks)
+        eval_tasks = load_tasks(specs, config, datasets.tokenizer)
+    if not restart:
+        pinned.check_data(config, datasets.inputs)
+    objective, state, built_notes = build(config, mesh)
+    batches = datasets.train_iterator()
+    if wrap is not None:
+        batches = wrap(config, datasets, batches)
+    restart_to = restart_target(config.run_dir) if restart else None
+    if restart_to is not None:
+        notes.append(f"--restart: the earlier run in {config.run_dir} moves to {restart_to}")
+    state, resumed, damaged = (state, [], []) if restart else restore_latest(config, state, batches)
+    source = config.checkpoint.load_params_from
+    if resumed:
+        notes[:0] = resumed
+    elif source:
+        keep = objective.extra_param_keys
+        target = nnx.State({k: v for k, v in state.params.items() if k not in keep})
+        params, step, skipped = restore_params(
+            local_run(source, "checkpoint.load_params_from", config),
+            target,
+            what="checkpoint.load_params_from",
+            checksums=config.checkpoint.verify,
+        )
+        state = state.replace(params=nnx.State.merge(state.params, params))
+        notes[:0] = [f"parameters from {source} (step {step})", *skipped]
+    notes += built_notes
+    return PreparedRun(
+        config,
+        command,
+        mesh,
+        objective,
+        state,
+        datasets,
+        batches,
+        notes,
+        started,
+        lock,
+        eval_tasks,
+        damaged,
+        {**datasets.inputs, **objective.pinned_inputs()},
+        restart_to,
+    )
+
+
+def run_loop(run: PreparedRun):
+    """Write the run directory (everything is validated by now), then loop, log and save."""
+    config, mesh = run.config, run.mesh
+    try:
+        is_main, taken = open_run_dir(
+            config.run_dir, config, run.lock, int(run.state.step), run.restart_to
+        )
+        if is_main:
+            pinned.write(config.run_dir, run.inputs)
+        if run.damaged:
+            if is_main:
+                set_aside(config.run_dir / "checkpoints", run.damaged)
+            if jax.process_count() > 1:  # no process opens its checkpoint manager before the move
+                multihost_utils.sync_global_devices("kiln: damaged checkpoints set aside")
+        ckpt = Checkpointer(config.run_dir, config.checkpoint)
+        if run.sync is not None:  # a sealed checkpoint goes up, then the logs beside it
+            ckpt.after_seal = run.sync.push
+    except BaseException as e:
+        run.lock.release()
+        if isinstance(e, OSError):
+            raise write_error(e, config.run_dir / "checkpoints") from None
+        raise
+    try:
+        logger = MetricsLogger(
+            config.run_dir, config, enabled=is_main, start_step=int(run.state.step)
+        )
+    except BaseException:
+        _close_all((ckpt.close, run.lock.release), failing=True)
+        raise
+    failing = True
+    try:
+        for note in ([taken] if taken else []) + run.notes + run.datasets.notes:
+            logger.info(note)
+        for warning in run.datasets.warnings:
+            logger.warn(warning)
+
+        eval_fn = None
+        if config.train.eval_every_steps:
+            eval_step = train.make_eval_step(config, mesh)
+            # By source: one set, or each source of a mixture (eval/loss/<name>).
+            eval_sets = run.datasets.eval_sets(config.train.eval_batches)
+            tasks = Evaluator(config, mesh, run.eval_tasks) if run.eval_tasks else None
+
+            def eval_fn(state):
+                held_out = run.datasets.combine_eval(
+                    {
+                        name: train.evaluate(eval_step, state, batches, mesh, config)
+                        for name, batches in eval_sets.items()
+                    }
+                )
+                return held_out if tasks is None else {**held_out, **tasks.metrics(state)}
+
+        loop = Loop(
+            config=config,
+            command=run.command,
+            step_fn=train.make_step(run.objective, train.shardings_of(run.state)),
+            place=lambda batch: train.place_batch(batch, mesh, config),
+            batches=run.batches,
+            ckpt=ckpt,
+            logger=logger,
+            flops_per_token=run.objective.flops_per_token(),
+            evaluate=eval_fn,
+            started=run.started,
+        )
+        state = loop.run(run.state)
+        failing = False
+        return state
+    finally:
+        push = () if run.sync is None else (run.sync.push,)  # after the last save and rows
+        _close_all((ckpt.close, logger.close, *push, run.lock.release), failing=failing)
+
+
+def _close_all(closers, *, failing: bool) -> None:
+    """Call each closer; while an error is on its way out, a closer's own error (e.g. the disk
+    that failed the run failing the last flush too) must not replace it."""
+    first = None
+    for close in closers:
+        try:
+            close()
+        except Exception as e:
+            first = first or e
+    if first is not None and not failing:
+        raise first
+
+
+def restore_state(directory: Path, step: int, state):
+    """`state` with its arrays replaced by checkpoint `step`, in `state`'s shardings."""
+    tree, data_state = restore(directory, step, abstract_like(checkpoint_tree(state)))
+    return state.replace(**tree), data_state

@@ -1,0 +1,431 @@
+"""Train state, the objective seam, exact gradient accumulation and the pure train step.
+
+A step optimises an `Objective`: pre-training (`LMObjective`) and distillation
+(`kiln.distill.online.DistillObjective`) are two. There is one `objective_loss_and_grads` for all of
+them: it cuts the global batch into micro-batches, accumulates weighted *sums* and their
+gradients in a `lax.scan`, and divides once by the global token weight.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kiln import losses
+from kiln.config import Config
+from kiln.errors import KilnError
+from kiln.model import build_model, create_model, flops_per_token
+from kiln.model.project import grad_reduce_dtype
+from kiln.parallel.mesh import (
+    InMesh,
+    batch_sharding,
+    in_mesh,
+    logical_spec,
+    make_mesh,
+    sharded_abstract,
+    state_shardings,
+    use_mesh,
+)
+from kiln.training.optim import make_optimizer, make_schedule
+
+Batch = Mapping[str, jax.Array]
+BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "weights")
+Sums = dict[str, jax.Array]
+
+
+class TrainState(struct.PyTreeNode):
+    """Everything a step changes: parameters, optimizer state and the step counter."""
+
+    step: jax.Array
+    params: nnx.State
+    opt_state: optax.OptState
+    rest: nnx.State  # non-trainable model variables (usually empty)
+    graphdef: nnx.GraphDef = struct.field(pytree_node=False)
+
+    def model(self, params: nnx.State | None = None) -> nnx.Module:
+        return nnx.merge(self.graphdef, self.params if params is None else params, self.rest)
+
+
+def init_state(config: Config, mesh: Mesh | None = None) -> TrainState:
+    """Model and optimizer state, created directly in their shardings on the mesh."""
+    mesh = make_mesh(config) if mesh is None else mesh
+    return state_from_model(config, mesh, create_model(config, mesh, config.train.seed))
+
+
+def state_from_model(config: Config, mesh: Mesh, model: nnx.Module) -> TrainState:
+    """A train state (fresh optimizer, step 0) around a model whose parameters are on `mesh`."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    opt_state = _optimizer_init(config, mesh, params)(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
+    return TrainState(step=step, params=params, opt_state=opt_state, rest=rest, graphdef=graphdef)
+
+
+def abstract_train_state(config: Config, mesh: Mesh, build: Callable[[], nnx.Module]) -> TrainState:
+    """The train state of the model `build()` makes, as sharded ShapeDtypeStructs: allocates nothing.
+
+    The same shardings as `state_from_model` gives the real state (`kiln compile` lowers the
+    step with it).
+    """
+    graphdef, abstract = sharded_abstract(build, mesh, config.mesh.rules)
+    params, rest = nnx.split_state(abstract, nnx.Param, ...)
+    opt_state = jax.eval_shape(_optimizer_init(config, mesh, params), params)
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+    return TrainState(step=step, params=params, opt_state=opt_state, rest=rest, graphdef=graphdef)
+
+
+def _optimizer_init(config: Config, mesh: Mesh, params: nnx.State) -> Callable:
+    """The optimizer's jitted `init(params)`, its state in the parameters' shardings."""
+    tx = make_optimizer(config.optim)
+    # Moments carry their parameter's logical names, so they shard like it; counts replicate.
+    opt_shardings = state_shardings(jax.eval_shape(tx.init, params), mesh, config.mesh.rules)
+    return jax.jit(tx.init, out_shardings=opt_shardings)
+
+
+def shardings_of(tree):
+    """The sharding of every array of a pytree (a train state, an objective)."""
+    return jax.tree.map(lambda x: x.sharding, tree)
+
+
+# ---------------------------------------------------------------------------------------------
+# The objective seam
+
+
+class Objective(struct.PyTreeNode):
+    """What a step optimises, as weighted sums over tokens that add across micro-batches.
+
+    An objective names its sums (`sum_keys`, always with `weight_sum`, the token weight) and
+    implements `loss_sums(model, batch, coefficients) -> (value, sums)`: float32 scalar sums of
+    one micro-batch and a scalar `value` whose gradient, summed over the micro-batches and
+    divided once by the global `weight_sum`, is the gradient of `finalize(global sums)[0]`.
+    `finalize(sums) -> (loss, aux)` turns the global sums into the loss and its diagnostics
+    (aux keys containing "/" are logged as metrics under that tag). An objective whose value
+    weights its sums by coefficients that depend on the *global* sums (dynamic balancing) sets
+    `needs_global_sums` and implements `coefficients(sums)`: with several micro-batches a
+    forward pass computes the global sums first; with one, `loss_sums` gets None and derives
+    them from its own sums. Arrays an objective holds (e.g. a teacher's parameters) are pytree
+    fields, passed to the jitted step as arguments; settings are static fields.
+    """
+
+    sum_keys: ClassVar[tuple[str, ...]] = ("weight_sum",)
+    needs_global_sums: ClassVar[bool] = False
+    # Top-level parameter collections the objective adds to the model (fresh on load_params_from).
+    extra_param_keys: ClassVar[tuple[str, ...]] = ()
+
+    config: Config = struct.field(pytree_node=False)
+    mesh: Mesh | None = struct.field(pytree_node=False)
+
+    def for_step(self, step: jax.Array) -> Objective:
+        """This objective at a (traced) train step, for settings on a schedule."""
+        return self
+
+    def loss_sums(self, model, batch: Batch, coefficients: Any) -> tuple[jax.Array, Sums]:
+        raise NotImplementedError
+
+    def coefficients(self, sums: Sums) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not use global coefficients")
+
+    def finalize(self, sums: Sums) -> tuple[jax.Array, dict[str, jax.Array]]:
+        raise NotImplementedError
+
+    def pinned_inputs(self) -> dict[str, Any]:
+        """Inputs beyond the data that a resumed run must keep (recorded in inputs.json)."""
+        return {}
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token of one step, for perf/mfu."""
+        return flops_per_token(self.config.model, self.config.data.seq_len)
+
+
+def token_mean(total: jax.Array, sums: Sums) -> jax.Array:
+    """A sum divided by the token weight `sums["weight_sum"]` (0 for a batch of only padding)."""
+    weight = sums["weight_sum"]
+    return total / jnp.where(weight > 0, weight, 1.0)
+
+
+def lm_loss_sums(config: Config, hidden_BSD, head_DV, batch: Batch, mesh) -> Sums:
+    """LM loss sums (loss_sum, z_loss_sum, weight_sum) of final hidden states, as configured."""
+    return losses.lm_loss(
+        hidden_BSD,
+        head_DV,
+        batch["targets"],
+        batch["weights"],
+        z_loss_multiplier=config.loss.z_loss_multiplier,
+        label_smoothing=config.loss.label_smoothing,
+        logit_softcap=config.model.logit_softcap,
+        num_vocab_tiling=config.loss.num_vocab_tiling,
+        mesh=mesh,
+        rules=config.mesh.rules,
+        vocab_chunk_size=config.loss.vocab_chunk_size,
+    )
+
+
+class LMObjective(Objective):
+    """Pre-training: the language-model loss (cross-entropy with z-loss) per token."""
+
+    sum_keys: ClassVar[tuple[str, ...]] = ("loss_sum", "z_loss_sum", "weight_sum")
+
+    def loss_sums(self, model, batch: Batch, coefficients: Any = None):
+        out = model.hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"])
+        sums = lm_loss_sums(self.config, out.hidden, model.head_weight(), batch, self.mesh)
+        return sums["loss_sum"], sums
+
+    def finalize(self, sums: Sums):
+        aux = {"z_loss": token_mean(sums["z_loss_sum"], sums), "total_weights": sums["weight_sum"]}
+        return token_mean(sums["loss_sum"], sums), aux
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss and gradients of a global batch
+
+
+def micro_batches(batch: Batch, accum: int, mesh: Mesh, rules) -> Batch:
+    """[G, S] -> [accum, G/accum, S], micro-batch a = rows a, a+accum, ... (keeps each shard's rows)."""
+    sharding = NamedSharding(mesh, logical_spec((None, "batch", "length"), rules))
+
+    def split(x):
+        g = x.shape[0]
+        x = x.reshape(g // accum, accum, *x.shape[1:]).swapaxes(0, 1)
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    return {k: split(x) for k, x in batch.items()}
+
+
+def objective_loss_and_grads(objective: Objective, state: TrainState, batch: Batch):
+    """(loss, aux, grads) of a global batch: sums over micro-batches, one division by the weight.
+
+    Traced inside jit. Gradients accumulate in float32 in the parameters' shardings.
+    """
+    config, mesh = objective.config, objective.mesh
+    objective = objective.for_step(state.step)
+    accum = config.train.gradient_accumulation_steps
+
+    def loss_sums(params, mb, coefficients):
+        return objective.loss_sums(state.model(params), mb, coefficients)
+
+    reduce_dtype = None if config.train.grad_reduce_dtype == "compute" else jnp.float32
+
+    def sums_and_grads(mb, coefficients):
+        grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+        with grad_reduce_dtype(reduce_dtype):
+            (_, sums), grads = grad_fn(state.params, mb, coefficients)
+        return sums, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+
+    if accum == 1:
+        sums, grads = sums_and_grads(batch, None)
+    else:
+        micro = micro_batches(batch, accum, mesh, config.mesh.rules)
+        coefficients = None
+        if objective.needs_global_sums:
+            # A forward pass over the micro-batches for the sums the coefficients depend on.
+            def add_sums(total, mb):
+                sums = loss_sums(state.params, mb, None)[1]
+                return jax.tree.map(jnp.add, total, sums), None
+
+            global_sums, _ = jax.lax.scan(add_sums, _zero_sums(objective), micro)
+            coefficients = objective.coefficients(global_sums)
+        shardings = state_shardings(state.params, mesh, config.mesh.rules)
+        zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        zero_grads = jax.lax.with_sharding_constraint(zero_grads, shardings)
+
+        def add(carry, mb):
+            return jax.tree.map(jnp.add, carry, sums_and_grads(mb, coefficients)), None
+
+        (sums, grads), _ = jax.lax.scan(add, (_zero_sums(objective), zero_grads), micro)
+    grads = jax.tree.map(lambda g: token_mean(g, sums), grads)
+    loss, aux = objective.finalize(sums)
+    return loss, aux, grads
+
+
+def _zero_sums(objective: Objective) -> Sums:
+    return {k: jnp.zeros((), jnp.float32) for k in objective.sum_keys}
+
+
+# Compiled once per objective (its static config and mesh are part of jit's cache key).
+_jitted_loss_and_grads = jax.jit(objective_loss_and_grads)
+
+
+def run_objective(objective: Objective, state: TrainState, batch: Mapping[str, Any]):
+    """(loss, aux, grads) of one global batch, compiled once per objective and state structure."""
+    placed = place_batch(batch, objective.mesh, objective.config)
+    with use_mesh(objective.mesh, objective.config.mesh.rules):
+        return _jitted_loss_and_grads(objective, state, placed)
+
+
+def compiled_objectives() -> int:
+    """How many (objective, state structure) programs `run_objective` has compiled."""
+    return _jitted_loss_and_grads._cache_size()
+
+
+def loss_and_grads(config: Config, state: TrainState, batch: Mapping[str, Any]):
+    """(loss, aux, grads) of one global batch: per-token mean loss, aux z_loss/total_weights."""
+    return run_objective(LMObjective(config=config, mesh=mesh_of(state)), state, batch)
+
+
+def mesh_of(state: TrainState) -> Mesh:
+    return jax.tree.leaves(state.params)[0].sharding.mesh
+
+
+def place_batch(batch: Mapping[str, Any], mesh: Mesh, config: Config) -> Batch:
+    """Put this process's rows of a global batch on the mesh as global arrays.
+
+    Process p of P holds rows p*n .. (p+1)*n - 1 of the global batch (n = its row count), the
+    rows its own devices hold, so the global array is the same for any number of processes.
+    """
+    sharding = batch_sharding(mesh, config.mesh.rules)
+    out = {}
+    # Keys beyond the token stream's (e.g. stored teacher logits) share its leading [B, S] layout.
+    for k in (*BATCH_KEYS, *(k for k in batch if k not in BATCH_KEYS)):
+        x = batch[k]
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            out[k] = x
+        else:
+            x = np.asarray(x)
+            shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
+            _check_process_rows(sharding, shape, jax.process_index(), jax.process_count())
+            out[k] = jax.make_array_from_process_local_data(sharding, x, shape)
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _check_process_rows(sharding: NamedSharding, shape: tuple[int, ...], p: int, count: int):
+    """KilnError unless process `p` of `count` has devices holding exactly its own batch rows."""
+    n = shape[0] // count
+    held = set()
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        held.update(range(*index[0].indices(shape[0])))
+    if held != set(range(p * n, (p + 1) * n)):
+        raise KilnError(
+            f"mesh: the devices of process {p} hold {len(held)} rows of each global batch "
+            f"(from row {min(held)}), but its data are rows {p * n}..{(p + 1) * n - 1}; split the "
+            f"batch over the {count} processes: mesh.data * mesh.fsdp must be a "
+            "multiple of the process count (tensor and sequence axes within a process)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The step
+
+
+def make_step(objective: Objective, shardings: TrainState) -> InMesh:
+    """The jitted pure `step(state, batch) -> (state, metrics)` of an objective, donated state.
+
+    The objective's arrays (e.g. a teacher's parameters) are arguments of the compiled step,
+    never constants folded into it.
+    """
+    config, mesh = objective.config, objective.mesh
+    update = make_update(config)
+
+    def step(objective: Objective, state: TrainState, batch: Batch):
+        loss, aux, grads = objective_loss_and_grads(objective, state, batch)
+        state, metrics = update(state, loss, aux, grads)
+        return state, {**metrics, **{k: v for k, v in aux.items() if "/" in k}}
+
+    data = batch_sharding(mesh, config.mesh.rules)
+    jitted = jax.jit(
+        step,
+        in_shardings=(shardings_of(objective), shardings, data),  # every batch key: [B, S, ...]
+        out_shardings=(shardings, NamedSharding(mesh, P())),
+        donate_argnums=1,
+    )
+    return in_mesh(jitted, mesh, config.mesh.rules, objective)
+
+
+def make_train_step(config: Config, mesh: Mesh, shardings: TrainState) -> InMesh:
+    """The jitted pre-training `train_step(state, batch) -> (state, metrics)`, donated state."""
+    return make_step(LMObjective(config=config, mesh=mesh), shardings)
+
+
+def make_update(config: Config) -> Callable:
+    """`update(state, loss, aux, grads) -> (state, metrics)`; skipped if any is non-finite."""
+    tx = make_optimizer(config.optim)
+    schedule = make_schedule(config.optim, config.train.steps)
+    clip = config.optim.grad_clip
+
+    def update(state: TrainState, loss, aux, grads):
+        raw_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(raw_norm)
+        lr = schedule(state.step)
+
+        def apply(operand):
+            params, opt_state = operand
+            updates, opt_state = tx.update(grads, opt_state, params)
+            updates = jax.tree.map(lambda u: -lr * u, updates)
+            return optax.apply_updates(params, updates), opt_state
+
+        params, opt_state = jax.lax.cond(
+            finite, apply, lambda operand: operand, (state.params, state.opt_state)
+        )
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        metrics = {
+            "learning/loss": loss,
+            "learning/z_loss": aux["z_loss"],
+            "learning/total_weights": aux["total_weights"],
+            "learning/raw_grad_norm": raw_norm,
+            "learning/grad_norm": raw_norm if clip is None else jnp.minimum(raw_norm, clip),
+            "learning/param_norm": optax.tree.norm(params),
+            "learning/current_learning_rate": lr,
+            **new_state.model().diagnostics(),
+            "learning/step_skipped": (~finite).astype(jnp.float32),
+        }
+        return new_state, metrics
+
+    return update
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+
+
+def make_eval_step(config: Config, mesh: Mesh) -> Callable:
+    """Jitted `eval_step(state, batch) -> sums` (loss_sum, z_loss_sum, weight_sum), forward only."""
+    objective = LMObjective(config=config, mesh=mesh)
+
+    def eval_step(state: TrainState, batch: Batch):
+        return objective.loss_sums(state.model(), batch)[1]
+
+    return in_mesh(jax.jit(eval_step), mesh, config.mesh.rules)
+
+
+def evaluate(eval_step, state: TrainState, batches, mesh, config: Config) -> dict[str, float]:
+    """eval/loss (with z-term, as learning/loss), eval/z_loss and eval/perplexity (of the CE alone)."""
+    totals = {"loss_sum": 0.0, "z_loss_sum": 0.0, "weight_sum": 0.0}
+    for batch in batches:
+        sums = jax.device_get(eval_step(state, place_batch(batch, mesh, config)))
+        for k in totals:
+            totals[k] += float(sums[k])
+    w = max(totals["weight_sum"], 1e-30)
+    loss, z = totals["loss_sum"] / w, totals["z_loss_sum"] / w
+    return {"eval/loss": loss, "eval/z_loss": z, "eval/perplexity": math.exp(min(loss - z, 80.0))}
+
+
+# ---------------------------------------------------------------------------------------------
+# Pre-training
+
+
+def pretraining(config: Config, mesh: Mesh) -> tuple[Objective, TrainState, list[str]]:
+    """The pre-training objective and a fresh train state (see `kiln.training.runner.prepare_run`)."""
+    return LMObjective(config=config, mesh=mesh), init_state(config, mesh), []
+
+
+def abstract_pretraining(config: Config, mesh: Mesh) -> tuple[Objective, TrainState]:
+    """`kiln train`'s objective and its train state as sharded ShapeDtypeStructs (`kiln compile`)."""
+    state = abstract_train_state(config, mesh, lambda: build_model(config.model, rngs=nnx.Rngs(0)))
+    return LMObjective(config=config, mesh=mesh), state
+
+
+def abstract_batch(config: Config, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
+    """A global batch as ShapeDtypeStructs in the sharding `place_batch` gives the real one."""
+    shape = (config.train.global_batch_size, config.data.seq_len)
+    sharding = batch_sharding(mesh, config.mesh.rules)
+    dtype = {k: jnp.float32 if k == "weights" else jnp.int32 for k in BATCH_KEYS}
+    return {k: jax.ShapeDtypeStruct(shape, dtype[k], sharding=sharding) for k in BATCH_KEYS}

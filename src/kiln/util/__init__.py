@@ -1,0 +1,11 @@
+"""Small helpers every layer uses, with no kiln dependency but `kiln.errors`.
+
+Modules: `storage` (files at local paths or URLs through fsspec: read, list, upload, the local
+mirror of a URL), `checksums` (CRC-32 of files and trees), `humanize` (counts and plurals in
+words), `interrupt` (SIGINT/SIGTERM as one clean exit during start-up).
+
+May import: `kiln.errors`. Imports no JAX.
+
+Public names: the modules above; `storage.Location`, `storage.is_remote`, `storage.filesystem`,
+`checksums.crc32_of`, `humanize.count`, `humanize.plural`, `interrupt.exit_on_signals`.
+"""
