@@ -327,13 +327,13 @@ def test_a_stopped_run_exits_1_with_one_line_through_the_process_exit(
     from kiln import cli
     from kiln.errors import RunStopped
     from kiln.parallel import distributed
-    from kiln.training import train
+    from kiln.training import pretrain
 
     def stopped(config, restart=False):
         raise RunStopped("3 consecutive steps had a non-finite loss or gradient")
 
     left = []
-    monkeypatch.setattr(train, "run", stopped)
+    monkeypatch.setattr(pretrain, "run", stopped)
     monkeypatch.setattr(distributed, "leave_if_joined", left.append)
     assert cli.main(["train", str(write_config(tmp_path / "c.yaml", "{}\n"))]) == 1
     assert capsys.readouterr().err == (

@@ -23,8 +23,8 @@ from kiln.data.eval_tasks import default_name, parse_task, parse_tasks
 from kiln.errors import KilnError
 from kiln.model import abstract_state, build_model
 from kiln.runs.checkpoint import abstract_like, restore_params
+from kiln.training.pretrain import run
 from kiln.training.profiling import compilation_cache_for
-from kiln.training.train import run
 
 pytestmark = pytest.mark.slow
 F32 = 1e-5  # relative: float32 sums of the same per-token losses in another order

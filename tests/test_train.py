@@ -11,7 +11,7 @@ import pytest
 
 from kiln.config import MESH_AXES, config_from_dict
 from kiln.errors import RunStopped
-from kiln.training import pretrain, train
+from kiln.training import pretrain, runner, train
 
 SEQ, BATCH, VOCAB = 16, 32, 128
 MODEL = {
@@ -282,10 +282,8 @@ class NanData:
 
 
 def test_too_many_skips_stop_the_run(tmp_path, monkeypatch):
-    import kiln.data
-
-    real = kiln.data.make_datasets
-    monkeypatch.setattr(kiln.data, "make_datasets", lambda c: NanData(real(c)))
+    real = runner.make_datasets
+    monkeypatch.setattr(runner, "make_datasets", lambda c: NanData(real(c)))
     config = make_config(
         tmp_path,
         train={"steps": 20, "max_consecutive_skips": 3},
@@ -302,10 +300,8 @@ def test_too_many_skips_stop_the_run(tmp_path, monkeypatch):
 
 
 def test_a_run_whose_every_step_is_skipped_fails(tmp_path, monkeypatch):
-    import kiln.data
-
-    real = kiln.data.make_datasets
-    monkeypatch.setattr(kiln.data, "make_datasets", lambda c: NanData(real(c)))
+    real = runner.make_datasets
+    monkeypatch.setattr(runner, "make_datasets", lambda c: NanData(real(c)))
     config = make_config(
         tmp_path,
         train={"steps": 2, "max_consecutive_skips": 10},
