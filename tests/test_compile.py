@@ -357,7 +357,9 @@ def test_fit_finds_settings_that_compile_under_the_budget():
     # 30 MB: the step without remat needs 56 MB at accumulation 1 (measured), less with more.
     base = ["configs/tiny.yaml", "train.global_batch_size=64", "model.num_layers=2"]
     budget = 0.03
-    proc = kiln("compile", *base, "--devices", "8", "--fit", "--hbm-gb", budget, "--json", cwd=ROOT)
+    proc = kiln_main(
+        "compile", *base, "--devices", "8", "--fit", "--hbm-gb", budget, "--json", cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr
     found = json.loads(proc.stdout)
     overrides = found["overrides"].split()
@@ -376,7 +378,7 @@ def test_fit_finds_settings_that_compile_under_the_budget():
     less = remat_policies()[: remat_policies().index(best["remat"])]
     assert all(not t["fits"] for t in trials if t["remat"] in less)
     # The printed overrides, applied, compile under the budget.
-    proc = kiln("compile", *base, *overrides, "--devices", "8", "--hbm-gb", budget, cwd=ROOT)
+    proc = kiln_main("compile", *base, *overrides, "--devices", "8", "--hbm-gb", budget, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -408,7 +410,7 @@ def test_fit_mesh_finds_a_split_that_fits_where_the_configs_own_does_not():
     ]
     budget = 0.01
     args = ["--devices", "8", "--fit", "--hbm-gb", budget, "--fit-mesh", "fsdp,data,sequence"]
-    proc = kiln("compile", *base, *args, "--json", cwd=ROOT)
+    proc = kiln_main("compile", *base, *args, "--json", cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     found = json.loads(proc.stdout)
     trials, best = found["trials"], found["best"]
@@ -426,7 +428,7 @@ def test_fit_mesh_finds_a_split_that_fits_where_the_configs_own_does_not():
         f"mesh.{axis}={size}" for axis, size in best["mesh"].items()
     ]
     # The printed overrides, applied, compile under the budget.
-    proc = kiln("compile", *base, *overrides, "--devices", "8", "--hbm-gb", budget, cwd=ROOT)
+    proc = kiln_main("compile", *base, *overrides, "--devices", "8", "--hbm-gb", budget, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
 
 

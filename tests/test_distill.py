@@ -456,7 +456,7 @@ def test_distillation_run_resumes_like_a_training_run(tmp_path):
         train={"run_name": "teacher", "global_batch_size": 8, "steps": 3},
     )
     (tmp_path / "teacher.yaml").write_text(teacher.to_yaml())
-    proc = kiln("train", tmp_path / "teacher.yaml")
+    proc = kiln_main("train", tmp_path / "teacher.yaml")  # in this process: only its run is used
     assert proc.returncode == 0, proc.stderr[-3000:]
     teacher_dir = teacher.run_dir
 
