@@ -14,29 +14,28 @@ Public names: `Config`, `load_config`, `read_run_config`, `config_from_dict`, `y
 `MESH_AXES`, `MeshAxis`, `DEFAULT_AXIS_RULES`, `INT32_MAX`, `DEFAULT_MAX_KD_SCALE`.
 """
 
+from kiln.config.axes import DEFAULT_AXIS_RULES, MESH_AXES, MeshAxis, MeshConfig
 from kiln.config.loader import (
-    DEFAULT_AXIS_RULES,
-    DEFAULT_MAX_KD_SCALE,
-    INT32_MAX,
-    MESH_AXES,
-    CheckpointConfig,
     Config,
-    DataConfig,
-    DistillationConfig,
-    DistributedConfig,
-    LoggingConfig,
-    LossConfig,
-    MeshAxis,
-    MeshConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
     check_devices,
     config_from_dict,
     load_config,
     read_run_config,
     schema_rows,
     yaml_layers,
+)
+from kiln.config.schema import (
+    DEFAULT_MAX_KD_SCALE,
+    INT32_MAX,
+    CheckpointConfig,
+    DataConfig,
+    DistillationConfig,
+    DistributedConfig,
+    LoggingConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
 )
 
 __all__ = [

@@ -14,11 +14,9 @@ import pydantic
 import yaml
 from pydantic import BaseModel, Field
 
-from kiln.config.axes import DEFAULT_AXIS_RULES, MESH_AXES, MeshAxis, MeshConfig
+from kiln.config.axes import MeshConfig
 from kiln.config.rules import cross_field_errors
 from kiln.config.schema import (
-    DEFAULT_MAX_KD_SCALE,
-    INT32_MAX,
     CheckpointConfig,
     DataConfig,
     DistillationConfig,
@@ -33,31 +31,6 @@ from kiln.config.schema import (
 from kiln.data.resolve import resolve_data_fields
 from kiln.errors import KilnError
 from kiln.util.storage import mirror_root
-
-__all__ = [
-    "DEFAULT_AXIS_RULES",
-    "DEFAULT_MAX_KD_SCALE",
-    "INT32_MAX",
-    "MESH_AXES",
-    "CheckpointConfig",
-    "Config",
-    "DataConfig",
-    "DistillationConfig",
-    "DistributedConfig",
-    "LoggingConfig",
-    "LossConfig",
-    "MeshAxis",
-    "MeshConfig",
-    "ModelConfig",
-    "OptimConfig",
-    "TrainConfig",
-    "check_devices",
-    "config_from_dict",
-    "load_config",
-    "read_run_config",
-    "schema_rows",
-    "yaml_layers",
-]
 
 
 class Config(Section):
