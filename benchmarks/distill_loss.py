@@ -7,9 +7,10 @@ logits (coefficients unknown to either). `distill_loss_sums` makes them once, in
 `coefficients=None` (exact for any cotangent: two gradient sets per chunk) and
 `coefficients=(c_hard, c_soft)` (one combined logit gradient, one pair of gradient matmuls).
 Shapes follow `configs/distill_tiny.yaml` (student d_model 64, teacher 128) with the
-vocabulary scaled so the head matters. Variants are timed in interleaved rounds; medians.
+vocabulary scaled so the head matters. Variants are timed in interleaved rounds; medians. Every
+variant runs in the same `loss.schedule` (`--schedule`, default `whole`: the GPU/TPU schedule).
 
-    nice python benchmarks/distill_loss.py
+    nice python benchmarks/distill_loss.py [--schedule whole|cpu_blocked]
 """
 
 from __future__ import annotations
@@ -40,7 +41,11 @@ def inputs(batch: int, seq: int, d_student: int, d_teacher: int, vocab: int):
 
 def variants(a, teacher, targets, weights, coefs):
     """name -> f(hidden, head) = (objective, sums): the reference and the fused call's two modes."""
-    settings = {"num_vocab_tiling": a.tiling, "vocab_chunk_size": a.vocab_chunk or None}
+    settings = {
+        "num_vocab_tiling": a.tiling,
+        "vocab_chunk_size": a.vocab_chunk or None,
+        "schedule": a.schedule,
+    }
     ht, wt = teacher
     c_hard, c_soft = coefs
 
@@ -86,6 +91,12 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--tiling", type=int, default=4, help="num_vocab_tiling")
     parser.add_argument("--vocab-chunk", type=int, default=0, help="vocab_chunk_size (0 = none)")
+    parser.add_argument(
+        "--schedule",
+        choices=["whole", "cpu_blocked"],
+        default="whole",
+        help="loss.schedule of every variant: whole (the GPU/TPU schedule) or cpu_blocked",
+    )
     parser.add_argument("--temperature", type=float, default=2.0)
     parser.add_argument("--z-loss", type=float, default=1e-4)
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds after one warm-up")
@@ -132,6 +143,7 @@ def main() -> None:
                 "vocab": a.vocab,
                 "num_vocab_tiling": a.tiling,
                 "vocab_chunk_size": a.vocab_chunk or None,
+                "schedule": a.schedule,
                 "temperature": a.temperature,
                 "z_loss_multiplier": a.z_loss,
                 "dtype": "float32",

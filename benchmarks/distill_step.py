@@ -9,11 +9,19 @@ the balancing coefficients that one `jax.value_and_grad` differentiates through
 stop-gradients. Those passes are restated below from `git show e6dbc3a:src/kiln/losses.py`
 (`_tiled`, `_local`, `_soft_tiled`, `_soft_local`, `_kl`) for one device without soft-caps,
 the benchmark's shape; everything else in the reference step (models, feature loss, the
-balancing formula, AdamW) is today's code, so the two steps differ only in how the hard and
-soft losses are computed. kiln's `DistillObjective` makes both losses in one pass
-(`distill_loss_sums`). Both run the same jitted, donated step (teacher forward, student
+balancing formula, AdamW) is today's code. kiln's `DistillObjective` makes both losses in one
+pass (`distill_loss_sums`). Both run the same jitted, donated step (teacher forward, student
 forward and backward, AdamW) from the same state on the same batches; the losses of every
 step are compared.
+
+Both sides get the same chunk schedule (`loss.schedule`, `kiln.losses.schedule`), measured
+separately: `whole` (the headline: `num_vocab_tiling`'s chunks, each chunk's element-wise work
+left to the compiler, the schedule GPU and TPU run) and `cpu_blocked` (chunks of about 32 MiB
+of logits, their element-wise work in row blocks of about 1 MiB; a CPU-only schedule). For
+`cpu_blocked` the reference's passes are cut the same way: the chunk and block rows of kiln's
+plan, each block's logit gradients written into a chunk buffer carried from chunk to chunk, the
+products per chunk. So within each schedule the two steps differ only in how the hard and soft
+losses are computed.
 
 Shapes: `configs/distill_tiny.yaml` (teacher = `configs/tiny.yaml`'s model, student half as
 wide and deep, dynamic balancing, feature loss on two layer pairs), with the vocabulary
@@ -21,21 +29,20 @@ scaled to 32768 so the head matters, `loss.num_vocab_tiling=4`, float32, one dev
 Steps are timed in interleaved rounds; medians of wall-clock seconds and of the process's
 CPU seconds per step (the second is less sensitive to other work on a shared machine).
 
-One run measures three variants (keys prefixed `dynamic_`, `none_`, `ga2_`): the shape as
-shipped (dynamic balancing, one micro-batch), `distillation.balance=none`, and
-`train.gradient_accumulation_steps=2`. `losses_alone` times the hard and soft losses without
+One run measures three variants (keys `whole` / `cpu_blocked`, then `dynamic_`, `none_`,
+`ga2_`): the shape as shipped (dynamic balancing, one micro-batch),
+`distillation.balance=none`, and `train.gradient_accumulation_steps=2`. `losses_alone` times the hard and soft losses without
 the models (gradient w.r.t. the student's hidden states and head, dynamic coefficients) for
 both ways, with XLA's FLOP, transcendental and byte counts per step, and the head matmuls of
 each in units of one student product, so the step's time splits into losses and the rest.
 
     nice python benchmarks/distill_step.py [--steps 4] [--rounds 3] [--variants ...]
-        [--no-split] [key=value overrides]
+        [--schedules whole cpu_blocked] [--no-split] [key=value overrides]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
@@ -51,8 +58,8 @@ import numpy as np
 from kiln import losses
 from kiln.config import load_config
 from kiln.distill import online as distill
-from kiln.losses import engine
-from kiln.parallel.mesh import make_mesh
+from kiln.losses import schedule as sched
+from kiln.parallel.mesh import make_mesh, traced_platform
 from kiln.training import train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -64,7 +71,8 @@ SHAPE = ["model.vocab_size=32768", "loss.num_vocab_tiling=4", "mesh.fsdp=1"]
 # `_local`, `_soft_tiled`, `_soft_local`, `_kl`), restated for one device without logit
 # soft-caps (the benchmark's shape): each pass makes its chunk's student logits, its per-token
 # values and its gradients w.r.t. hidden states and head in the forward pass; the backward
-# pass scales them by the cotangent. (The hard pass's recomputation for a differentiated
+# pass scales them by the cotangent. `cut = (chunk, block)` rows: the chunks of kiln's plan
+# for the same schedule, with the element-wise work in blocks of `block` rows when smaller. (The hard pass's recomputation for a differentiated
 # z-loss sits behind a `lax.cond` that the step never takes: z_loss_sum is only logged.)
 
 F32 = jnp.float32
@@ -109,30 +117,57 @@ def _old_kl(a_NV, b_NV):
     return kl, e_a / s_a[..., None], e_b / s_b[..., None]
 
 
-def _old_chunks(x, n):
-    return x.reshape(n, x.shape[0] * x.shape[1] // n, *x.shape[2:])
+def _old_chunks(x, chunk):
+    return x.reshape(x.shape[0] * x.shape[1] // chunk, chunk, *x.shape[2:])
+
+
+def _in_blocks(rows_fn, arrays, block, buf):
+    """`rows_fn(*rows) -> (logit gradient [b, V], per-row terms)` over a chunk's rows: at once,
+    or in blocks of `block` rows whose gradients are written into `buf` [chunk, V]."""
+    chunk = arrays[0].shape[0]
+    if block >= chunk:
+        return rows_fn(*arrays)
+
+    def one(buf, i):
+        rows = [jax.lax.dynamic_slice_in_dim(a, i * block, block) for a in arrays]
+        g, terms = rows_fn(*rows)
+        return jax.lax.dynamic_update_slice_in_dim(buf, g, i * block, 0), terms
+
+    buf, terms = jax.lax.scan(one, buf, jnp.arange(chunk // block), unroll=2)
+    return buf, tuple(x.reshape(chunk) for x in terms)
+
+
+def _buffer(cut, vocab):
+    chunk, block = cut
+    return jnp.zeros((chunk, vocab) if block < chunk else (0,), F32)
 
 
 def _old_hard_local(spec, hs, ws, y, w):
     """Per-token hard loss and z-term; d loss_sum / d (hidden, head)."""
-    n, z, eps = spec
+    (chunk, block), z, eps = spec
     batch, seq, d = hs.shape
     vocab = ws.shape[1]
     columns = jnp.arange(vocab)
 
-    def step(dw, xs):
-        h_nD, y_n, w_n = xs
-        x_nV = jnp.dot(h_nD, ws, preferred_element_type=F32)
+    def rows(x_nV, y_n, w_n):
         hit_nV = columns == y_n[:, None]
         terms = _old_token_terms(_old_partials(x_nV, hit_nV), z=z, eps=eps, vocab=vocab)
         m_n, s_n, lse_n = terms[:3]
         g_nV = _old_logit_grads(x_nV, hit_nV, m_n, s_n, lse_n, w_n, z=z, eps=eps, vocab=vocab)
+        return g_nV, (terms[3], terms[4])
+
+    def step(carry, xs):
+        dw, buf = carry
+        h_nD, y_n, w_n = xs
+        x_nV = jnp.dot(h_nD, ws, preferred_element_type=F32)
+        g_nV, (loss_n, z_n) = _in_blocks(rows, (x_nV, y_n, w_n), block, buf)
         dh_nD = jnp.dot(g_nV, ws.T, preferred_element_type=F32)
         dw = dw + jnp.dot(h_nD.T, g_nV, preferred_element_type=F32)
-        return dw, (terms[3], terms[4], dh_nD)
+        return (dw, g_nV if block < chunk else buf), (loss_n, z_n, dh_nD)
 
-    xs = (_old_chunks(hs, n), _old_chunks(y, n), _old_chunks(w.astype(F32), n))
-    dw, (loss_tok, z_tok, dh) = jax.lax.scan(step, jnp.zeros(ws.shape, F32), xs)
+    xs = (_old_chunks(hs, chunk), _old_chunks(y, chunk), _old_chunks(w.astype(F32), chunk))
+    carry = (jnp.zeros(ws.shape, F32), _buffer((chunk, block), vocab))
+    (dw, _), (loss_tok, z_tok, dh) = jax.lax.scan(step, carry, xs)
     wf = w.astype(F32)
     sums = (jnp.sum(loss_tok.reshape(batch, seq) * wf), jnp.sum(z_tok.reshape(batch, seq) * wf))
     return sums, dh.reshape(batch, seq, d), dw
@@ -158,26 +193,32 @@ def _old_hard_bwd(spec, res, cts):
 old_hard_sums.defvjp(_old_hard_fwd, _old_hard_bwd)
 
 
-def _old_soft_local(n, hs, ws, ht, wt, y, w, t):
+def _old_soft_local(cut, hs, ws, ht, wt, y, w, t):
     """Per-token soft loss and teacher CE; d soft_sum / d (hidden, head)."""
+    chunk, block = cut
     batch, seq, d = hs.shape
     vocab = ws.shape[1]
     columns = jnp.arange(vocab)
 
-    def step(dw, xs):
-        h_nD, g_nE, y_n, w_n = xs
-        xs_nV = jnp.dot(h_nD, ws, preferred_element_type=F32)
-        xt_nV = jnp.dot(g_nE, wt, preferred_element_type=F32)
+    def rows(xs_nV, xt_nV, y_n, w_n):
         partials = _old_partials(xt_nV, columns == y_n[:, None])
         teacher_n = _old_token_terms(partials, z=0.0, eps=0.0, vocab=vocab)[3]
         kl_n, p_t, p_s = _old_kl(xt_nV / t, xs_nV / t)
-        g_nV = (w_n * t)[:, None] * (p_s - p_t)
+        return (w_n * t)[:, None] * (p_s - p_t), (t * t * kl_n, teacher_n)
+
+    def step(carry, xs):
+        dw, buf = carry
+        h_nD, g_nE, y_n, w_n = xs
+        xs_nV = jnp.dot(h_nD, ws, preferred_element_type=F32)
+        xt_nV = jnp.dot(g_nE, wt, preferred_element_type=F32)
+        g_nV, (soft_n, teacher_n) = _in_blocks(rows, (xs_nV, xt_nV, y_n, w_n), block, buf)
         dh_nD = jnp.dot(g_nV, ws.T, preferred_element_type=F32)
         dw = dw + jnp.dot(h_nD.T, g_nV, preferred_element_type=F32)
-        return dw, (t * t * kl_n, teacher_n, dh_nD)
+        return (dw, g_nV if block < chunk else buf), (soft_n, teacher_n, dh_nD)
 
-    xs = (_old_chunks(hs, n), _old_chunks(ht, n), _old_chunks(y, n), _old_chunks(w.astype(F32), n))
-    dw, (soft_tok, teacher_tok, dh) = jax.lax.scan(step, jnp.zeros(ws.shape, F32), xs)
+    xs = tuple(_old_chunks(x, chunk) for x in (hs, ht, y, w.astype(F32)))
+    carry = (jnp.zeros(ws.shape, F32), _buffer(cut, vocab))
+    (dw, _), (soft_tok, teacher_tok, dh) = jax.lax.scan(step, carry, xs)
     wf = w.astype(F32)
     sums = (
         jnp.sum(soft_tok.reshape(batch, seq) * wf),
@@ -187,16 +228,16 @@ def _old_soft_local(n, hs, ws, ht, wt, y, w, t):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def old_soft_sums(n, hs, ws, ht, wt, y, w, t):
-    return _old_soft_local(n, hs, ws, ht, wt, y, w, t)[0]
+def old_soft_sums(cut, hs, ws, ht, wt, y, w, t):
+    return _old_soft_local(cut, hs, ws, ht, wt, y, w, t)[0]
 
 
-def _old_soft_fwd(n, hs, ws, ht, wt, y, w, t):
-    sums, dh, dw = _old_soft_local(n, hs, ws, ht, wt, y, w, t)
+def _old_soft_fwd(cut, hs, ws, ht, wt, y, w, t):
+    sums, dh, dw = _old_soft_local(cut, hs, ws, ht, wt, y, w, t)
     return sums, (dh, dw, ht, wt, y, w, t)
 
 
-def _old_soft_bwd(n, res, cts):
+def _old_soft_bwd(cut, res, cts):
     dh, dw, ht, wt, y, w, t = res
     ct_soft = cts[0].astype(F32)
     no_int = np.zeros(y.shape, jax.dtypes.float0)
@@ -205,6 +246,18 @@ def _old_soft_bwd(n, res, cts):
 
 
 old_soft_sums.defvjp(_old_soft_fwd, _old_soft_bwd)
+
+
+def reference_cut(config, tokens_shape, vocab: int, platform: str) -> tuple[int, int]:
+    """(chunk, block) rows of the reference's passes: those of kiln's plan for the config's
+    `loss.schedule` on a micro-batch of this shape."""
+    rows = tokens_shape[0] * tokens_shape[1]
+    plan = sched.choose(
+        config.loss.schedule, platform, rows, config.loss.num_vocab_tiling, vocab, None
+    )
+    if plan.padding:
+        raise SystemExit(f"the reference is restated for chunks that divide the rows: {plan}")
+    return plan.chunk, plan.block
 
 
 class PreRedesign(distill.DistillObjective):
@@ -223,12 +276,12 @@ class PreRedesign(distill.DistillObjective):
         args = (batch["inputs"], batch["positions"], batch["segment_ids"])
         out = model.hidden_states(*args, collect=layers)
         head = model.head_weight()
-        n = config.loss.num_vocab_tiling
-        spec = (n, config.loss.z_loss_multiplier, config.loss.label_smoothing)
         y, w = batch["targets"], batch["weights"]
+        cut = reference_cut(config, y.shape, head.shape[1], traced_platform(self.mesh))
+        spec = (cut, config.loss.z_loss_multiplier, config.loss.label_smoothing)
         hard_sum, z_loss_sum = old_hard_sums(spec, out.hidden, head, y, w)
         t = jax.lax.stop_gradient(jnp.asarray(self.knobs["temperature"], F32))
-        soft_sum, teacher_sum = old_soft_sums(n, out.hidden, head, t_hidden, t_head, y, w, t)
+        soft_sum, teacher_sum = old_soft_sums(cut, out.hidden, head, t_hidden, t_head, y, w, t)
         feature_sum = jnp.zeros((), jnp.float32)
         if layers:
             per_token = losses.feature_loss(model.project(out.features), t_feats, dist.feature_loss)
@@ -284,25 +337,14 @@ def _timed(fn, args, rounds: int):
     return statistics.median(wall), statistics.median(cpu)
 
 
-@contextlib.contextmanager
-def whole_chunks():
-    """Within the block, kiln's loss engine keeps `num_vocab_tiling`'s whole chunks on CPU too
-    (no smaller chunks, no row blocks)."""
-    saved = engine.CPU_CHUNK_BYTES, engine.CPU_BLOCK_BYTES
-    engine.CPU_CHUNK_BYTES = engine.CPU_BLOCK_BYTES = 1 << 62
-    try:
-        yield
-    finally:
-        engine.CPU_CHUNK_BYTES, engine.CPU_BLOCK_BYTES = saved
-
-
 def head_split(config, teacher_cfg, rounds: int) -> dict:
     """The two ways of computing the hard and soft losses alone: time and XLA's counts.
 
     Gradient w.r.t. the student's hidden states and head of `hard + c soft` with c from the
     batch's own sums under stop_gradient (dynamic balancing on one micro-batch), on random
-    states of the benchmark's shapes. XLA's cost analysis counts one iteration of a scan, so
-    its figures (one chunk of tokens) are multiplied by the number of chunks.
+    states of the benchmark's shapes, both in the config's `loss.schedule`. XLA's counts come
+    from the `whole` schedule (its cost analysis counts one iteration of a loop, so a chunk's
+    figures are multiplied by the number of chunks; blocks change where bytes go, not FLOPs).
     """
     g, s, n = config.train.global_batch_size, config.data.seq_len, config.loss.num_vocab_tiling
     d, e, v = config.model.d_model, teacher_cfg.model.d_model, config.model.vocab_size
@@ -313,29 +355,30 @@ def head_split(config, teacher_cfg, rounds: int) -> dict:
     y, w = jax.random.randint(k[4], (g, s), 0, v), jnp.ones((g, s), F32)
     sg = jax.lax.stop_gradient
 
-    def kiln_head(hs, ws, ht, wt, t):
+    def kiln_head(schedule, hs, ws, ht, wt, t):
         out = losses.distill_loss_sums(
             hs, ws, ht, wt, y, w, temperature=t, z_loss_multiplier=z, label_smoothing=eps,
-            num_vocab_tiling=n,
+            num_vocab_tiling=n, schedule=schedule,
         )  # fmt: skip
         hard, soft = out["loss_sum"], out["soft_sum"]
         return hard + 0.5 * sg(hard) / sg(soft) * soft
 
-    def old_head(hs, ws, ht, wt, t):
-        hard, _ = old_hard_sums((n, z, eps), hs, ws, y, w)
-        soft, _ = old_soft_sums(n, hs, ws, ht, wt, y, w, t)
+    def old_head(schedule, hs, ws, ht, wt, t):
+        scheduled = config.model_copy(
+            update={"loss": config.loss.model_copy(update={"schedule": schedule})}
+        )
+        cut = reference_cut(scheduled, (g, s), v, jax.default_backend())
+        hard, _ = old_hard_sums((cut, z, eps), hs, ws, y, w)
+        soft, _ = old_soft_sums(cut, hs, ws, ht, wt, y, w, t)
         return hard + 0.5 * sg(hard) / sg(soft) * soft
 
     args = (hs, ws, ht, wt, jnp.float32(config.distillation.temperature))
     out = {}
     for name, fn in (("kiln", kiln_head), ("pre_redesign", old_head)):
-        wall, cpu = _timed(jax.jit(jax.grad(fn, argnums=(0, 1))), args, rounds)
-        # Counted on whole chunks: XLA counts one iteration of a loop, and on CPU kiln's chunks
-        # loop over row blocks too. The blocks change where the bytes go (cache), not the FLOPs.
-        # (A new function: JAX reuses a traced program for the same function and arguments.)
-        with whole_chunks():
-            counted = jax.jit(jax.grad(lambda *a, fn=fn: fn(*a), argnums=(0, 1)))
-            cost = counted.lower(*args).compile().cost_analysis()
+        timed = jax.jit(jax.grad(functools.partial(fn, config.loss.schedule), argnums=(0, 1)))
+        wall, cpu = _timed(timed, args, rounds)
+        counted = jax.jit(jax.grad(functools.partial(fn, "whole"), argnums=(0, 1)))
+        cost = counted.lower(*args).compile().cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         out[name] = {
             "cpu_seconds": round(cpu, 4),
@@ -429,26 +472,36 @@ def main() -> None:
         help="shapes to measure: dynamic (distill_tiny's), balance none, 2 micro-batches",
     )
     parser.add_argument(
+        "--schedules",
+        nargs="+",
+        choices=["whole", "cpu_blocked"],
+        default=["whole", "cpu_blocked"],
+        help="loss.schedule of both steps: whole (the GPU/TPU schedule, the headline) and "
+        "cpu_blocked (CPU only)",
+    )
+    parser.add_argument(
         "--no-split", action="store_true", help="skip timing the hard and soft losses alone"
     )
     parser.add_argument("overrides", nargs="*", help="student config overrides (a.b=c)")
     a = parser.parse_args()
 
     teacher_cfg = load_config(CONFIGS / "tiny.yaml", SHAPE)
-    results = {
-        name: measure(teacher_cfg, [*VARIANTS[name], *a.overrides], a.steps, a.rounds)
-        for name in a.variants
-    }
     report = {
         "teacher": "configs/tiny.yaml " + " ".join(SHAPE),
         "steps_per_round": a.steps,
         "rounds": a.rounds,
-        **{f"{name}_{k}": v for name, r in results.items() for k, v in r.items()},
     }
-    config = load_config(CONFIGS / "distill_tiny.yaml", [*SHAPE, *a.overrides])
+    for schedule in a.schedules:
+        overrides = [f"loss.schedule={schedule}", *a.overrides]
+        results = {
+            name: measure(teacher_cfg, [*VARIANTS[name], *overrides], a.steps, a.rounds)
+            for name in a.variants
+        }
+        report[schedule] = {f"{name}_{k}": v for name, r in results.items() for k, v in r.items()}
+        config = load_config(CONFIGS / "distill_tiny.yaml", [*SHAPE, *overrides])
+        if not a.no_split:
+            report[schedule]["losses_alone"] = head_split(config, teacher_cfg, a.rounds + 1)
     report["tokens_per_step"] = config.train.global_batch_size * config.data.seq_len
-    if not a.no_split:
-        report["losses_alone"] = head_split(config, teacher_cfg, a.rounds + 1)
     report.update(
         {
             "load_average": [round(x, 2) for x in os.getloadavg()],

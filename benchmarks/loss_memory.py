@@ -5,7 +5,12 @@ temporary bytes), then the variants are timed in interleaved rounds so that load
 processes hits them alike; the median of the rounds is reported. Runs on the default
 device set (one CPU device unless the environment says otherwise), float32.
 
-    nice python benchmarks/loss_memory.py
+`results` are the tiled loss in `num_vocab_tiling`'s whole chunks (`loss.schedule: whole`,
+what GPU and TPU run): the table of docs/losses.md. `cpu_blocked_results` are the same
+settings in the CPU-only `cpu_blocked` schedule (chunks of about 32 MiB of logits, row blocks
+of about 1 MiB); their untiled reference is the same plain XLA loss, which is not blocked.
+
+    nice python benchmarks/loss_memory.py [--vocab 65536] [--schedules whole cpu_blocked]
 """
 
 from __future__ import annotations
@@ -22,10 +27,10 @@ import jax.numpy as jnp
 from kiln.losses import lm_loss
 
 
-def build(tokens: int, d_model: int, vocab: int, chunks: int, vocab_chunk: int | None, z: float):
+def build(tokens, d_model, vocab, chunks, vocab_chunk, z, schedule):
     """Compiled value_and_grad of the mean loss w.r.t. hidden and head, and its inputs."""
     k_h, k_w, k_y = jax.random.split(jax.random.key(0), 3)
-    seq = min(tokens, 2048)
+    seq = 2048 if tokens % 2048 == 0 else tokens  # otherwise one row of all the tokens
     hidden = jax.random.normal(k_h, (tokens // seq, seq, d_model), jnp.float32)
     head = jax.random.normal(k_w, (d_model, vocab), jnp.float32) / d_model**0.5
     targets = jax.random.randint(k_y, (tokens // seq, seq), 0, vocab)
@@ -40,6 +45,7 @@ def build(tokens: int, d_model: int, vocab: int, chunks: int, vocab_chunk: int |
             z_loss_multiplier=z,
             num_vocab_tiling=chunks,
             vocab_chunk_size=vocab_chunk,
+            schedule=schedule,
         )
         return out["loss_sum"] / out["weight_sum"]
 
@@ -67,39 +73,50 @@ def main() -> None:
     )
     parser.add_argument("--z-loss", type=float, default=1e-4)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up")
+    parser.add_argument(
+        "--schedules",
+        nargs="+",
+        choices=["whole", "cpu_blocked"],
+        default=["whole", "cpu_blocked"],
+        help="loss.schedule of the tiled variants (whole: the headline table)",
+    )
     a = parser.parse_args()
 
-    results = []
+    results = {s: [] for s in a.schedules}
     for vocab in a.vocab:
         variants = {}
-        settings = [(c, None) for c in [1, *a.chunks]]
-        if a.vocab_chunk and a.vocab_chunk < vocab:
-            settings.append((8, a.vocab_chunk))
-        for chunks, vocab_chunk in settings:
-            compiled, args = build(a.tokens, a.d_model, vocab, chunks, vocab_chunk, a.z_loss)
+        settings = [(1, None, "whole")]
+        for schedule in a.schedules:
+            settings += [(c, None, schedule) for c in a.chunks]
+            if a.vocab_chunk and a.vocab_chunk < vocab and schedule == "whole":
+                settings.append((8, a.vocab_chunk, schedule))
+        for chunks, vocab_chunk, schedule in settings:
+            compiled, args = build(
+                a.tokens, a.d_model, vocab, chunks, vocab_chunk, a.z_loss, schedule
+            )
             temp = compiled.memory_analysis().temp_size_in_bytes
-            variants[chunks, vocab_chunk] = {"compiled": compiled, "args": args, "temp": temp}
-            variants[chunks, vocab_chunk]["times"] = []
+            key = (chunks, vocab_chunk, schedule)
+            variants[key] = {"compiled": compiled, "args": args, "temp": temp, "times": []}
         for round_ in range(a.rounds + 1):
             for v in variants.values():
                 seconds = run(v["compiled"], v["args"])
                 if round_:  # round 0 warms up
                     v["times"].append(seconds)
-        base = variants[1, None]
+        base = variants[1, None, "whole"]
         base_time = statistics.median(base["times"])
-        for (chunks, vocab_chunk), v in variants.items():
+        for (chunks, vocab_chunk, schedule), v in variants.items():
             median = statistics.median(v["times"])
-            results.append(
-                {
-                    "vocab": vocab,
-                    "num_vocab_tiling": chunks,
-                    "vocab_chunk_size": vocab_chunk,
-                    "temp_bytes": v["temp"],
-                    "temp_vs_untiled": round(v["temp"] / base["temp"], 4),
-                    "median_seconds": round(median, 4),
-                    "time_vs_untiled": round(median / base_time, 4),
-                }
-            )
+            row = {
+                "vocab": vocab,
+                "num_vocab_tiling": chunks,
+                "vocab_chunk_size": vocab_chunk,
+                "temp_bytes": v["temp"],
+                "temp_vs_untiled": round(v["temp"] / base["temp"], 4),
+                "median_seconds": round(median, 4),
+                "time_vs_untiled": round(median / base_time, 4),
+            }
+            for s in results if chunks == 1 else [schedule]:
+                results[s].append(row)
         del variants, base
     print(
         json.dumps(
@@ -113,7 +130,8 @@ def main() -> None:
                 "device_count": jax.device_count(),
                 "jax": jax.__version__,
                 "machine": platform.machine(),
-                "results": results,
+                "results": results.get("whole", []),
+                "cpu_blocked_results": results.get("cpu_blocked", []),
             },
             indent=2,
         )

@@ -152,20 +152,18 @@ TOKENIZER_LINES = [
 ]
 
 
-def blocked_and_whole(monkeypatch, make_run, *args) -> tuple[Any, Any]:
-    """Results of a loss-engine call on CPU in chunks of 2 KiB of logits and row blocks of
-    512 B, and in whole chunks.
+def blocked_and_whole(make_run, *args) -> tuple[Any, Any]:
+    """Results of a loss-engine call in the `cpu_blocked` schedule with chunks of 2 KiB of
+    logits and row blocks of 512 B, and in the `whole` schedule.
 
-    `make_run()` returns a new jitted function (traced with the block size of the moment); the
-    blocked program must have a loop of its own, so the comparison is not of one program twice.
+    `make_run(schedule)` returns a jitted function; the blocked program must have a loop of its
+    own, so the comparison is not of one program twice.
     """
-    from kiln.losses import engine
+    from kiln.losses import CpuBlocked
 
     results, loops = [], []
-    for chunk_bytes, block_bytes in ((1 << 11, 1 << 9), (1 << 30, 1 << 30)):
-        monkeypatch.setattr(engine, "CPU_CHUNK_BYTES", chunk_bytes)
-        monkeypatch.setattr(engine, "CPU_BLOCK_BYTES", block_bytes)
-        run = make_run()
+    for schedule in (CpuBlocked(chunk_bytes=1 << 11, block_bytes=1 << 9), "whole"):
+        run = make_run(schedule)
         loops.append(run.lower(*args).as_text().count("stablehlo.while"))
         results.append(run(*args))
     assert loops[0] > loops[1]  # the blocks are a loop of their own

@@ -101,6 +101,11 @@ def test_config_is_frozen():
         (["distillation.balance=static"], "distillation.balance"),
         (["mesh.rules.batch=[data,data]"], "repeats a mesh axis"),
         (["loss.vocab_chunk_size=100"], "loss.vocab_chunk_size"),
+        (["loss.schedule=blocked"], "loss.schedule"),
+        (
+            ["loss.schedule=cpu_blocked", "loss.vocab_chunk_size=128"],
+            "loss.schedule: cpu_blocked cuts rows of whole-vocabulary chunks",
+        ),
         (
             ["loss.z_loss_multiplier=1e38"],
             "loss.z_loss_multiplier: got '1e38'; allowed: 0 <= z <= 1",

@@ -138,12 +138,12 @@ def online(mesh):
 
 
 @functools.cache
-def offline(mesh, tiles, chunk, coefficients=False):
+def offline(mesh, tiles, chunk, coefficients=False, schedule="auto"):
     def run(hs, ws, top, y, w, cts):
         def f(hs, ws):
             sums = losses.top_k_distill_loss_sums(
                 hs, ws, top, y, w, temperature=T, z_loss_multiplier=1e-3, mesh=mesh,
-                num_vocab_tiling=tiles, vocab_chunk_size=chunk,
+                num_vocab_tiling=tiles, vocab_chunk_size=chunk, schedule=schedule,
                 student_softcap=CAPS["student_softcap"],
                 coefficients=(cts[0], cts[2]) if coefficients else None,
             )  # fmt: skip
@@ -194,14 +194,14 @@ def test_all_logits_stored_is_the_online_soft_loss(data, devices, tiling):
 
 
 @pytest.mark.parametrize("devices", list(MESHES))
-def test_top_k_rows_in_blocks_give_the_whole_chunks_results(data, monkeypatch, devices):
+def test_top_k_rows_in_blocks_give_the_whole_chunks_results(data, devices):
     """The stored top-k rows are cut with the logits when the element-wise work runs in blocks."""
     mesh = mesh_of(devices)
     hs, ws, _, _, y, w, top = place(mesh, *data)
     # Chunks of 4 rows in blocks of 1 (on 8 devices the whole 8-row chunk, in blocks of 2 rows
     # of a tensor shard) against the whole chunk.
-    make_run = functools.partial(offline.__wrapped__, mesh, 4, None)
-    blocked, whole = blocked_and_whole(monkeypatch, make_run, hs, ws, top, y, w, CTS)
+    make_run = functools.partial(offline.__wrapped__, mesh, 4, None, False)
+    blocked, whole = blocked_and_whole(make_run, hs, ws, top, y, w, CTS)
     for a, b in zip(jax.tree.leaves(blocked), jax.tree.leaves(whole)):
         # tolerance: 1e-6 relative; the same float32 operations per row, but XLA may
         # vectorise a row's reduction differently at another block shape (a few ulp).

@@ -1,5 +1,7 @@
-"""The docs site builds with --strict, and the generated config reference is current."""
+"""The docs site builds with --strict, the generated config reference is current, and every
+benchmark figure the docs quote says which command made it, on what machine, under what load."""
 
+import re
 import subprocess
 import sys
 
@@ -52,3 +54,29 @@ def test_config_reference_is_current():
         env=kiln_env(),
     )
     assert proc.returncode == 0, proc.stderr
+
+
+FIGURE = re.compile(r"\b\d+\.\d+\b|\b\d[\d,]* ?(?:MiB|GB|MB|tokens/s|s/step)\b")
+COMMAND = re.compile(r"`(?:nice )?python (benchmarks/\w+\.py)[^`]*`|`kiln [^`]+`")
+MACHINE = re.compile(r"\b(?:CPU|GPU|TPU)\b|\bcores?\b")
+LOAD = re.compile(r"load average|idle|no other job|shared|loaded")
+
+
+def figure_sections(page):
+    """(heading, text) of each `###` section under the page's "## Latest figures"."""
+    text = page.read_text().split("## Latest figures", 1)[1].split("\n## ", 1)[0]
+    return [(part.split("\n", 1)[0], part) for part in re.split(r"^### ", text, flags=re.M)[1:]]
+
+
+def test_every_benchmark_figure_names_its_command_machine_and_load():
+    sections = figure_sections(REPO / "docs" / "benchmarks.md")
+    assert len(sections) >= 5
+    for heading, text in sections:
+        if not FIGURE.search(text):
+            continue
+        commands = COMMAND.findall(text)
+        assert COMMAND.search(text), f"benchmarks.md, {heading}: figures without their command"
+        for script in filter(None, commands):
+            assert (REPO / script).is_file(), f"benchmarks.md, {heading}: no {script}"
+        assert MACHINE.search(text), f"benchmarks.md, {heading}: figures without the machine"
+        assert LOAD.search(text), f"benchmarks.md, {heading}: figures without the load"

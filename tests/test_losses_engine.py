@@ -14,7 +14,7 @@ from conftest import blocked_and_whole
 from kiln import losses
 from kiln.config import config_from_dict
 from kiln.errors import KilnError
-from kiln.losses import engine
+from kiln.losses import CpuBlocked, schedule
 
 AXES = ("data", "fsdp", "tensor", "sequence")
 B, S, D, E, V = 8, 16, 16, 24, 128
@@ -180,12 +180,12 @@ def separate(mesh):
 
 
 @functools.cache
-def fused(mesh, tiles, chunk, with_coefficients):
+def fused(mesh, tiles, chunk, with_coefficients, schedule="auto"):
     def run(hs, ws, ht, wt, y, w, cts):
         def f(hs, ws, w):
             sums = losses.distill_loss_sums(
                 hs, ws, ht, wt, y, w, temperature=T, z_loss_multiplier=Z, label_smoothing=EPS,
-                num_vocab_tiling=tiles, vocab_chunk_size=chunk, mesh=mesh,
+                num_vocab_tiling=tiles, vocab_chunk_size=chunk, mesh=mesh, schedule=schedule,
                 coefficients=(cts[0], cts[2]) if with_coefficients else None, **CAPS,
             )  # fmt: skip
             if with_coefficients:
@@ -279,9 +279,9 @@ def test_coefficient_mode_poisons_other_gradients(data, tiles):
 
 @pytest.mark.parametrize("with_coefficients", [False, True])
 @pytest.mark.parametrize("mesh_name", ["none", "data2_fsdp2_tensor2"])
-def test_row_blocks_give_the_whole_chunks_results(data, monkeypatch, mesh_name, with_coefficients):
-    """On CPU chunks are cut smaller, and their element-wise work runs in row blocks: the same
-    sums and gradients."""
+def test_row_blocks_give_the_whole_chunks_results(data, mesh_name, with_coefficients):
+    """The cpu_blocked schedule cuts chunks smaller and runs their element-wise work in row
+    blocks: the same sums and gradients as whole chunks."""
     mesh = make_mesh(mesh_name)
     args = place(mesh, *data)
     cts = (jnp.float32(0.5), jnp.float32(2.0), jnp.float32(1.5))
@@ -289,18 +289,96 @@ def test_row_blocks_give_the_whole_chunks_results(data, monkeypatch, mesh_name, 
         cts = (jnp.float32(1.0), jnp.float32(0.0), jnp.float32(0.7))
     # 2 KiB of float32 logits per chunk and 512 B per block: 4 rows and 1 of the whole
     # vocabulary (a chunk of 32 rows cut in 8), 8 rows (the whole chunk) and 2 of a tensor shard.
-    chunk, vocab = (32, V) if mesh is None else (8, V // 2)
-    monkeypatch.setattr(engine, "CPU_CHUNK_BYTES", 1 << 11)
-    monkeypatch.setattr(engine, "CPU_BLOCK_BYTES", 1 << 9)
-    assert engine.cpu_rows(mesh, chunk, vocab) == ((4, 1) if mesh is None else (8, 2))
+    rows, vocab = (128, V) if mesh is None else (32, V // 2)
+    blocked = schedule.choose(CpuBlocked(1 << 11, 1 << 9), "cpu", rows, 4, vocab, None)
+    assert (blocked.chunk, blocked.block) == ((4, 1) if mesh is None else (8, 2))
+    assert schedule.choose("whole", "cpu", rows, 4, vocab, None).chunk == rows // 4
     make_run = functools.partial(fused.__wrapped__, mesh, 4, None, with_coefficients)
-    blocked, whole = blocked_and_whole(monkeypatch, make_run, *args, cts)
-    # the helper's 1 GiB: whole chunks
-    assert engine.cpu_rows(mesh, chunk, vocab) == (chunk, chunk)
+    blocked, whole = blocked_and_whole(make_run, *args, cts)
     for a, b in zip(jax.tree.leaves(blocked), jax.tree.leaves(whole)):
         # tolerance: 1e-6 relative; the same float32 operations per row, but XLA may vectorise
         # a row's reduction differently at another block shape (a few ulp).
         assert rel_err(a, b) <= 1e-6
+
+
+# --------------------------------------------------------------------------- awkward row counts
+
+
+@pytest.mark.parametrize("vocab", [32768, 131072])
+@pytest.mark.parametrize("rows", [3000, 4000, 4099])
+def test_cpu_blocks_have_no_cliff_at_awkward_row_counts(rows, vocab):
+    """Chunks and blocks are sized for the logits' bytes, not for what divides the rows: the
+    loop runs at most one chunk more than the fewest chunks of the target size."""
+    target = (32 << 20) // (4 * vocab)  # rows of 32 MiB of float32 logits
+    plan = schedule.choose("cpu_blocked", "cpu", rows, 1, vocab, None)
+    assert plan.chunk == target and plan.block == (1 << 20) // (4 * vocab)
+    assert plan.num_chunks == -(-rows // target) and plan.padding < plan.chunk
+    # num_vocab_tiling still bounds a chunk: four chunks of 750 (or 1000) rows at most.
+    tiled = schedule.choose("cpu_blocked", "cpu", rows - rows % 4, 4, vocab, None)
+    assert tiled.chunk <= (rows - rows % 4) // 4 and tiled.chunk % tiled.block == 0
+
+
+def test_auto_is_whole_off_cpu_and_the_vocabulary_chunks_win():
+    assert schedule.choose("auto", "tpu", 4096, 4, 32768, None).kind == "whole"
+    assert schedule.choose("auto", "cpu", 4096, 4, 32768, None).kind == "cpu_blocked"
+    assert schedule.choose("auto", "cpu", 4096, 4, 32768, 4096).kind == "vocab"
+    with pytest.raises(ValueError, match="vocab_chunk_size=4096"):
+        schedule.choose("cpu_blocked", "cpu", 4096, 4, 32768, 4096)
+    with pytest.raises(ValueError, match="allowed: auto, whole, cpu_blocked"):
+        schedule.choose("blocked", "cpu", 4096, 4, 32768, None)
+
+
+def awkward_lm(rows: int, vocab: int, plan):
+    """The LM loss in 2 chunks (value and gradients) on one device, [1, rows] tokens, in schedule
+    `plan`, and its arguments."""
+
+    def f(hs, ws, w):
+        out = losses.lm_loss(
+            hs, ws, y, w, z_loss_multiplier=1e-3, num_vocab_tiling=2, schedule=plan
+        )
+        return out["loss_sum"], out
+
+    rng = np.random.default_rng(5)
+    hs = jnp.asarray(rng.standard_normal((1, rows, D)), jnp.float32)
+    ws = jnp.asarray(rng.standard_normal((D, vocab)) / 4, jnp.float32)
+    y = jnp.asarray(rng.integers(0, vocab, (1, rows)), jnp.int32)
+    w = jnp.asarray(rng.random((1, rows)) < 0.9, jnp.float32)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)), (hs, ws, w)
+
+
+def test_a_padded_last_chunk_gives_the_whole_chunks_results():
+    """3,000 rows in blocked chunks of 256 rows (the last padded with copies at weight 0): the
+    sums and gradients of whole chunks."""
+    rows, vocab = 3000, 256
+    sizes = CpuBlocked(chunk_bytes=256 * 4 * vocab, block_bytes=8 * 4 * vocab)
+    plan = schedule.choose(sizes, "cpu", rows, 2, vocab, None)
+    assert (plan.chunk, plan.block, plan.num_chunks, plan.padding) == (256, 8, 12, 72)
+    run, args = awkward_lm(rows, vocab, sizes)
+    (value, sums), grads = run(*args)
+    run, args = awkward_lm(rows, vocab, "whole")
+    (ref_value, ref_sums), ref_grads = run(*args)
+    assert rel_err(value, ref_value) <= 1e-6  # tolerance: 1e-6, float32 sums in another order
+    for k in ref_sums:
+        assert rel_err(sums[k], ref_sums[k]) <= 1e-6, k  # tolerance: as above
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert g.shape == r.shape
+        assert rel_err(g, r) <= 1e-6  # tolerance: as above, per gradient
+
+
+@pytest.mark.parametrize("rows", [3000, 4000])
+def test_blocked_memory_at_awkward_rows_is_bounded_by_the_chunk_not_the_rows(rows):
+    """At V = 32k, XLA's compiled temporaries of the blocked loss stay at the chunks' size for
+    3,000 and 4,000 rows, far under the whole schedule's [rows / 2, V] chunk logits."""
+    vocab = 32768
+
+    def temp(plan):
+        run, args = awkward_lm(rows, vocab, plan)
+        return run.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    whole, blocked = temp("whole"), temp("cpu_blocked")
+    chunk_logits = 4 * (rows // 2) * vocab  # float32 logits of one of the 2 whole chunks
+    assert whole >= chunk_logits
+    assert blocked <= whole / 4
 
 
 # --------------------------------------------------------------------------- argument checks

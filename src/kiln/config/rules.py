@@ -57,6 +57,12 @@ def cross_field_errors(
         yield from _layer_map_errors(c.distillation, m)
     if ok("distributed"):
         yield from _distributed_errors(c.distributed)
+    if ok("loss") and c.loss.schedule == "cpu_blocked" and c.loss.vocab_chunk_size is not None:
+        yield (
+            f"loss.schedule: cpu_blocked cuts rows of whole-vocabulary chunks, but "
+            f"loss.vocab_chunk_size={c.loss.vocab_chunk_size} cuts the vocabulary; allowed: "
+            "loss.schedule auto or whole, or loss.vocab_chunk_size null"
+        )
     divisible = t.global_batch_size % t.gradient_accumulation_steps == 0
     if ok("train") and not divisible:
         yield (

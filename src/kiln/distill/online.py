@@ -221,6 +221,7 @@ class DistillObjective(Objective):
             student_softcap=config.model.logit_softcap,
             num_vocab_tiling=config.loss.num_vocab_tiling,
             vocab_chunk_size=config.loss.vocab_chunk_size,
+            schedule=config.loss.schedule,
             mesh=self.mesh,
             rules=config.mesh.rules,
             coefficients=None if coefficients is None else coefficients[:2],

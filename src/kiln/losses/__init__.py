@@ -2,7 +2,8 @@
 
 Modules: `core` (the head logits, the mergeable log-normaliser, argument checks),
 `cross_entropy`, `kl` and `top_k` (the per-chunk callbacks and their per-token APIs), `tiling`
-(a call's static settings: mesh axes, chunking, and their checks), `engine` (the tiled chunk
+(a call's static settings: mesh axes, chunking, and their checks), `schedule` (how the engine
+walks a shard's tokens: whole chunks, vocabulary chunks or CPU row blocks), `engine` (the tiled chunk
 loop, its shard_map plumbing and custom VJP), `lm` (the LM loss) and `distill` (soft, fused
 hard + soft, feature and combined distillation losses).
 
@@ -23,9 +24,11 @@ from kiln.losses.distill import (
 )
 from kiln.losses.kl import soft_loss
 from kiln.losses.lm import lm_loss
+from kiln.losses.schedule import CpuBlocked
 from kiln.losses.top_k import top_k_soft_loss
 
 __all__ = [
+    "CpuBlocked",
     "TopK",
     "cross_entropy",
     "distill_loss_sums",

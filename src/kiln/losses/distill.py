@@ -24,6 +24,7 @@ from kiln.losses.core import (
 )
 from kiln.losses.cross_entropy import CrossEntropy, weighted_cross_entropy
 from kiln.losses.kl import SoftKL, _soft_loss
+from kiln.losses.schedule import CpuBlocked, ScheduleName
 from kiln.losses.top_k import TopKKL, teacher_stats
 
 sg = jax.lax.stop_gradient
@@ -86,14 +87,15 @@ def soft_loss_sums(
     mesh: Mesh | None = None,
     rules: dict[str, list[str]] | None = None,
     vocab_chunk_size: int | None = None,
+    schedule: ScheduleName | CpuBlocked = "auto",
 ) -> dict[str, jax.Array]:
     """Weighted sums of the soft loss and of the teacher's cross-entropy, float32 scalars.
 
     Logits are `kiln.losses.logits` of each model (soft-capped as each model is), `soft_sum =
     sum(w * soft_loss(student, teacher, T))` and `teacher_loss_sum = sum(w * CE(teacher))`
     (no z-loss, no smoothing). Only the student receives gradients: teacher inputs and the
-    temperature are constants. `num_vocab_tiling` and `vocab_chunk_size` tile the loss
-    exactly as `lm_loss`'s, with the same values and gradients.
+    temperature are constants. `num_vocab_tiling`, `vocab_chunk_size` and `schedule` tile the
+    loss exactly as `lm_loss`'s, with the same values and gradients.
     """
     vocab = student_head_DV.shape[-1]
     tiling, inputs = _prepare(
@@ -111,6 +113,7 @@ def soft_loss_sums(
         vocab_chunk_size=vocab_chunk_size,
         mesh=mesh,
         rules=rules,
+        schedule=schedule,
     )
     if tiling.tiled:
         out = engine.run(tiling, inputs, jnp.ones((1,), f32))
@@ -155,6 +158,7 @@ def distill_loss_sums(
     mesh: Mesh | None = None,
     rules: dict[str, list[str]] | None = None,
     coefficients: tuple[jax.Array, jax.Array] | None = None,
+    schedule: ScheduleName | CpuBlocked = "auto",
 ) -> dict[str, jax.Array]:
     """The hard and soft distillation sums from one pass over the student's logits.
 
@@ -199,6 +203,7 @@ def distill_loss_sums(
         vocab_chunk_size=vocab_chunk_size,
         mesh=mesh,
         rules=rules,
+        schedule=schedule,
         objective=coefficients is not None,
     )
     if tiling.tiled:
@@ -245,6 +250,7 @@ def top_k_distill_loss_sums(
     mesh: Mesh | None = None,
     rules: dict[str, list[str]] | None = None,
     coefficients: tuple[jax.Array, jax.Array] | None = None,
+    schedule: ScheduleName | CpuBlocked = "auto",
 ) -> dict[str, jax.Array]:
     """`distill_loss_sums` against a teacher's stored top-k (`TopK` of [B,S,K], [B,S,K], [B,S]).
 
@@ -276,6 +282,7 @@ def top_k_distill_loss_sums(
         vocab_chunk_size=vocab_chunk_size,
         mesh=mesh,
         rules=rules,
+        schedule=schedule,
         student_cap=check_cap("student_softcap", student_softcap),
         objective=coefficients is not None,
     )

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -46,7 +45,6 @@ from kiln.losses.core import (
 )
 from kiln.losses.tiling import Inputs, Tiling, all_explicit
 from kiln.losses.top_k import block_columns
-from kiln.parallel.mesh import traced_platform
 
 # Per-token terms that can carry a gradient to the student, and the sums they give.
 DIFFERENTIABLE = ("loss", "z_loss", "soft")
@@ -70,48 +68,15 @@ def _varying(tiling: Tiling, x):
     return jax.lax.pcast(x, axes, to="varying") if tiling.mesh is not None and axes else x
 
 
-# On CPU, bytes of one chunk's float32 logits per model, and of one row block's. Smaller
-# chunks mean smaller per-chunk arrays (logits, logit gradients): fewer fresh pages to map at
-# every step and more of them still cached when the next pass reads them. A block's
-# element-wise passes (statistics, sums, logit gradients) run in the cores' caches instead of
-# streaming [n, V] arrays from memory once per pass.
-CPU_CHUNK_BYTES = 32 << 20
-CPU_BLOCK_BYTES = 1 << 20
-
-
-def _rows_within(rows: int, budget: int, vocab_local: int) -> int:
-    """The largest power of two of rows dividing `rows` whose float32 logits fit `budget`."""
-    fit = max(1, budget // (4 * vocab_local))
-    return math.gcd(rows, 1 << (fit.bit_length() - 1))
-
-
-def cpu_rows(mesh, chunk: int, vocab_local: int) -> tuple[int, int]:
-    """(rows per chunk, rows per block) of the chunk loop: divisors of `chunk`, `chunk` off CPU.
-
-    On GPU and TPU the compiler fuses the element-wise work over a chunk's logits into a few
-    kernels: `num_vocab_tiling`'s chunks, whole. On CPU a chunk is cut further, into chunks of
-    about `CPU_CHUNK_BYTES` of logits per model, and those into row blocks of about
-    `CPU_BLOCK_BYTES`: the same operations per row, so the same values up to the order in
-    which the head gradient adds up its chunks and how XLA vectorises a row's sums at the
-    block's shape. Smaller chunks only lower the memory `num_vocab_tiling` bounds.
-    """
-    if traced_platform(mesh) != "cpu":
-        return chunk, chunk
-    rows = _rows_within(chunk, CPU_CHUNK_BYTES, vocab_local)
-    return rows, _rows_within(rows, CPU_BLOCK_BYTES, vocab_local)
-
-
 def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
     """The chunk loop on local tokens [B, S] and a local vocabulary slice of the heads."""
     hs, ws, targets, weights, ht, wt, temp, top = inputs
     batch, seq, d_model = hs.shape
     vocab_local = ws.shape[1]
-    vchunk = tiling.vocab_chunk or vocab_local
+    plan = tiling.schedule
+    assert plan.rows == batch * seq and vocab_local % plan.vocab_chunk == 0, (plan, hs.shape)
+    chunk, block, vchunk = plan.chunk, plan.block, plan.vocab_chunk
     n_vchunks = vocab_local // vchunk
-    chunk = batch * seq // tiling.num_chunks
-    block = chunk
-    if n_vchunks == 1:
-        chunk, block = cpu_rows(tiling.mesh, chunk, vocab_local)
     axes, losses = tiling.axes.vocab, tiling.losses
     dtype = ws.dtype  # the head matmuls' input dtype, as in `logits`
     columns = jnp.arange(vocab_local)
@@ -181,8 +146,9 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
 
     def whole_vocabulary(h_n, g_n, y_n, w_n, top_n, bufs):
         """One chunk's logits made whole (one product per model), then its element-wise work in
-        blocks of `block` rows (`cpu_rows`), each block's logit gradients written into its rows
-        of `bufs` (one [chunk, c] buffer per gradient set, reused from chunk to chunk)."""
+        blocks of `block` rows (the `cpu_blocked` schedule), each block's logit gradients written
+        into its rows of `bufs` (one [chunk, c] buffer per gradient set, reused from chunk to
+        chunk)."""
         x_s, x_t = head_logits(h_n, g_n, None)
         xs = (x_s, x_t, y_n, w_n, top_n)
         if block == chunk:
@@ -248,10 +214,24 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
         terms = token_terms(stats, psum(sums, axes), y_n, w_n)
         return (dw, bufs), (terms, dh_n)
 
-    def cut(x):
-        return None if x is None else x.reshape(batch * seq // chunk, chunk, *x.shape[2:])
+    def cut(x, fill=None):
+        """[B, S, ...] -> [chunks, chunk, ...]; a last chunk the rows do not fill takes copies of
+        the last row (`fill`: a constant instead), which weight 0 keeps out of every result."""
+        if x is None:
+            return None
+        flat = x.reshape(plan.rows, *x.shape[2:])
+        if plan.padding:
+            widths = [(0, plan.padding)] + [(0, 0)] * (flat.ndim - 1)
+            if fill is None:
+                flat = jnp.pad(flat, widths, mode="edge")
+            else:
+                flat = jnp.pad(flat, widths, constant_values=fill)
+        return flat.reshape(plan.num_chunks, chunk, *flat.shape[1:])
 
-    k_sets = len(tiling.sets)
+    def uncut(x):
+        """[chunks, chunk, ...] -> the shard's rows [B * S, ...], padding dropped."""
+        return x.reshape(plan.num_chunks * chunk, *x.shape[2:])[: plan.rows]
+
     dw0, bufs0 = None, ()
     if with_grads:
         dw0 = tuple(_varying(tiling, jnp.zeros((d_model, vocab_local), f32)) for _ in tiling.sets)
@@ -261,15 +241,15 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
                 _varying(tiling, jnp.zeros((chunk, vocab_local), dtype)) for _ in tiling.sets
             )
     w = weights.astype(f32)
-    xs = (cut(hs), cut(ht), cut(targets), cut(w), jax.tree.map(cut, top))
+    xs = (cut(hs), cut(ht), cut(targets), cut(w, fill=0.0), jax.tree.map(cut, top))
     (dw, _), (terms, dh) = jax.lax.scan(step, (dw0, bufs0), xs)
-    terms = {k: v.reshape(batch, seq) for k, v in terms.items()}
+    terms = {k: uncut(v).reshape(batch, seq) for k, v in terms.items()}
     token_axes = tiling.axes.tokens
     sums = {f"{k}_sum": psum(weighted_sum(v, w), token_axes) for k, v in terms.items()}
     sums["weight_sum"] = psum(jnp.sum(w), token_axes)
     if not with_grads:
         return Local(terms, sums, None, None)
-    dh = psum(jnp.stack(dh).reshape(k_sets, batch, seq, d_model), axes)
+    dh = psum(jnp.stack([uncut(g).reshape(batch, seq, d_model) for g in dh]), axes)
     scatter = tiling.axes.scatter
     dw = psum(jnp.stack(dw), tuple(a for a in token_axes if a not in scatter))
     if scatter:

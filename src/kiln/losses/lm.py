@@ -10,6 +10,7 @@ from kiln.losses import engine
 from kiln.losses import tiling as tl
 from kiln.losses.core import check_cap, check_smoothing, check_targets, check_z, f32, weighted_sum
 from kiln.losses.cross_entropy import CrossEntropy, weighted_cross_entropy
+from kiln.losses.schedule import CpuBlocked, ScheduleName
 
 
 def lm_loss(
@@ -25,6 +26,7 @@ def lm_loss(
     mesh: Mesh | None = None,
     rules: dict[str, list[str]] | None = None,
     vocab_chunk_size: int | None = None,
+    schedule: ScheduleName | CpuBlocked = "auto",
 ) -> dict[str, jax.Array]:
     """Weighted LM loss sums: hidden [B, S, D], head [D, V], targets [B, S] int, weights [B, S].
 
@@ -37,7 +39,9 @@ def lm_loss(
     `length` and `vocab`. `vocab_chunk_size` also cuts each shard's vocabulary into chunks of
     that many entries (online logsumexp, then a second pass that recomputes each chunk's
     logits for the gradients: 4/3 of the matmul FLOPs, for loss memory independent of the
-    vocabulary). A target outside [0, V) with nonzero weight is a ValueError when targets and
+    vocabulary). `schedule` picks how the tiled loss walks each shard's tokens (`auto`,
+    `whole`, `cpu_blocked` or a `CpuBlocked(chunk_bytes, block_bytes)`; see
+    `kiln.losses.schedule`): the same values either way, up to summation order. A target outside [0, V) with nonzero weight is a ValueError when targets and
     weights are concrete, and makes `loss_sum` NaN under `jit`.
     """
     z, eps = check_z(z_loss_multiplier), check_smoothing(label_smoothing)
@@ -51,6 +55,7 @@ def lm_loss(
         vocab_chunk_size=vocab_chunk_size,
         mesh=mesh,
         rules=rules,
+        schedule=schedule,
         student_cap=cap,
     )
     check_targets(targets_BS, weights_BS, tiling.vocab)

@@ -12,8 +12,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kiln.config import DEFAULT_AXIS_RULES
+from kiln.losses import schedule as sc
 from kiln.losses.core import TopK, check_positive_int, logits
-from kiln.parallel.mesh import logical_spec
+from kiln.parallel.mesh import logical_spec, traced_platform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,7 @@ class Tiling:
     student_cap: float | None = None
     teacher_cap: float | None = None
     objective: bool = False
+    schedule: sc.Schedule | None = None  # how the engine walks a shard (`kiln.losses.schedule`)
 
     @property
     def terms(self) -> tuple[str, ...]:
@@ -126,19 +128,26 @@ def whole_logits(hidden, head, cap, mesh, axes: MeshAxes):
     return cap * jnp.tanh(x / cap) if cap else x
 
 
+def _shards(tiling: Tiling) -> tuple[int, int, int]:
+    """Shards of the batch, the sequence and the vocabulary on the tiling's mesh."""
+    sizes = {} if tiling.mesh is None else dict(tiling.mesh.shape)
+    ax = tiling.axes
+    return tuple(math.prod(sizes[a] for a in axes) for axes in (ax.batch, ax.length, ax.vocab))
+
+
 def check_tiling(tiling: Tiling, hidden_shape, head_shape) -> None:
     """Shapes that the mesh, `num_vocab_tiling` and `vocab_chunk_size` must divide; ValueError."""
     batch, seq, _ = hidden_shape
     vocab = head_shape[1]
-    sizes = {} if tiling.mesh is None else dict(tiling.mesh.shape)
     ax = tiling.axes
     pieces = []
-    for name, n, axes in (
-        ("hidden_BSD: batch", batch, ax.batch),
-        ("hidden_BSD: sequence length", seq, ax.length),
-        ("head_DV: vocabulary", vocab, ax.vocab),
+    for name, n, axes, shards in zip(
+        ("hidden_BSD: batch", "hidden_BSD: sequence length", "head_DV: vocabulary"),
+        (batch, seq, vocab),
+        (ax.batch, ax.length, ax.vocab),
+        _shards(tiling),
+        strict=True,
     ):
-        shards = math.prod(sizes[a] for a in axes)
         if n % shards:
             raise ValueError(
                 f"{name} {n} does not split into the {shards} shards of mesh axes {axes}; "
@@ -159,9 +168,20 @@ def check_tiling(tiling: Tiling, hidden_shape, head_shape) -> None:
 
 
 def make_tiling(
-    losses, sets, hidden, head, *, num_vocab_tiling, vocab_chunk_size, mesh, rules, **caps
+    losses,
+    sets,
+    hidden,
+    head,
+    *,
+    num_vocab_tiling,
+    vocab_chunk_size,
+    mesh,
+    rules,
+    schedule: sc.ScheduleName | sc.CpuBlocked = "auto",
+    **caps,
 ) -> Tiling:
-    """The checked `Tiling` of a call: hidden [B, S, D], head [D, V]; `caps` as in `Tiling`."""
+    """The checked `Tiling` of a call: hidden [B, S, D], head [D, V]; `caps` as in `Tiling`;
+    `schedule` as in `kiln.losses.schedule` (chosen here, once, for the shard's shape)."""
     check_positive_int("num_vocab_tiling", num_vocab_tiling)
     check_positive_int("vocab_chunk_size", vocab_chunk_size, optional=True)
     if hidden.ndim != 3 or head.ndim != 2 or hidden.shape[-1] != head.shape[0]:
@@ -178,6 +198,13 @@ def make_tiling(
         vocab_chunk=vocab_chunk_size,
         **caps,
     )
+    batch_shards, seq_shards, vocab_shards = _shards(tiling)
+    rows = (hidden.shape[0] // batch_shards) * (hidden.shape[1] // seq_shards)
+    vocab_local = head.shape[1] // vocab_shards
+    chosen = sc.choose(
+        schedule, traced_platform(mesh), rows, num_vocab_tiling, vocab_local, vocab_chunk_size
+    )
+    tiling = dataclasses.replace(tiling, schedule=chosen)
     if tiling.tiled:
         check_tiling(tiling, hidden.shape, head.shape)
     return tiling

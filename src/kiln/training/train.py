@@ -166,6 +166,7 @@ def lm_loss_sums(config: Config, hidden_BSD, head_DV, batch: Batch, mesh) -> Sum
         mesh=mesh,
         rules=config.mesh.rules,
         vocab_chunk_size=config.loss.vocab_chunk_size,
+        schedule=config.loss.schedule,
     )
 
 

@@ -84,6 +84,10 @@ class LossConfig(Section):
         le=INT32_MAX,
         description="Also cut each vocabulary shard into chunks of this many entries (online logsumexp), so loss memory stops growing with the vocabulary; costs 4/3 of the loss matmuls. Must divide vocab_size / vocabulary shards. null = whole vocabulary.",
     )
+    schedule: Literal["auto", "whole", "cpu_blocked"] = Field(
+        "auto",
+        description="How the tiled loss walks each shard's tokens: whole = num_vocab_tiling's chunks, each chunk's logits whole (the GPU/TPU schedule); cpu_blocked = chunks of about 32 MiB of logits, their element-wise work in row blocks of about 1 MiB that stay in CPU caches; auto = cpu_blocked on CPU devices, whole otherwise. The same values either way, up to summation order. With vocab_chunk_size set, the vocabulary chunks set the schedule (auto or whole only).",
+    )
 
     @pydantic.field_validator("z_loss_multiplier")
     @classmethod
