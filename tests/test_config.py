@@ -8,7 +8,7 @@ import pydantic
 import pytest
 import yaml
 
-from conftest import REPO, assert_user_error, kiln, kiln_main, make_config, write_config
+from conftest import REPO, assert_user_error, kiln, kiln_main, make_config, start_kiln, write_config
 from kiln.config import MESH_AXES, Config, MeshConfig, check_devices, load_config, schema_rows
 from kiln.errors import KilnError
 
@@ -402,3 +402,12 @@ def test_config_explain_names_the_file_override_or_default_of_each_value(tmp_pat
     assert main(["config", str(REPO / "configs" / "tiny.yaml"), "--explain"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if "z_loss_multiplier" in x)
     assert line.split("#")[1].strip() == f"{REPO / 'configs' / 'base.yaml'} (default 0.0)"
+
+
+def test_a_closed_stdout_ends_kiln_quietly(tmp_path):
+    """`kiln config --schema | head -1`: the reader goes away; no traceback, exit 141 (SIGPIPE)."""
+    proc = start_kiln("config", "--schema", "--format", "markdown")
+    proc.stdout.close()  # before kiln writes: every write finds the pipe closed
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

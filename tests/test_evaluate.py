@@ -7,6 +7,7 @@ and shared; its held-out split is exactly one document of 8 windows, one evaluat
 
 import json
 import math
+import os
 import subprocess
 from pathlib import Path
 
@@ -249,7 +250,17 @@ BAD_LINES = {
 
 
 @pytest.mark.parametrize(
-    "case", ["kind", "missing", "malformed", "gold", "no_checkpoints", "missing_perplexity"]
+    "case",
+    [
+        "kind",
+        "missing",
+        "malformed",
+        "gold",
+        "no_checkpoints",
+        "missing_perplexity",
+        "fifo_choice",
+        "fifo_perplexity",
+    ],
 )
 def test_bad_input_exits_2_with_one_line(tiny, tmp_path, capsys, case):
     run_dir, _, _ = tiny
@@ -264,6 +275,11 @@ def test_bad_input_exits_2_with_one_line(tiny, tmp_path, capsys, case):
         task = "mcq:x.jsonl"
     elif case == "missing_perplexity":
         task = f"perplexity:{tmp_path / 'none' / '*.txt'}"
+    elif case.startswith("fifo"):
+        # A named pipe nobody writes to: reading it would block forever.
+        os.mkfifo(tmp_path / "pipe.jsonl")
+        kind = case.removeprefix("fifo_")
+        task, needle = f"{kind}:{tmp_path / 'pipe.jsonl'}", "pipe.jsonl' is not a regular file"
     elif case in BAD_LINES:
         text, needle = BAD_LINES[case]
         (tmp_path / "bad.jsonl").write_text(text)
@@ -308,4 +324,12 @@ def test_train_refuses_bad_eval_tasks_before_writing(tiny, tmp_path, capsys):
     code = main(["train", str(tmp_path / "c.yaml")])
     proc = subprocess.CompletedProcess([], code, "", capsys.readouterr().err)
     assert_user_error(proc, str(missing))
+    assert not (tmp_path / "r").exists()
+    # A FIFO as an in-training task is refused too, before anything is written.
+    os.mkfifo(tmp_path / "pipe.txt")
+    train["eval_tasks"] = [f"perplexity:{tmp_path / 'pipe.txt'}"]
+    (tmp_path / "c.yaml").write_text(json.dumps({**raw, "train": train}))
+    code = main(["train", str(tmp_path / "c.yaml")])
+    proc = subprocess.CompletedProcess([], code, "", capsys.readouterr().err)
+    assert_user_error(proc, "pipe.txt' is not a regular file")
     assert not (tmp_path / "r").exists()

@@ -348,6 +348,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kiln: interrupted", file=sys.stderr)
         return _leave(130)
+    except BrokenPipeError:
+        # The reader of stdout has gone (`kiln config --explain | head`): stop quietly, as a
+        # Unix filter does; stdout goes to /dev/null so that the exit's flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return _leave(141)
 
 
 def _leave(code: int) -> int:

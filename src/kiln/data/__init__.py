@@ -30,7 +30,7 @@ from kiln.data.mixture import MixedDatasets, SourceSplit, source_seed
 from kiln.data.pipeline import Batch, Datasets, StreamWindows, SyntheticWindows
 from kiln.data.prepare import decode_error_note, prepare
 from kiln.data.resolve import rounded_vocab
-from kiln.data.sources import input_identity, resolve_inputs
+from kiln.data.sources import check_regular, input_identity, resolve_inputs
 from kiln.data.synthetic import markov_chain
 from kiln.data.tokenizers import Tokenizer, load_tokenizer
 from kiln.errors import KilnError
@@ -226,14 +226,7 @@ def _open_source(
         where = [p if storage.is_remote(p) else p.resolve() for p in dirs]
         return corpus, where, [read_manifest(p)["shards"] for p in dirs]
     files = resolve_inputs(paths, what=what)
-    # A FIFO or device would block or never end, and its (size, mtime) cannot key the
-    # cache (`kiln prepare --input` streams one once, e.g. /dev/stdin).
-    for f in files:
-        if isinstance(f, Path) and not f.is_file():
-            raise KilnError(
-                f"{what}: {str(f)!r} is not a regular file (a FIFO, socket or device); "
-                "allowed: files, directories, globs, stdlib:GLOB"
-            )
+    check_regular(files, what)  # `kiln prepare --input` streams one once, e.g. /dev/stdin
     if not any(storage.size(f) for f in files):
         raise KilnError(f"{what}: {list(paths)} hold no text (every input file is empty)")
     fmt = record_format(s.format, tokenizer, s.chat_template)

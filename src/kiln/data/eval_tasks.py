@@ -19,7 +19,13 @@ import numpy as np
 
 from kiln.data.corpus import Corpus
 from kiln.data.pipeline import Batch, StreamWindows
-from kiln.data.sources import STDLIB_PREFIX, plan_tasks, read_documents, resolve_inputs
+from kiln.data.sources import (
+    STDLIB_PREFIX,
+    check_regular,
+    plan_tasks,
+    read_documents,
+    resolve_inputs,
+)
 from kiln.data.tokenizers import Tokenizer
 from kiln.errors import KilnError
 from kiln.util import storage
@@ -115,6 +121,7 @@ def load_perplexity(spec: TaskSpec, tokenizer: Tokenizer, vocab_size: int, seq_l
     """Read, tokenize and pack a perplexity task's files (format from each file's suffix)."""
     what = f"task {spec.text}"
     files = resolve_inputs([task_path(spec)], what=what)
+    check_regular(files, what)
     want_bytes = tokenizer.kind == "byte"
     encoded, num_bytes = [], 0
     for f in files:
@@ -168,6 +175,7 @@ def load_choice(spec: TaskSpec, tokenizer: Tokenizer, vocab_size: int, max_seq_l
     """Read and tokenize a choice JSONL file; a KilnError names file:line of a bad record."""
     path = Path(task_path(spec)).expanduser()
     what = f"task {spec.text}"
+    check_regular([path], what)
     try:
         lines = path.read_bytes().split(b"\n")
     except OSError as e:

@@ -84,6 +84,17 @@ def _expand(pattern: str, what: str) -> list[Location]:
     return []
 
 
+def check_regular(files: Sequence[Location], what: str) -> None:
+    """KilnError for a local input that is not a regular file: a FIFO or device would block or
+    never end, and its (size, mtime) cannot key a cache."""
+    for f in files:
+        if isinstance(f, Path) and f.exists() and not f.is_file():
+            raise KilnError(
+                f"{what}: {str(f)!r} is not a regular file (a FIFO, socket or device); "
+                "allowed: files, directories, globs, stdlib:GLOB"
+            )
+
+
 def input_identity(files: Sequence[Location]) -> list[dict[str, Any]]:
     """(path, size, mtime or a URL's version tag) of every input: what a cache or manifest is
     keyed by."""
