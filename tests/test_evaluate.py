@@ -260,6 +260,7 @@ BAD_LINES = {
         "missing_perplexity",
         "fifo_choice",
         "fifo_perplexity",
+        "unwritable_out",
     ],
 )
 def test_bad_input_exits_2_with_one_line(tiny, tmp_path, capsys, case):
@@ -291,6 +292,10 @@ def test_bad_input_exits_2_with_one_line(tiny, tmp_path, capsys, case):
         run_dir = bare
         task = f"choice:{write_choice(tmp_path / 'ok.jsonl', [('a', ['b', 'c'], 0)])}"
     out = tmp_path / "eval.json"
+    if case == "unwritable_out":  # refused before any task is read or scored
+        (tmp_path / "file").write_text("")
+        out, needle = tmp_path / "file" / "eval.json", "--out:"
+        task = f"choice:{write_choice(tmp_path / 'ok.jsonl', [('a', ['b', 'c'], 0)])}"
     code = main(["eval", str(run_dir), task, "--out", str(out)])
     err = capsys.readouterr().err
     proc = subprocess.CompletedProcess([], code, "", err)

@@ -211,6 +211,11 @@ def test_bad_input_exits_2_with_one_line(tmp_path, run, capsys):
         capsys, [*gen, "--prompt", "x", *few, "--step", "7"], "--step 7", "there are [0]"
     )
     one_line_error(capsys, [*gen], "exactly one of --prompt")
+    # An --out that cannot be written is refused before anything is generated.
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = blocker / "o.jsonl"  # its parent is a file
+    one_line_error(capsys, [*gen, "--prompt", "x", *few, "--out", str(out)], "--out:", str(blocker))
     empty, _ = kiln_run(tmp_path, vocab_size=V, logit_softcap=30.0)  # config.yaml, no checkpoint
     one_line_error(
         capsys, ["generate", str(empty), "--prompt", "x", *few], "no complete checkpoint"

@@ -14,6 +14,7 @@ from kiln.config import read_run_config
 from kiln.data import load_tokenizer
 from kiln.data.eval_tasks import parse_tasks
 from kiln.errors import KilnError
+from kiln.runs.paths import check_creatable
 from kiln.runs.runmodel import load_run_model
 from kiln.training.scoring import LOGGED, Evaluator, load_tasks, tags
 
@@ -32,6 +33,8 @@ def run_eval(
         raise KilnError("kiln eval: give at least one TASK (perplexity:PATH or choice:FILE.jsonl)")
     specs = parse_tasks(tasks, "kiln eval")
     config = read_run_config(run_dir, "kiln eval")
+    path = Path(out).expanduser() if out else run_dir / "eval.json"
+    check_creatable(path.parent, "--out")  # before any task is read or scored
     tokenizer = load_tokenizer(config.data.tokenizer)
     data = load_tasks(specs, config, tokenizer)
     run = load_run_model(run_dir, step, context="kiln eval", config=config)
@@ -43,7 +46,6 @@ def run_eval(
         "tasks": {s.name: {"task": s.text, **results[s.name]} for s in specs},
     }
     if jax.process_index() == 0:
-        path = Path(out).expanduser() if out else run_dir / "eval.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(report, indent=1) + "\n")

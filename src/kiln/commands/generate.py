@@ -30,6 +30,7 @@ from kiln.errors import KilnError
 from kiln.model import KVCache, LanguageModel
 from kiln.model.llama import CACHE_LBTKH
 from kiln.parallel.mesh import constrain, in_mesh, mesh_axes
+from kiln.runs.paths import check_creatable
 from kiln.runs.runmodel import load_run_model
 
 # Prompt slots are rounded up to a multiple of this, so that prompts of similar lengths
@@ -345,6 +346,8 @@ def run_generate(
         raise KilnError(f"{context}: run directory not found: {run_dir}")
     if out is not None and Path(out).expanduser().exists():
         raise KilnError(f"--out: {out} already exists; choose a new file")
+    if out is not None:  # refused before the model is loaded, not after it has generated
+        check_creatable(Path(out).expanduser().parent, "--out")
     config = read_run_config(Path(run_dir).expanduser(), context)
     tokenizer = load_tokenizer(config.data.tokenizer)
     # Training documents follow an EOS (it starts every packed document), so a prompt does too.
@@ -379,7 +382,9 @@ def run_generate(
         )
     if out is not None:
         lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-        Path(out).expanduser().write_text(lines, encoding="utf-8")
+        path = Path(out).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(lines, encoding="utf-8")
         return f"wrote {len(records)} completions of {run_dir} step {run.step} to {out}"
     if len(records) == 1:
         return records[0]["prompt"] + records[0]["completion"]
