@@ -21,6 +21,7 @@ same inputs (path, size, mtime or a URL's version tag) and tokenizer is a no-op.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import json
 import os
@@ -86,30 +87,35 @@ def prepare(
     on_decode_error: what a text file or JSONL line that is not UTF-8 does (data.on_decode_error).
     record_format: JSONL records as chat or prompt/completion, with loss weights (data.format).
     """
-    if storage.is_remote(output):
-
-        def prepare_local(local: Path) -> tuple[dict[str, Any], bool]:
-            return prepare(
-                files,
-                fmt,
-                field,
-                tokenizer,
-                local,
-                workers=workers,
-                progress=progress,
-                what=what,
-                on_decode_error=on_decode_error,
-                record_format=record_format,
-            )
-
+    remote = storage.is_remote(output)
+    if remote:
         storage.filesystem(str(output), what)  # a missing backend is named before any work
-        wanted = identity_of(
-            fmt, field, tokenizer, input_identity(files), on_decode_error, record_format
-        )
-        return prepare_to_url(prepare_local, wanted, str(output), what)
-    output = Path(output).absolute()
     inputs = input_identity(files)
     wanted = identity_of(fmt, field, tokenizer, inputs, on_decode_error, record_format)
+    write = functools.partial(
+        _write_shards, files, inputs, wanted, fmt, field, tokenizer, workers, progress, what,
+        on_decode_error, record_format,
+    )  # fmt: skip
+    if remote:  # into a local temporary directory, then uploaded
+        return prepare_to_url(write, wanted, str(output), what)
+    return write(Path(output).absolute())
+
+
+def _write_shards(
+    files: Sequence[storage.Location],
+    inputs: list[dict[str, Any]],
+    wanted: dict[str, Any],
+    fmt: str,
+    field: str,
+    tokenizer: Tokenizer,
+    workers: int | None,
+    progress: bool,
+    what: str,
+    on_decode_error: OnDecodeError,
+    record_format: RecordFormat | None,
+    output: Path,
+) -> tuple[dict[str, Any], bool]:
+    """`prepare` into the local directory `output`; `wanted` is the inputs' identity."""
     existing = up_to_date(output, wanted, what)
     if existing is not None:
         return existing, False
