@@ -12,6 +12,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kiln.config import DEFAULT_AXIS_RULES
+from kiln.config.axes import entry_axes
 from kiln.losses import schedule as sc
 from kiln.losses.core import TopK, check_positive_int, logits
 from kiln.parallel.mesh import logical_spec, traced_platform
@@ -44,10 +45,6 @@ class MeshAxes:
         }[kind]
 
 
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def mesh_axes(mesh: Mesh | None, rules, d_model: int) -> MeshAxes:
     """The logits' axes from `kiln.parallel.mesh.logical_spec` (batch, length, vocab), and the scatter axes."""
     if mesh is None:
@@ -55,7 +52,7 @@ def mesh_axes(mesh: Mesh | None, rules, d_model: int) -> MeshAxes:
     rules = DEFAULT_AXIS_RULES if rules is None else rules
 
     def present(entry) -> tuple[str, ...]:
-        return tuple(a for a in _axes(entry) if a in mesh.shape)
+        return tuple(a for a in entry_axes(entry) if a in mesh.shape)
 
     batch, length, vocab = (present(e) for e in logical_spec(("batch", "length", "vocab"), rules))
     embed = present(logical_spec(("embed", "vocab"), rules)[0])
@@ -128,10 +125,9 @@ def whole_logits(hidden, head, cap, mesh, axes: MeshAxes):
     return cap * jnp.tanh(x / cap) if cap else x
 
 
-def _shards(tiling: Tiling) -> tuple[int, int, int]:
-    """Shards of the batch, the sequence and the vocabulary on the tiling's mesh."""
-    sizes = {} if tiling.mesh is None else dict(tiling.mesh.shape)
-    ax = tiling.axes
+def _shards(mesh: Mesh | None, ax: MeshAxes) -> tuple[int, int, int]:
+    """Shards of the batch, the sequence and the vocabulary on `mesh`."""
+    sizes = {} if mesh is None else dict(mesh.shape)
     return tuple(math.prod(sizes[a] for a in axes) for axes in (ax.batch, ax.length, ax.vocab))
 
 
@@ -145,7 +141,7 @@ def check_tiling(tiling: Tiling, hidden_shape, head_shape) -> None:
         ("hidden_BSD: batch", "hidden_BSD: sequence length", "head_DV: vocabulary"),
         (batch, seq, vocab),
         (ax.batch, ax.length, ax.vocab),
-        _shards(tiling),
+        _shards(tiling.mesh, ax),
         strict=True,
     ):
         if n % shards:
@@ -188,23 +184,23 @@ def make_tiling(
         raise ValueError(
             f"expected hidden [B, S, D] and head [D, V], got {hidden.shape} and {head.shape}"
         )
+    axes = mesh_axes(mesh, rules, head.shape[0])
+    batch_shards, seq_shards, vocab_shards = _shards(mesh, axes)
+    rows = (hidden.shape[0] // batch_shards) * (hidden.shape[1] // seq_shards)
+    vocab_local = head.shape[1] // vocab_shards
     tiling = Tiling(
         losses=tuple(losses),
         sets=tuple(sets),
         num_chunks=num_vocab_tiling,
         vocab=head.shape[1],
         mesh=mesh,
-        axes=mesh_axes(mesh, rules, head.shape[0]),
+        axes=axes,
         vocab_chunk=vocab_chunk_size,
+        schedule=sc.choose(
+            schedule, traced_platform(mesh), rows, num_vocab_tiling, vocab_local, vocab_chunk_size
+        ),
         **caps,
     )
-    batch_shards, seq_shards, vocab_shards = _shards(tiling)
-    rows = (hidden.shape[0] // batch_shards) * (hidden.shape[1] // seq_shards)
-    vocab_local = head.shape[1] // vocab_shards
-    chosen = sc.choose(
-        schedule, traced_platform(mesh), rows, num_vocab_tiling, vocab_local, vocab_chunk_size
-    )
-    tiling = dataclasses.replace(tiling, schedule=chosen)
     if tiling.tiled:
         check_tiling(tiling, hidden.shape, head.shape)
     return tiling
