@@ -344,10 +344,11 @@ def run_generate(
     context = "kiln generate"
     if not Path(run_dir).expanduser().is_dir():
         raise KilnError(f"{context}: run directory not found: {run_dir}")
-    if out is not None and Path(out).expanduser().exists():
-        raise KilnError(f"--out: {out} already exists; choose a new file")
-    if out is not None:  # refused before the model is loaded, not after it has generated
-        check_creatable(Path(out).expanduser().parent, "--out")
+    path = None if out is None else Path(out).expanduser()
+    if path is not None:  # refused before the model is loaded, not after it has generated
+        if path.exists():
+            raise KilnError(f"--out: {out} already exists; choose a new file")
+        check_creatable(path.parent, "--out")
     config = read_run_config(Path(run_dir).expanduser(), context)
     tokenizer = load_tokenizer(config.data.tokenizer)
     # Training documents follow an EOS (it starts every packed document), so a prompt does too.
@@ -380,9 +381,8 @@ def run_generate(
             {"prompt": prompt, "sample": i % num_samples, "completion": text}
             | {"tokens": tokens, "finish": finish, "step": run.step}
         )
-    if out is not None:
+    if path is not None:
         lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-        path = Path(out).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(lines, encoding="utf-8")
         return f"wrote {len(records)} completions of {run_dir} step {run.step} to {out}"
