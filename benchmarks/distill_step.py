@@ -144,7 +144,8 @@ def _buffer(cut, vocab):
 
 def _old_hard_local(spec, hs, ws, y, w):
     """Per-token hard loss and z-term; d loss_sum / d (hidden, head)."""
-    (chunk, block), z, eps = spec
+    cut, z, eps = spec
+    chunk, block = cut
     batch, seq, d = hs.shape
     vocab = ws.shape[1]
     columns = jnp.arange(vocab)
@@ -166,7 +167,7 @@ def _old_hard_local(spec, hs, ws, y, w):
         return (dw, g_nV if block < chunk else buf), (loss_n, z_n, dh_nD)
 
     xs = (_old_chunks(hs, chunk), _old_chunks(y, chunk), _old_chunks(w.astype(F32), chunk))
-    carry = (jnp.zeros(ws.shape, F32), _buffer((chunk, block), vocab))
+    carry = (jnp.zeros(ws.shape, F32), _buffer(cut, vocab))
     (dw, _), (loss_tok, z_tok, dh) = jax.lax.scan(step, carry, xs)
     wf = w.astype(F32)
     sums = (jnp.sum(loss_tok.reshape(batch, seq) * wf), jnp.sum(z_tok.reshape(batch, seq) * wf))
@@ -248,13 +249,10 @@ def _old_soft_bwd(cut, res, cts):
 old_soft_sums.defvjp(_old_soft_fwd, _old_soft_bwd)
 
 
-def reference_cut(config, tokens_shape, vocab: int, platform: str) -> tuple[int, int]:
-    """(chunk, block) rows of the reference's passes: those of kiln's plan for the config's
-    `loss.schedule` on a micro-batch of this shape."""
-    rows = tokens_shape[0] * tokens_shape[1]
-    plan = sched.choose(
-        config.loss.schedule, platform, rows, config.loss.num_vocab_tiling, vocab, None
-    )
+def reference_cut(schedule: str, num_chunks: int, rows: int, vocab: int, platform: str):
+    """(chunk, block) rows of the reference's passes: those of kiln's plan for `schedule` on
+    `rows` tokens (one micro-batch) in `num_chunks` chunks."""
+    plan = sched.choose(schedule, platform, rows, num_chunks, vocab, None)
     if plan.padding:
         raise SystemExit(f"the reference is restated for chunks that divide the rows: {plan}")
     return plan.chunk, plan.block
@@ -277,7 +275,8 @@ class PreRedesign(distill.DistillObjective):
         out = model.hidden_states(*args, collect=layers)
         head = model.head_weight()
         y, w = batch["targets"], batch["weights"]
-        cut = reference_cut(config, y.shape, head.shape[1], traced_platform(self.mesh))
+        loss, platform = config.loss, traced_platform(self.mesh)
+        cut = reference_cut(loss.schedule, loss.num_vocab_tiling, y.size, head.shape[1], platform)
         spec = (cut, config.loss.z_loss_multiplier, config.loss.label_smoothing)
         hard_sum, z_loss_sum = old_hard_sums(spec, out.hidden, head, y, w)
         t = jax.lax.stop_gradient(jnp.asarray(self.knobs["temperature"], F32))
@@ -364,10 +363,7 @@ def head_split(config, teacher_cfg, rounds: int) -> dict:
         return hard + 0.5 * sg(hard) / sg(soft) * soft
 
     def old_head(schedule, hs, ws, ht, wt, t):
-        scheduled = config.model_copy(
-            update={"loss": config.loss.model_copy(update={"schedule": schedule})}
-        )
-        cut = reference_cut(scheduled, (g, s), v, jax.default_backend())
+        cut = reference_cut(schedule, n, g * s, v, jax.default_backend())
         hard, _ = old_hard_sums((cut, z, eps), hs, ws, y, w)
         soft, _ = old_soft_sums(cut, hs, ws, ht, wt, y, w, t)
         return hard + 0.5 * sg(hard) / sg(soft) * soft
