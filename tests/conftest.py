@@ -14,8 +14,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import fsspec
 import jax
+import psutil
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -52,16 +54,86 @@ def kiln_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
+# A process under test is stuck when it has used no CPU time for this long. Tests wait for a
+# process as long as it works, not for a wall-clock budget: on a loaded machine a run takes
+# several times as long as on an idle one, but a working process always gains CPU time.
+STALL_S = 120.0
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time used so far by a process and its live descendants (0 once it has gone)."""
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def wait_until(
+    done: Callable[[], bool], proc: subprocess.Popen | None = None, what: str = ""
+) -> None:
+    """Return once `done()` holds. Fails if `proc` exits first, or if it (or, with no process,
+    the wait itself) shows no progress, as CPU time, for `STALL_S` seconds."""
+    last = cpu_seconds(proc.pid) if proc else 0.0
+    moved = time.monotonic()
+    while not done():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what or 'the condition'}: process exited {proc.returncode}")
+        now = cpu_seconds(proc.pid) if proc else last
+        if now > last:
+            last, moved = now, time.monotonic()
+        elif time.monotonic() - moved > STALL_S:
+            raise AssertionError(f"{what or 'the condition'}: no progress in {STALL_S:.0f} s")
+        time.sleep(0.02)
+
+
+def communicate(proc: subprocess.Popen, input: str | None = None) -> tuple[str, str]:
+    """`proc.communicate()`, waiting as long as the process uses CPU time; a process that
+    stalls for `STALL_S` seconds is killed and the test fails."""
+    last = -1.0
+    while True:
+        try:
+            return proc.communicate(input, timeout=STALL_S)
+        except subprocess.TimeoutExpired:
+            input = None  # sent with the first call
+            now = cpu_seconds(proc.pid)
+            if now <= last:
+                proc.kill()
+                err = proc.communicate()[1] or ""
+                raise AssertionError(
+                    f"stuck: no CPU time in {STALL_S:.0f} s\n{err[-3000:]}"
+                ) from None
+            last = now
+
+
+def run_process(cmd: Sequence[str], **popen: Any) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True, **popen)`, waiting as `communicate`
+    does instead of for a fixed time."""
+    with subprocess.Popen(
+        list(cmd),
+        stdin=subprocess.PIPE if "input" in popen else None,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **{k: v for k, v in popen.items() if k != "input"},
+    ) as proc:
+        out, err = communicate(proc, popen.get("input"))
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def kiln(
-    *args: Any, cwd: str | Path | None = None, timeout: float = 300, env: Mapping | None = None
+    *args: Any, cwd: str | Path | None = None, env: Mapping | None = None
 ) -> subprocess.CompletedProcess:
     """Run the `kiln` command in a subprocess, as a user would; output captured as text."""
-    return subprocess.run(
+    return run_process(
         [sys.executable, "-m", "kiln.cli", *map(str, args)],
-        capture_output=True,
-        text=True,
         cwd=cwd,
-        timeout=timeout,
         env=kiln_env(**(env or {})),
     )
 

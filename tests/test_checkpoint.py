@@ -5,14 +5,13 @@ import logging
 import os
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from conftest import assert_user_error, kiln, start_kiln, write_config
+from conftest import assert_user_error, communicate, kiln, start_kiln, wait_until, write_config
 from kiln.config import load_config
 from kiln.runs.checkpoint import latest_complete_step, restore
 from kiln.training import train
@@ -64,7 +63,7 @@ def write_run_config(tmp_path: Path, corpus: Path, **sections) -> Path:
 
 
 def kiln_train(config: Path, *overrides, check=True):
-    proc = kiln("train", config, *overrides, timeout=600)
+    proc = kiln("train", config, *overrides)
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -117,14 +116,13 @@ def test_resume_is_bitwise_exact(tmp_path, corpus, straight):
     assert sorted(int(p.name) for p in (tmp_path / "runs/r/checkpoints").glob("[0-9]*")) == [9, 12]
 
 
-def wait_for_step(run_dir: Path, step: int, proc, timeout=300):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= step:
-            return
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        time.sleep(0.02)
-    raise AssertionError(f"step {step} not reached")
+def wait_for_step(run_dir: Path, step: int, proc) -> None:
+    """Wait while the run `proc` works until it has logged `step`."""
+
+    def logged() -> bool:
+        return (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= step
+
+    wait_until(logged, proc, f"step {step}")
 
 
 def test_sigterm_saves_and_exits_cleanly_then_cosine_resume_is_exact(tmp_path, corpus):
@@ -139,7 +137,7 @@ def test_sigterm_saves_and_exits_cleanly_then_cosine_resume_is_exact(tmp_path, c
     run_dir = tmp_path / "runs" / "r"
     wait_for_step(run_dir, 2, proc)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
+    _, err = communicate(proc)
     assert proc.returncode == 0, err[-3000:]
     stopped = latest_complete_step(run_dir / "checkpoints")
     assert stopped is not None and stopped < 300, err[-2000:]
@@ -157,7 +155,7 @@ def test_kill_9_during_async_saves_resumes_from_last_complete(tmp_path, corpus, 
     proc = start_kiln("train", config, "train.steps=400")
     wait_for_step(run_dir, 5, proc)
     os.kill(proc.pid, signal.SIGKILL)
-    proc.communicate(timeout=60)
+    communicate(proc)
     complete = latest_complete_step(run_dir / "checkpoints")
     assert complete is not None and complete >= 3
     # Resume the killed run to step 12 of the same data stream as the straight run.

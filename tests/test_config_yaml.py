@@ -1,11 +1,11 @@
 """Reading config YAML: a key given twice and an empty file are refused, in one line."""
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import run_process
 from kiln.config import load_config
 from kiln.errors import KilnError
 
@@ -82,11 +82,8 @@ def test_cli_refuses_in_one_line_with_exit_2(tmp_path, text, message):
     path = write(tmp_path / "c.yaml", text)
     runs = tmp_path / "runs"
     for command in ("config", "train"):
-        proc = subprocess.run(
-            [sys.executable, "-m", "kiln.cli", command, str(path), f"train.output_dir={runs}"],
-            capture_output=True,
-            text=True,
-            timeout=300,
+        proc = run_process(
+            [sys.executable, "-m", "kiln.cli", command, str(path), f"train.output_dir={runs}"]
         )
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert len(proc.stderr.splitlines()) == 1 and message in proc.stderr, proc.stderr

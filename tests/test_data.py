@@ -7,7 +7,6 @@ import contextlib
 import json
 import math
 import os
-import time
 import zlib
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from conftest import (
     make_config,
     start_kiln,
     train_bpe,
+    wait_until,
 )
 from kiln.config import load_config
 from kiln.data import load_tokenizer, make_datasets
@@ -458,10 +458,10 @@ def test_prepare_is_parallel_idempotent_and_the_same_for_any_worker_count(tmp_pa
     out = tmp_path / "cli"
     cmd = ["prepare", "--input", str(tmp_path / "in" / "*.txt")]
     cmd += ["--format", "text", "--output", str(out), "--workers", "2"]
-    run = kiln(*cmd, timeout=120)
+    run = kiln(*cmd)
     assert run.returncode == 0, run.stderr
     assert shard_bytes(out) == shard_bytes(tmp_path / "one")
-    assert "up to date" in kiln(*cmd, timeout=120).stdout
+    assert "up to date" in kiln(*cmd).stdout
 
 
 def test_failed_prepare_leaves_no_output_that_looks_valid(tmp_path):
@@ -489,17 +489,14 @@ def test_killed_prepare_leaves_only_a_staging_directory_the_next_run_removes(tmp
     cmd = ["prepare", "--format", "text", "--output", str(out)]
     proc = start_kiln(*cmd, "--input", str(fifo))
     try:
-        for _ in range(600):
-            staging = list(tmp_path.glob(".out.partial-*"))
-            if staging:
-                break
-            time.sleep(0.05)
+        wait_until(lambda: any(tmp_path.glob(".out.partial-*")), proc, "the staging directory")
+        staging = list(tmp_path.glob(".out.partial-*"))
     finally:
         proc.kill()
         proc.wait()
     assert staging and not out.exists()
     (tmp_path / "fine.txt").write_text("hello")
-    run = kiln(*cmd, "--input", str(tmp_path / "fine.txt"), timeout=60)
+    run = kiln(*cmd, "--input", str(tmp_path / "fine.txt"))
     assert run.returncode == 0, run.stderr
     assert json.loads((out / "manifest.json").read_text())["num_tokens"] == 6
     assert not list(tmp_path.glob(".out.partial-*"))
@@ -612,7 +609,7 @@ def test_cli_prepare_bad_input_exits_2_with_one_line(tmp_path, args, message):
     (tmp_path / "d.jsonl").write_text('{"content": "hello"}\n')
     out = tmp_path / "out"
     args = [a.format(tmp=tmp_path) for a in args]
-    run = kiln("prepare", *args, "--output", out, timeout=60)
+    run = kiln("prepare", *args, "--output", out)
     assert_user_error(run)
     assert run.stderr.startswith(f"kiln: error: {message.format(tmp=tmp_path)}")
     assert not out.exists()

@@ -2,7 +2,6 @@
 accumulation, tiled == untiled, a frozen teacher, the CLI's refusals, and a resumed run."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 import yaml
 from flax import nnx
 
-from conftest import kiln_main
+from conftest import kiln_main, run_process
 from kiln import losses
 from kiln.config import config_from_dict
 from kiln.distill import online as distill
@@ -369,12 +368,7 @@ def test_schedules_reach_their_end_values():
 
 
 def kiln(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "kiln.cli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return run_process([sys.executable, "-m", "kiln.cli", *map(str, args)])
 
 
 def write_student(tmp_path, teacher_dir, **distillation):

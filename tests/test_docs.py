@@ -7,7 +7,7 @@ import sys
 
 import yaml
 
-from conftest import REPO, kiln, kiln_env
+from conftest import REPO, kiln, kiln_env, run_process
 
 REFERENCE = REPO / "docs" / "reference" / "config.md"
 
@@ -19,12 +19,8 @@ def nav_pages(nav):
 
 
 def test_docs_build_strict(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_process(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)], cwd=REPO
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "reference" / "config" / "index.html").is_file()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, kiln_env
+from conftest import REPO, communicate, kiln_env
 from kiln import cli
 from kiln.commands import handlers as commands
 from kiln.config import config_from_dict, load_config
@@ -159,7 +159,7 @@ def run_script(words: list[str], scratch: Path) -> None:
         start_new_session=True,
     )  # fmt: skip
     try:
-        _, err = proc.communicate(timeout=300)
+        _, err = communicate(proc)
     finally:
         if proc.poll() is None:  # the script's processes too, not only the script
             os.killpg(proc.pid, signal.SIGKILL)

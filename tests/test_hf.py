@@ -5,7 +5,6 @@ model); export(import(x)) gives back x's tensors bit for bit.
 """
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from conftest import run_process
 from kiln.cli import main
 from kiln.config import config_from_dict, load_config
 from kiln.data.tokenizers import load_tokenizer
@@ -271,9 +271,7 @@ def test_bfloat16_round_trips_bitwise(tmp_path):
 
 
 def kiln_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True, timeout=300
-    )
+    return run_process([sys.executable, "-m", "kiln.cli", *args])
 
 
 def edited_copy(src: Path, dst: Path, config=None, drop=None) -> Path:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import kiln_env
+from conftest import communicate, kiln_env, run_process, wait_until
 from kiln.config import config_from_dict
 from kiln.runs.checkpoint import latest_complete_step
 from kiln.training.metrics import MetricsLogger
@@ -96,7 +96,7 @@ def kiln_train(config: Path, *overrides) -> subprocess.Popen:
 
 
 def finish(proc: subprocess.Popen) -> str:
-    _, err = proc.communicate(timeout=600)
+    _, err = communicate(proc)
     assert proc.returncode == 0, err[-3000:]
     return err
 
@@ -127,15 +127,15 @@ def test_kill_9_then_resume_logs_each_step_once(tmp_path, straight, compile_cach
     run_dir = tmp_path / "runs" / "r"
     killed = kiln_train(config, "train.steps=100000")  # never finishes by itself
     try:
-        deadline = time.monotonic() + 600
         # Past the checkpoint at step 4, so steps after it are logged twice without the fix.
-        while not (run_dir / "metrics.jsonl").is_file() or len(rows(run_dir)) < 6:
-            assert killed.poll() is None, killed.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "the run did not reach step 6"
-            time.sleep(0.01)
+        wait_until(
+            lambda: (run_dir / "metrics.jsonl").is_file() and len(rows(run_dir)) >= 6,
+            killed,
+            "step 6",
+        )
     finally:
         os.kill(killed.pid, signal.SIGKILL)
-        killed.communicate(timeout=60)
+        communicate(killed)
     complete_lines = (run_dir / "metrics.jsonl").read_text().split("\n")[:-1]
     logged = [json.loads(line)["step"] for line in complete_lines]
     last_checkpoint = latest_complete_step(run_dir / "checkpoints")
@@ -200,13 +200,7 @@ def test_full_then_read_only_disk_then_resume_logs_what_an_uninterrupted_run_log
     run_dir = tmp_path / "runs" / "r"
     env = kiln_env()
     # 1. The disk fills up half-way through the row of step 6 (after the checkpoint of step 4).
-    full = subprocess.run(
-        [sys.executable, "-c", DISK_FILLS, "6", "train", str(config)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    full = run_process([sys.executable, "-c", DISK_FILLS, "6", "train", str(config)], env=env)
     assert full.returncode == 1, full.stderr[-3000:]
     assert "Traceback" not in full.stderr, full.stderr[-3000:]
     errors = [line for line in full.stderr.splitlines() if line.startswith("kiln: error:")]
@@ -220,9 +214,7 @@ def test_full_then_read_only_disk_then_resume_logs_what_an_uninterrupted_run_log
     assert kept is not None and kept < 12
     checkpoints = run_dir / "checkpoints"
     command = [sys.executable, "-m", "kiln.cli", "train", str(config)]
-    blocked = subprocess.run(
-        read_only(checkpoints, command), capture_output=True, text=True, env=env, timeout=600
-    )
+    blocked = run_process(read_only(checkpoints, command), env=env)
     checkpoints.chmod(0o755)
     assert blocked.returncode == 1, blocked.stderr[-3000:]
     assert "Traceback" not in blocked.stderr and "Event loop" not in blocked.stderr

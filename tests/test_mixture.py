@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import assert_user_error, kiln, make_config, write_config
+from conftest import assert_user_error, communicate, kiln, make_config, write_config
 from kiln.commands.compare import expand_metrics
 from kiln.config import config_from_dict, load_config
 from kiln.data import make_datasets
@@ -310,7 +310,7 @@ def straight(tmp_path_factory):
     for i in range(30):
         (corpus / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(WORDS, rng.integers(20, 90))))
     config = run_config(root, corpus, root / "cache")
-    proc = kiln("train", config, timeout=600)
+    proc = kiln("train", config)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval/loss" in proc.stdout and "prose " in proc.stdout  # per-source eval printed
     return root, corpus, rows_by_step(root / "runs" / "r")
@@ -332,7 +332,7 @@ def test_kill_9_mid_run_resumes_with_the_same_batches_and_losses(tmp_path, strai
     proc = start_kiln("train", config, "train.steps=400", "checkpoint.every_steps=1")
     wait_for_step(run_dir, 5, proc)
     os.kill(proc.pid, signal.SIGKILL)
-    proc.communicate(timeout=60)
+    communicate(proc)
     complete = latest_complete_step(run_dir / "checkpoints")
     assert complete is not None and complete >= 3
     if complete >= 12:
@@ -348,7 +348,7 @@ def test_kill_9_mid_run_resumes_with_the_same_batches_and_losses(tmp_path, strai
     straight_it = make_datasets(mixture_config).train_iterator()
     assert_same_batches(take(resumed_it, 12 - complete), take(straight_it, 12)[complete:])
 
-    proc = kiln("train", config, timeout=600)
+    proc = kiln("train", config)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resuming from step {complete}" in proc.stderr
     got = rows_by_step(run_dir)
@@ -361,16 +361,15 @@ def test_kill_9_mid_run_resumes_with_the_same_batches_and_losses(tmp_path, strai
 
 @pytest.mark.slow
 def test_two_processes_of_four_devices_train_on_the_same_global_batches(tmp_path, straight):
-    import subprocess
     import sys
 
-    from conftest import REPO, kiln_env
+    from conftest import REPO, kiln_env, run_process
 
     root, corpus, want = straight
     config = run_config(tmp_path, corpus, root / "cache")
-    two = subprocess.run(
+    two = run_process(
         ["bash", str(REPO / "scripts" / "launch_local.sh"), "2", str(config), "train.steps=4", "train.eval_every_steps=0"],
-        capture_output=True, text=True, timeout=600, env=kiln_env(PYTHON=sys.executable),
+        env=kiln_env(PYTHON=sys.executable),
     )  # fmt: skip
     assert two.returncode == 0, two.stderr[-3000:]
     got = rows_by_step(tmp_path / "runs" / "r")

@@ -1,6 +1,5 @@
 """The Transformer against a float64 numpy reference, across meshes, and its size accounting."""
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from conftest import run_process
 from kiln.config import config_from_dict, load_config
 from kiln.errors import KilnError
 from kiln.model import (
@@ -585,12 +585,9 @@ def test_summary_memory_matches_the_real_shards(fsdp8_model):
 
 
 def test_cli_config_summary_for_llama3_8b():
-    proc = subprocess.run(
+    proc = run_process(
         [sys.executable, "-m", "kiln.cli", "config", "configs/models/llama3-8b.yaml", "--summary"],
         cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "8,030,261,248" in proc.stdout

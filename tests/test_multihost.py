@@ -5,12 +5,11 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, kiln, kiln_env, write_config
+from conftest import REPO, kiln, kiln_env, run_process, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -41,10 +40,9 @@ def one_process(config: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 def two_processes(config: Path, *overrides: str) -> subprocess.CompletedProcess:
     """`scripts/launch_local.sh 2 ...`: two processes with 4 devices each."""
-    return subprocess.run(
-        ["bash", str(LAUNCH), "2", str(config), *overrides],
-        capture_output=True, text=True, timeout=300, env=kiln_env(PYTHON=sys.executable),
-    )  # fmt: skip
+    return run_process(
+        ["bash", str(LAUNCH), "2", str(config), *overrides], env=kiln_env(PYTHON=sys.executable)
+    )
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -104,7 +102,6 @@ def test_a_process_that_never_starts_stops_the_other_with_a_clear_message(tmp_pa
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
     timeout_s = 5
-    start = time.monotonic()
     proc = one_process(
         config,
         f"train.output_dir={tmp_path / 'runs'}",
@@ -113,12 +110,9 @@ def test_a_process_that_never_starts_stops_the_other_with_a_clear_message(tmp_pa
         f"distributed.process_id={present}",
         f"distributed.init_timeout_s={timeout_s}",
     )
-    elapsed = time.monotonic() - start
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("kiln: error: distributed.init_timeout_s:"), lines[-5:]
     assert f"process {present} of 2" in lines[-1] and address in lines[-1]
-    # Bounded: start-up plus the 5 s timeout (JAX's own deadline, 15 s later, would have
-    # aborted with an RPC trace instead of the message above).
-    assert elapsed < 60, elapsed
+    # kiln's own deadline fired: JAX's, 15 s later, aborts with an RPC trace instead.
     assert not (tmp_path / "runs").exists()  # nothing written

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import communicate, wait_until
+
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="finds worker processes through /proc"
 )
@@ -59,19 +61,19 @@ def stuck_prepare(tmp_path):
         )
     workers: list[int] = []
     try:
-        deadline = time.monotonic() + 120
-        while len(workers) < 2:
-            assert proc.poll() is None, proc.communicate()[1][-2000:]
-            assert time.monotonic() < deadline, "kiln prepare did not start 2 worker processes"
-            time.sleep(0.05)
-            workers = children(proc.pid)
+
+        def started() -> bool:
+            workers[:] = children(proc.pid)
+            return len(workers) >= 2
+
+        wait_until(started, proc, "kiln prepare's 2 worker processes")
         assert len(workers) == 2, workers
         yield proc, workers
     finally:
         for pid in [proc.pid, *workers]:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-        proc.communicate(timeout=60)
+        communicate(proc)
 
 
 @contextlib.contextmanager
@@ -90,29 +92,26 @@ def interruptible() -> Iterator[None]:
         signal.signal(signal.SIGINT, before)
 
 
-def wait_gone(pids: list[int], seconds: float) -> list[int]:
-    """The pids still alive after waiting up to `seconds` for them to exit."""
-    deadline = time.monotonic() + seconds
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return [p for p in pids if alive(p)]
+def wait_gone(pids: list[int]) -> None:
+    """Wait for the processes `pids` (not this process's children) to exit."""
+    wait_until(lambda: not any(alive(p) for p in pids), what=f"processes {pids} to exit")
 
 
 def test_workers_exit_when_prepare_is_killed(stuck_prepare):
     proc, workers = stuck_prepare
     os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
-    assert wait_gone(workers, 10) == []
+    communicate(proc)
+    wait_gone(workers)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_and_sigint_stop_prepare_cleanly(stuck_prepare, tmp_path, signum):
     proc, workers = stuck_prepare
     proc.send_signal(signum)
-    _, err = proc.communicate(timeout=60)
+    _, err = communicate(proc)
     assert proc.returncode == 130, err[-2000:]
     assert err.splitlines() == ["kiln: interrupted"]
-    assert wait_gone(workers, 10) == []
+    wait_gone(workers)
     # No output and no staging directory left behind.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
 

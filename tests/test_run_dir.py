@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import start_kiln, write_config
+from conftest import communicate, start_kiln, write_config
 from kiln.cli import main
 from kiln.config import OptimConfig
 from kiln.runs.checkpoint import latest_complete_step
@@ -160,7 +160,7 @@ def test_ctrl_c_twice_exits_at_once_without_a_checkpoint(tmp_path):
             break
     else:
         raise AssertionError("".join(seen[-20:]))
-    rest = proc.communicate(timeout=120)[0]
+    rest = communicate(proc)[0]
     err = "".join(seen) + rest
     assert "SIGINT: stopping after this step with a checkpoint; Ctrl-C again" in err, err
     assert proc.returncode == 130, err[-3000:]

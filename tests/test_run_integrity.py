@@ -15,7 +15,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import assert_user_error, kiln, kiln_env, kiln_main, start_kiln, write_config
+from conftest import (
+    assert_user_error,
+    communicate,
+    kiln,
+    kiln_env,
+    kiln_main,
+    start_kiln,
+    write_config,
+)
 from kiln.config import config_from_dict
 from kiln.data import make_datasets
 from kiln.errors import KilnError, RunStopped
@@ -150,7 +158,7 @@ def test_ctrl_c_during_start_up_exits_130_in_one_line(tmp_path, after):
     proc = start_kiln("train", config)
     time.sleep(after)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    _, err = communicate(proc)
     if "first step after" in err:
         pytest.skip("start-up was over before the signal: the loop's own handling applies")
     assert proc.returncode == 130, err[-3000:]

@@ -5,7 +5,6 @@ bytes, and a store that does not fit the student's config is refused."""
 import json
 import shutil
 import signal
-import subprocess
 import sys
 
 import jax
@@ -13,7 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_user_error, kiln, kiln_env, make_config, start_kiln
+from conftest import (
+    REPO,
+    assert_user_error,
+    communicate,
+    kiln,
+    kiln_env,
+    make_config,
+    run_process,
+    start_kiln,
+)
 from kiln import losses
 from kiln.data import make_datasets
 from kiln.distill import reader
@@ -219,7 +227,7 @@ def test_killed_writer_resumes_to_the_same_bytes(teacher_dir, store, tmp_path):
         if line.startswith("teacher-logits: steps 0..1 written"):
             proc.send_signal(signal.SIGKILL)
             break
-    proc.wait(timeout=120)
+    communicate(proc)
     assert proc.returncode == -signal.SIGKILL
     names = [n for _, _, n in shards(read_manifest(store))]
     assert (out / names[0] / "shard.json").is_file()
@@ -240,10 +248,10 @@ def test_two_processes_write_the_store_of_one(teacher_dir, store, tmp_path):
     out = tmp_path / "store"
     args = ("--out", out, "--top-k", K, "--dtype", "float32", "--shard-steps", 2)
     launch = REPO / "scripts" / "launch_local.sh"
-    proc = subprocess.run(
+    proc = run_process(
         ["bash", *map(str, (launch, "--teacher-logits", 2, path, *args))],
-        capture_output=True, text=True, timeout=300, env=kiln_env(PYTHON=sys.executable),
-    )  # fmt: skip
+        env=kiln_env(PYTHON=sys.executable),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     two, one = read_manifest(out), read_manifest(store)
     assert two["writer_processes"] == 2 and {**two, "writer_processes": 1} == one
@@ -314,7 +322,7 @@ def test_distill_from_the_store_trains_and_a_killed_run_resumes_bitwise(teacher_
         if line.startswith("step 3/5"):  # the checkpoint of step 2 is written (synchronously)
             proc.send_signal(signal.SIGKILL)
             break
-    proc.wait(timeout=120)
+    communicate(proc)
     assert proc.returncode == -signal.SIGKILL
     proc = kiln("distill", path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -2,13 +2,13 @@
 skipping non-finite steps, and one training run end to end."""
 
 import json
-import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
 
+from conftest import run_process
 from kiln.config import MESH_AXES, config_from_dict
 from kiln.errors import RunStopped
 from kiln.training import pretrain, runner, train
@@ -340,7 +340,7 @@ REQUIRED_TAGS = {
 def test_train_end_to_end_writes_every_tag_and_learns(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    proc = subprocess.run(
+    proc = run_process(
         [
             sys.executable, "-m", "kiln.cli", "train", "configs/tiny.yaml",
             f"train.output_dir={tmp_path}", "train.steps=60", "train.log_every_steps=10",
@@ -348,7 +348,6 @@ def test_train_end_to_end_writes_every_tag_and_learns(tmp_path):
             "data.synthetic_kind=markov", "data.paths=[]", "loss.z_loss_multiplier=1e-4",
             "model.num_layers=2", "checkpoint.every_steps=0",
         ],
-        capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = tmp_path / "tiny"
