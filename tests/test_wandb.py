@@ -3,11 +3,11 @@
 import json
 import struct
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from conftest import wait_until
 from kiln.cli import main
 from kiln.config import config_from_dict
 from kiln.training.metrics import MetricsLogger
@@ -75,17 +75,17 @@ def test_offline_run_mirrors_every_metric_and_a_resume_continues_it(tmp_path, wa
         logger.close()
 
     # W&B's service process writes the offline file; on a loaded machine its last records can
-    # land just after finish() returns, so read until they are there (or 30 s have passed).
-    deadline = time.monotonic() + 30
-    while True:
-        runs = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-        rows = [r for p in runs for r in history(p)]
-        mirrored = [{"step": r["_step"], **{k: v for k, v in r.items() if "/" in k}} for r in rows]
-        if mirrored == logged or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    # land just after finish() returns, so read until they are there.
+    def segments() -> list[Path]:
+        return sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+
+    def mirrored() -> list[dict]:
+        rows = [r for p in segments() for r in history(p)]
+        return [{"step": r["_step"], **{k: v for k, v in r.items() if "/" in k}} for r in rows]
+
+    wait_until(lambda: mirrored() == logged, what="W&B's offline file to hold every row")
+    runs = segments()
     assert len(runs) == 2 and len({p.name for p in runs}) == 1  # one W&B run id, two segments
-    assert mirrored == logged
     jsonl = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert jsonl == logged
 
