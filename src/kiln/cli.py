@@ -333,8 +333,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        if args.command in ("train", "distill", "teacher-logits"):
-            # Until the loop takes over the signals, start-up stops at once, with one line.
+        if args.command in ("train", "distill", "teacher-logits", "generate", "eval"):
+            # One line and an immediate exit on a signal (a run's loop takes the signals over
+            # to checkpoint first); what these commands write is renamed into place whole.
             with exit_on_signals():
                 return args.func(args)
         return args.func(args)
