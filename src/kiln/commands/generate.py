@@ -387,8 +387,9 @@ def run_generate(
         if stop and stop in text:
             text = text[: text.index(stop)]
         prompt = texts[i // num_samples]
+        # Samples count from 1, as prompts do, in the file and in the printed headers alike.
         records.append(
-            {"prompt": prompt, "sample": i % num_samples, "completion": text}
+            {"prompt": prompt, "sample": i % num_samples + 1, "completion": text}
             | {"tokens": tokens, "finish": finish, "step": run.step}
         )
     if path is not None:
@@ -399,7 +400,7 @@ def run_generate(
     if len(records) == 1:
         return records[0]["prompt"] + records[0]["completion"]
     return "\n\n".join(
-        f"=== prompt {i // num_samples + 1}, sample {r['sample'] + 1} ({r['finish']}) ===\n"
+        f"=== prompt {i // num_samples + 1}, sample {r['sample']} ({r['finish']}) ===\n"
         + r["prompt"]
         + r["completion"]
         for i, r in enumerate(records)
