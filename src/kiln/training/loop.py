@@ -16,7 +16,7 @@ from jax.experimental import multihost_utils
 from kiln.config import Config
 from kiln.errors import RunStopped
 from kiln.runs.checkpoint import Checkpointer
-from kiln.training.console import Summary
+from kiln.training.console import Summary, next_commands
 from kiln.training.metrics import MetricsLogger, perf_metrics
 from kiln.training.profiling import ProfileWindow, cache_events
 from kiln.util.checksums import non_finite_leaf
@@ -224,6 +224,7 @@ class Loop:
             train_loss=self.logger.last.get("learning/loss"),
             eval_loss=self.logger.last.get("eval/loss"),
             checkpoint=cfg.run_dir / "checkpoints" / str(last),
+            next=next_commands(cfg),
         )
 
     def _save(self, state) -> None:

@@ -71,7 +71,15 @@ def perf_metrics(
 class MetricsLogger:
     """TensorBoard events, metrics.jsonl (flushed every write) and the console of process 0."""
 
-    def __init__(self, run_dir: Path, config: Config, *, enabled: bool, start_step: int):
+    def __init__(
+        self,
+        run_dir: Path,
+        config: Config,
+        *,
+        enabled: bool,
+        start_step: int,
+        started: float | None = None,
+    ):
         self.enabled, self.total, self.run_dir = enabled, config.train.steps, run_dir
         self.tokens_per_sec = None
         self.last: dict[str, float] = {}  # the latest value of every tag, for the summary
@@ -79,7 +87,9 @@ class MetricsLogger:
             return
         from tensorboardX import SummaryWriter
 
-        self.console = RunConsole(self.total, start_step, progress=config.logging.progress)
+        self.console = RunConsole(
+            self.total, start_step, progress=config.logging.progress, started=started
+        )
         # A resumed run repeats the steps after its checkpoint: what the interrupted run logged
         # for them is dropped, so each step is recorded once (TensorBoard: events from
         # purge_step on are hidden when read).

@@ -354,7 +354,11 @@ def run_loop(run: PreparedRun):
         raise
     try:
         logger = MetricsLogger(
-            config.run_dir, config, enabled=is_main, start_step=int(run.state.step)
+            config.run_dir,
+            config,
+            enabled=is_main,
+            start_step=int(run.state.step),
+            started=run.started,
         )
     except BaseException:
         _close_all((ckpt.close, run.lock.release), failing=True)
