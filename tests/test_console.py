@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from conftest import kiln, make_config, write_config
+from conftest import config_dict, kiln, kiln_main, make_config, write_config
 from kiln.distill import online as distill
-from kiln.training.console import step_line
+from kiln.training.console import next_commands, step_line
 from kiln.training.metrics import perf_metrics
 
 MODEL = {"vocab_size": 384, "d_model": 32, "num_layers": 1, "num_heads": 2, "d_ff": 64, "max_seq_len": 16}  # fmt: skip
@@ -69,9 +69,53 @@ def test_summary_names_figures_checkpoint_and_next_commands(tiny_run):
         and (run_dir / "checkpoints" / "4").is_dir()
     )
     assert re.search(r"tokens/s\s+[\d,]+ *$", out, re.MULTILINE)
+    assert out.endswith("next:\n" + "".join(f"  {c}\n" for c in next_commands(config_of(run_dir))))
     assert f"tensorboard --logdir {run_dir / 'tensorboard'}" in out
     assert f"kiln compare {run_dir} " in out and f"kiln export-hf {run_dir} " in out
-    assert f"kiln generate {run_dir} " in out and f"kiln eval {run_dir} " in out
+    # Synthetic tokens: no text to continue or score.
+    assert "kiln generate" not in out and "kiln eval" not in out
+
+
+def config_of(run_dir):
+    from kiln.config import read_run_config
+
+    return read_run_config(run_dir, "test")
+
+
+NEXT = {
+    "stdlib_python": (
+        {"data": {"source": "text", "paths": ["stdlib:**/*.py"]},
+         "train": {"eval_tasks": ["choice:kiln:stdlib_next_line.jsonl"]}},
+        ["kiln generate runs/r --prompt 'def main(' --max-new-tokens 100",
+         "kiln eval runs/r choice:kiln:stdlib_next_line.jsonl"],
+    ),
+    "own_text_held_out": (
+        {"data": {"source": "jsonl", "paths": ["corpus/train.jsonl"],
+                  "eval_paths": ["corpus/held out.jsonl"]}},
+        ['kiln generate runs/r --prompt "" --max-new-tokens 100',
+         "kiln eval runs/r 'perplexity:corpus/held out.jsonl'"],
+    ),
+    "chat": (
+        {"data": {"source": "jsonl", "format": "chat", "paths": ["kiln:stdlib_chat.jsonl"]}},
+        ['kiln generate runs/r --prompt "" --max-new-tokens 100'],
+    ),
+    "synthetic": ({"data": {"source": "synthetic"}}, []),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("data", NEXT)
+def test_next_commands_fit_the_runs_data(data):
+    """The summary's `next:` block suggests commands for the run's own data: no Python prompt
+    or stdlib task for other data, no generation or scoring of synthetic tokens."""
+    sections, want = NEXT[data]
+    train = {"run_name": "r", "output_dir": "runs", "eval_every_steps": 100}
+    config = make_config(config_dict(sections, train=train))
+    assert next_commands(config) == [
+        "tensorboard --logdir runs/r/tensorboard",
+        "kiln compare runs/r --metrics learning/loss,eval/loss --out runs/r/loss.png",
+        *want,
+        "kiln export-hf runs/r --out runs/r-hf",
+    ]
 
 
 @pytest.mark.slow
@@ -86,6 +130,40 @@ def test_console_shows_the_raw_gradient_norm_and_no_mfu_without_a_peak(tiny_run)
     # CPU has no known peak: no perf/mfu anywhere, and the start-up line says why.
     assert "perf/mfu" not in row and "mfu" not in line
     assert "the peak of device 'cpu' is unknown" in proc.stderr
+
+
+@pytest.mark.slow
+def test_without_a_terminal_step_lines_carry_elapsed_and_eta_and_task_scores_are_printed(tmp_path):
+    """`kiln train ... > log` (here in this process, stdout and stderr not terminals)."""
+    task = tmp_path / "t.jsonl"
+    questions = [
+        {"context": f"ab{i}", "choices": ["cd", "ef", "gh"], "gold": i % 3} for i in range(6)
+    ]
+    task.write_text("".join(json.dumps(q) + "\n" for q in questions))
+    config = write_config(
+        tmp_path / "c.yaml",
+        model=MODEL,
+        data={"source": "synthetic", "seq_len": 16},
+        optim={"warmup_steps": 0},
+        train={"run_name": "r", "output_dir": str(tmp_path), "steps": 4, "global_batch_size": 8,
+               "log_every_steps": 2, "eval_every_steps": 2, "eval_batches": 1,
+               "eval_tasks": [f"choice:{task}"]},
+        checkpoint={"every_steps": 0, "async_save": False},
+    )  # fmt: skip
+    proc = kiln_main("train", config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4]
+    timing = r"  elapsed \d+:\d\d:\d\d  ETA \d+:\d\d:\d\d"
+    for row, (evals, train) in zip(rows, zip(lines[::2], lines[1::2])):
+        step = row["step"]
+        assert re.fullmatch(rf"step {step}/4  loss .* tok/s{timing}", train), train
+        assert evals.startswith(f"step {step}/4  eval/loss {row['eval/loss']:.4f}"), evals
+        # Every logged task metric reaches the console, with its task's name.
+        for metric in ("acc", "acc_norm"):
+            assert f"t/{metric} {row[f'eval/t/{metric}']:,.4g}" in evals, evals
+    assert lines[-1].endswith("ETA 0:00:00")
 
 
 def test_mfu_only_against_a_known_peak():

@@ -1,13 +1,16 @@
 """The docs site builds with --strict, the generated config reference is current, and every
 benchmark figure the docs quote says which command made it, on what machine, under what load."""
 
+import json
 import re
+import shlex
 import subprocess
 import sys
 
+import pytest
 import yaml
 
-from conftest import REPO, kiln, kiln_env, run_process
+from conftest import REPO, kiln, kiln_env, kiln_main, run_process
 
 REFERENCE = REPO / "docs" / "reference" / "config.md"
 
@@ -76,3 +79,34 @@ def test_every_benchmark_figure_names_its_command_machine_and_load():
             assert (REPO / script).is_file(), f"benchmarks.md, {heading}: no {script}"
         assert MACHINE.search(text), f"benchmarks.md, {heading}: figures without the machine"
         assert LOAD.search(text), f"benchmarks.md, {heading}: figures without the load"
+
+
+# `$ kiln ...` followed by the error lines it prints, in the docs' code blocks.
+QUOTED_ERRORS = re.compile(r"^\$ (kiln .+)\n((?:kiln: error: .+\n)+)", re.M)
+# What the quoting pages' examples run against: config.md's c.yaml (as the page says), and runs
+# for runs.md's `kiln compare` (three runs, the tiny one with training and eval figures).
+C_YAML = "model: {d_model: 256, num_heads: 3}\ntrain: {steps: 0}\n"
+RUNS = {
+    "tiny": {"learning/loss": 3.1, "eval/loss": 3.0, "eval/perplexity": 20.3},
+    "zloss_1e-4": {"learning/loss": 3.2},
+    "zloss_off": {"learning/loss": 3.3},
+}
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/config.md", "docs/runs.md"])
+def test_quoted_error_messages_are_what_kiln_prints(page, tmp_path):
+    """Each error a page quotes after its command is kiln's line, word for word (a quoted
+    line ending in "..." is a prefix of it)."""
+    blocks = QUOTED_ERRORS.findall((REPO / page).read_text())
+    assert blocks, f"{page}: no quoted error"
+    (tmp_path / "configs").symlink_to(REPO / "configs")
+    (tmp_path / "c.yaml").write_text(C_YAML)
+    for name, row in RUNS.items():
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "metrics.jsonl").write_text(json.dumps({"step": 1, **row}))
+    for command, quoted in blocks:
+        proc = kiln_main(*shlex.split(command)[1:], cwd=tmp_path)
+        got, want = proc.stderr.splitlines(), quoted.splitlines()
+        assert proc.returncode == 2 and len(got) == len(want), (command, proc.stderr)
+        for line, doc in zip(got, want):
+            assert line == doc or (doc.endswith("...") and line.startswith(doc[:-3])), (line, doc)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from conftest import make_config
+from conftest import kiln_main, make_config
 from kiln.cli import main
 from kiln.commands.generate import Sampling, generate, sample
 from kiln.model import create_model
@@ -182,8 +182,16 @@ def test_stop_string_and_samples(tmp_path, run):
 
     args = ["--temperature", "1", "--num-samples", "3", "--top-k", "20", "--max-new-tokens", "8"]
     got = records(run_dir, tmp_path, ["x = "], *args)
-    assert [r["sample"] for r in got] == [0, 1, 2]
+    assert [r["sample"] for r in got] == [1, 2, 3]
     assert len({tuple(r["tokens"]) for r in got}) > 1
+    # The console numbers the same samples as the file: the same seed prints the same texts.
+    printed = kiln_main("generate", run_dir, "--prompt", "x = ", *args)
+    assert printed.returncode == 0, printed.stderr
+    headers = [line for line in printed.stdout.splitlines() if line.startswith("=== ")]
+    assert headers == [f"=== prompt 1, sample {r['sample']} ({r['finish']}) ===" for r in got]
+    for r in got:
+        header = f"=== prompt 1, sample {r['sample']} ({r['finish']}) ===\n"
+        assert header + "x = " + r["completion"] in printed.stdout
 
 
 def one_line_error(capsys, args, *needles):

@@ -37,23 +37,68 @@ def log_steps(run_dir: Path, start_step: int, steps, loss) -> None:
     logger.close()
 
 
-def test_resume_drops_later_rows_and_a_torn_line_and_purges_tensorboard(tmp_path):
+def test_resume_drops_later_rows_and_a_torn_line_and_purges_tensorboard(tmp_path, capsys):
     log_steps(tmp_path, 0, range(1, 11), lambda s: 1.0 / s)
     # The kill came in the middle of writing step 11's row.
     with open(tmp_path / "metrics.jsonl", "a") as fh:
         fh.write('{"step": 11, "learning/lo')
     # Event files are named by the second they were opened in: a resume is never that fast.
     time.sleep(1.1)
+    capsys.readouterr()
     log_steps(tmp_path, 6, range(7, 13), lambda s: 2.0 / s)
+    assert (
+        "kiln: metrics.jsonl: dropped 5 rows of steps 7..11, logged after step 6 by the "
+        "interrupted run; line 11 (step 11) was damaged; they are logged again"
+    ) in capsys.readouterr().err
 
     want = [(s, 1.0 / s) for s in range(1, 7)] + [(s, 2.0 / s) for s in range(7, 13)]
     got = [(r["step"], r["learning/loss"]) for r in rows(tmp_path)]
     assert got == want
     assert not (tmp_path / "metrics.jsonl.tmp").exists()
+    # The torn row is of a step logged again: dropped with the others, nothing set aside.
+    assert not (tmp_path / "metrics.jsonl.damaged").exists()
     steps, values = zip(*tensorboard_steps(tmp_path, "learning/loss"), strict=True)
     assert list(steps) == list(range(1, 13))
     # float32 events: 1e-6 relative covers the rounding of the stored values
     np.testing.assert_allclose(values, [v for _, v in want], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("damage", "where", "fate"),
+    [
+        (b'{"step": 2, "learning/lo', "line 2 (step 2)", "step 2 is not logged again"),
+        (
+            b"\x00\x00\x00",
+            "line 2 (between steps 1 and 3)",
+            "its step, before 4, is not logged again",
+        ),
+    ],
+    ids=["torn", "garbled"],
+)
+def test_a_damaged_row_before_the_resume_step_is_named_and_kept_aside(
+    tmp_path, capsys, damage, where, fate
+):
+    log_steps(tmp_path, 0, range(1, 7), float)
+    path = tmp_path / "metrics.jsonl"
+    lines = path.read_bytes().split(b"\n")
+    lines[1] = damage  # step 2's row, in the middle of the file
+    path.write_bytes(b"\n".join(lines))
+    capsys.readouterr()
+    log_steps(tmp_path, 4, range(5, 8), lambda s: 10.0 * s)
+
+    # Every intact row up to the resume step stays; the later ones are logged again.
+    assert [(r["step"], r["learning/loss"]) for r in rows(tmp_path)] == [
+        (1, 1.0), (3, 3.0), (4, 4.0), (5, 50.0), (6, 60.0), (7, 70.0)
+    ]  # fmt: skip
+    aside = tmp_path / "metrics.jsonl.damaged"
+    assert aside.read_bytes() == damage + b"\n"  # nothing lost
+    err = [line for line in capsys.readouterr().err.splitlines() if "metrics.jsonl" in line]
+    assert err == [
+        "kiln: metrics.jsonl: dropped 2 rows of steps 5..6, logged after step 4 by the "
+        "interrupted run; they are logged again",
+        f"kiln: metrics.jsonl: {where} is damaged, not a JSON row: moved to {aside} ({fate}); "
+        "every intact row is kept",
+    ], err
 
 
 def test_an_intact_file_is_left_as_it_is(tmp_path):

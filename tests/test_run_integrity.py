@@ -1,9 +1,11 @@
 """A run directory survives its faults: one writer, full and read-only disks, Ctrl-C at
 start-up, paths that cannot be created, and the CLI's own mistakes are one line each."""
 
+import argparse
 import errno
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -241,6 +243,30 @@ def test_kiln_train_without_arguments_asks_for_the_config_only():
     proc = kiln("train")
     assert_user_error(proc, "required: config", "kiln train --help")
     assert "overrides" not in proc.stderr
+
+
+def test_help_names_the_default_of_every_option_that_has_one():
+    from kiln.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    checked = 0
+    for name, sub in commands.items():
+        proc = kiln_main(name, "--help")
+        assert proc.returncode == 0, proc.stderr
+        # Each option's block: from its line to the next option's.
+        blocks = re.split(r"\n(?=  -)", proc.stdout.split("\noptions:\n", 1)[1])
+        for action in sub._actions:
+            unset = any(action.default is v for v in (None, False, argparse.SUPPRESS))
+            if not action.option_strings or unset:
+                continue
+            block = next(b for b in blocks if b.lstrip().startswith(action.option_strings[0]))
+            # Help that words its default itself keeps its words; the others get it appended.
+            said = "default" in action.help
+            want = "default" if said else f"(default: {action.default})"
+            assert want in " ".join(block.split()), (name, block)
+            checked += 1
+    assert checked >= 10  # the options with a default were found
 
 
 def test_a_typo_in_a_mesh_rules_key_is_an_unknown_key():

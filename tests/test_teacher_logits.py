@@ -30,6 +30,7 @@ from kiln.distill.teacher import load_teacher
 from kiln.distill.writer import write_store
 from kiln.errors import KilnError
 from kiln.parallel.mesh import make_mesh
+from kiln.runs import pinned
 from kiln.runs.checkpoint import Checkpointer
 from kiln.training import train
 from kiln.training.loop import checkpoint_tree
@@ -214,6 +215,22 @@ def test_distill_refuses_a_store_of_other_data_with_exit_2(teacher_dir, store, t
     assert not (teacher_dir.parent / "student").exists()
     proc = kiln("teacher-logits", path, "--out", store, "--top-k", 4, "--dtype", "float32")
     assert_user_error(proc, "--out", "top_k 8, this run would write 4")
+
+
+def test_a_new_store_takes_the_teachers_latest_step_whatever_a_student_run_pinned(
+    teacher_dir, tmp_path
+):
+    # A student run of this config resumed from teacher step 1, which the teacher no longer
+    # has: its inputs.json pins it. The store is not that run's: it takes the latest, step 2.
+    config = make_config(student_raw(teacher_dir), train={"run_name": "pinned-student"})
+    ckpt = Checkpointer(config.run_dir, config.checkpoint)
+    ckpt.save(1, checkpoint_tree(train.init_state(config)), {})
+    ckpt.close()
+    pinned.write(config.run_dir, {"teacher": {"run_dir": str(teacher_dir), "step": 1}})
+    assert pinned.teacher_step(config) == 1
+    line = write_store(config, tmp_path / "store", top_k=K, dtype="float32", shard_steps=STEPS)
+    assert read_manifest(tmp_path / "store")["teacher"]["step"] == 2
+    assert line.endswith(f"teacher {teacher_dir} step 2, 1 shard per process")
 
 
 @pytest.mark.slow

@@ -28,8 +28,24 @@ from kiln.errors import KilnError, RunStopped
 from kiln.util.interrupt import exit_on_signals
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """`--help` names each option's default, unless its help already does or it has none
+    (None, or a flag that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        unset = any(action.default is v for v in (None, False, argparse.SUPPRESS))
+        if not action.option_strings or unset or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage mistakes are one line, like every other error (`--help` shows the usage)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"kiln: error: {message} (see `{self.prog} --help`)\n")
@@ -197,7 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="input files, directories or globs (quote globs), local or URLs (gs://, s3://, hf://, "
         "file://); stdlib:GLOB = the Python stdlib",
     )
-    p.add_argument("--format", choices=("text", "jsonl", "parquet"), required=True)
+    p.add_argument(
+        "--format", choices=("text", "jsonl", "parquet"), required=True, help="of the input files"
+    )
     p.add_argument("--field", default="text", help="JSONL/Parquet field holding the text")
     p.add_argument(
         "--tokenizer", default="byte", help="'byte', a tokenizer.json or a sentencepiece .model"
@@ -272,11 +290,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prompts", default=None, metavar="FILE.jsonl", help='one {"prompt": "..."} per line'
     )
-    p.add_argument("--max-new-tokens", type=_at_least_one, default=128, metavar="N")
+    p.add_argument(
+        "--max-new-tokens", type=_at_least_one, default=128, metavar="N", help="tokens per prompt"
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 = greedy")
-    p.add_argument("--top-k", type=_at_least_one, default=None, metavar="K")
+    p.add_argument(
+        "--top-k",
+        type=_at_least_one,
+        default=None,
+        metavar="K",
+        help="sample among the K likeliest",
+    )
     p.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus mass, (0, 1]")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     p.add_argument(
         "--num-samples", type=_at_least_one, default=1, metavar="N", help="samples per prompt"
     )
@@ -333,8 +359,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        if args.command in ("train", "distill", "teacher-logits"):
-            # Until the loop takes over the signals, start-up stops at once, with one line.
+        if args.command in ("train", "distill", "teacher-logits", "generate", "eval"):
+            # One line and an immediate exit on a signal (a run's loop takes the signals over
+            # to checkpoint first); what these commands write is renamed into place whole.
             with exit_on_signals():
                 return args.func(args)
         return args.func(args)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,8 @@ from kiln.errors import KilnError
 from kiln.runs.paths import check_creatable
 from kiln.runs.runmodel import load_run_model
 from kiln.training.scoring import LOGGED, Evaluator, load_tasks, tags
+from kiln.util.atomic import write_whole
+from kiln.util.humanize import plural
 
 
 def run_eval(
@@ -38,6 +40,12 @@ def run_eval(
     tokenizer = load_tokenizer(config.data.tokenizer)
     data = load_tasks(specs, config, tokenizer)
     run = load_run_model(run_dir, step, context="kiln eval", config=config)
+    if jax.process_index() == 0:
+        print(
+            f"kiln: scoring {plural(len(specs), 'task')} with {run_dir} step {run.step}…",
+            file=sys.stderr,
+            flush=True,
+        )
     results = Evaluator(config, run.mesh, data).run(run.state)
     report = {
         "run_dir": str(run_dir),
@@ -47,9 +55,7 @@ def run_eval(
     }
     if jax.process_index() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=1) + "\n")
-        os.replace(tmp, path)
+        write_whole(path, json.dumps(report, indent=1) + "\n")
         report["written"] = str(path)
         if tensorboard:
             from tensorboardX import SummaryWriter

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -32,6 +33,8 @@ from kiln.model.llama import CACHE_LBTKH
 from kiln.parallel.mesh import constrain, in_mesh, mesh_axes
 from kiln.runs.paths import check_creatable
 from kiln.runs.runmodel import load_run_model
+from kiln.util.atomic import write_whole
+from kiln.util.humanize import plural
 
 # Prompt slots are rounded up to a multiple of this, so that prompts of similar lengths
 # share one compiled prefill and step.
@@ -360,6 +363,13 @@ def run_generate(
     def stopped(tokens: list[int]) -> bool:
         return stop in tokenizer.decode(tokens)
 
+    print(
+        f"kiln: generating {plural(len(prompts), 'completion')} of up to {max_new_tokens} tokens "
+        f"with {run_dir} step {run.step}…",
+        file=sys.stderr,
+        flush=True,
+    )
+
     result = generate(
         run.model,
         prompts,
@@ -377,19 +387,20 @@ def run_generate(
         if stop and stop in text:
             text = text[: text.index(stop)]
         prompt = texts[i // num_samples]
+        # Samples count from 1, as prompts do, in the file and in the printed headers alike.
         records.append(
-            {"prompt": prompt, "sample": i % num_samples, "completion": text}
+            {"prompt": prompt, "sample": i % num_samples + 1, "completion": text}
             | {"tokens": tokens, "finish": finish, "step": run.step}
         )
     if path is not None:
         lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(lines, encoding="utf-8")
+        write_whole(path, lines)
         return f"wrote {len(records)} completions of {run_dir} step {run.step} to {out}"
     if len(records) == 1:
         return records[0]["prompt"] + records[0]["completion"]
     return "\n\n".join(
-        f"=== prompt {i // num_samples + 1}, sample {r['sample'] + 1} ({r['finish']}) ===\n"
+        f"=== prompt {i // num_samples + 1}, sample {r['sample']} ({r['finish']}) ===\n"
         + r["prompt"]
         + r["completion"]
         for i, r in enumerate(records)

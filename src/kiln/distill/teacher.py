@@ -33,11 +33,13 @@ class Teacher:
         return nnx.merge(self.graphdef, self.params if params is None else params, self.rest)
 
 
-def read_teacher_config(config: Config) -> tuple[Config, Path, int]:
+def read_teacher_config(config: Config, *, keep_pinned: bool = True) -> tuple[Config, Path, int]:
     """(teacher config, run directory, step), checked against the student; KilnError if not.
 
-    The step is the teacher's latest for a new student run, and the one the run started with
-    (pinned in its inputs.json) for a resumed one.
+    The step is the teacher's latest for a new student run, and with `keep_pinned` the one a
+    resumed student run started with (pinned in its inputs.json). `kiln teacher-logits` writes a
+    store of its own and passes False: a new store takes the latest step whatever student runs
+    exist for the config (a store being finished keeps its manifest's step).
     """
     given = config.distillation.teacher_run_dir
     field = "distillation.teacher_run_dir"
@@ -53,7 +55,7 @@ def read_teacher_config(config: Config) -> tuple[Config, Path, int]:
     steps = complete_steps(run_dir / "checkpoints")
     if not steps:
         raise KilnError(f"{field}: no complete checkpoint in {run_dir / 'checkpoints'}")
-    step = pinned.teacher_step(config)
+    step = pinned.teacher_step(config) if keep_pinned else None
     if step is not None and step not in steps:
         raise KilnError(
             f"{field}: this run was started with the teacher's step {step}, which is no longer "
@@ -98,12 +100,14 @@ def _same_tokenizer(a: str, b: str) -> bool:
     return pa.is_file() and pb.is_file() and pa.read_bytes() == pb.read_bytes()
 
 
-def load_teacher(config: Config, mesh) -> Teacher:
-    """The teacher's parameters, restored from its latest checkpoint into shardings on `mesh`."""
-    teacher_cfg, run_dir, step = read_teacher_config(config)
+def load_teacher(config: Config, mesh, *, keep_pinned: bool = True) -> Teacher:
+    """The teacher's parameters, restored into shardings on `mesh` from its latest checkpoint
+    (or the one a resumed student keeps: see `read_teacher_config`)."""
+    teacher_cfg, run_dir, step = read_teacher_config(config, keep_pinned=keep_pinned)
     abstract = abstract_teacher(config, mesh, teacher_cfg, run_dir, step)
     # A pinned step must be intact; a new run falls back from a damaged latest (with a note).
-    source = run_dir if pinned.teacher_step(config) is None else run_dir / "checkpoints" / str(step)
+    pinned_step = pinned.teacher_step(config) if keep_pinned else None
+    source = run_dir if pinned_step is None else run_dir / "checkpoints" / str(step)
     params, step, notes = restore_params(
         source, abstract.params, what="distillation.teacher_run_dir",
         checksums=config.checkpoint.verify,

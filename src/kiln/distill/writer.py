@@ -108,7 +108,8 @@ def write_store(
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
         raise KilnError(f"--out: {out} is not empty and holds no store of kiln teacher-logits")
     checks.check_constant_temperature(config)
-    read_teacher_config(config)  # the teacher's config is checked before any data is read
+    # The teacher's config is checked before any data is read; a new store takes its latest step.
+    read_teacher_config(config, keep_pinned=False)
     existing = read_manifest(out, "--out") if (out / MANIFEST).is_file() else None
     mesh = make_mesh(config)
     datasets = make_datasets(config)
@@ -194,10 +195,11 @@ def write_store(
 
 
 def _teacher(config: Config, mesh, existing: dict[str, Any] | None):
-    """The teacher at its latest step, or for a store being finished, at the store's step."""
+    """The teacher at its latest step, or for a store being finished, at the store's step (a
+    student run of the config, and the step pinned in its inputs.json, play no part)."""
     if existing is None:
-        return load_teacher(config, mesh)
-    teacher_cfg, run_dir, _ = read_teacher_config(config)
+        return load_teacher(config, mesh, keep_pinned=False)
+    teacher_cfg, run_dir, _ = read_teacher_config(config, keep_pinned=False)
     recorded = existing.get("teacher", {})
     if checks.teacher_identity(config.distillation.teacher_run_dir) != recorded.get("run_dir"):
         raise KilnError(

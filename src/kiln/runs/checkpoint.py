@@ -109,6 +109,7 @@ class Checkpointer:
         self._sealer: threading.Thread | None = None
         self._seal_error: BaseException | None = None
         self.sealed_bytes = 0  # of the last manifest, for benchmarks
+        self.sealed: int | None = None  # the newest step this process sealed: complete on disk
         # Called once a step is sealed (in the sealing thread when async): uploads of a run
         # whose output_dir is a URL; its errors stop the run like those of the save.
         self.after_seal: Callable[[], None] | None = None
@@ -154,6 +155,7 @@ class Checkpointer:
         # post-finalization callback runs before that rename, so kiln waits for the save instead.
         self._mgr.wait_until_finished()
         self.sealed_bytes = write_manifest(self.directory / str(step))
+        self.sealed = step
         if self.after_seal is not None:
             self.after_seal()
 

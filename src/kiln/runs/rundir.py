@@ -9,7 +9,7 @@ from pathlib import Path
 from kiln.config import Config
 
 # What `--restart` moves aside: everything a run writes (a lock file or the like stays).
-RUN_FILES = ("checkpoints", "tensorboard", "metrics.jsonl", "config.yaml")
+RUN_FILES = ("checkpoints", "tensorboard", "metrics.jsonl", "metrics.jsonl.damaged", "config.yaml")
 
 
 class RunComplete(Exception):

@@ -3,7 +3,10 @@ bar on a terminal, the compile status, and a summary at the end (rich renders al
 
 from __future__ import annotations
 
+import datetime
+import shlex
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from kiln.config import Config
 from kiln.util.humanize import count, plural
 
 # What a step line shows, in order, with its short name: the loss as trained (in distillation
@@ -34,11 +38,23 @@ EVAL_COLUMNS = (("eval/loss", "eval/loss"), ("eval/perplexity", "eval/perplexity
 def step_line(step: int, total: int, values: Mapping[str, float]) -> str:
     """The scrollback line of a logged step (or of an eval row)."""
     columns = EVAL_COLUMNS if any(k.startswith("eval/") for k in values) else STEP_COLUMNS
-    if columns is EVAL_COLUMNS:  # each source of a mixture: eval/loss/<name>, shown as <name>
+    if columns is EVAL_COLUMNS:
+        # Each source of a mixture (eval/loss/<name>, shown as <name>), then each task's
+        # metrics (eval/<task>/<metric>, shown as <task>/<metric>).
         sources = sorted(k for k in values if k.startswith("eval/loss/"))
-        columns = (*columns, *((k, k.removeprefix("eval/loss/")) for k in sources))
+        tasks = sorted(k for k in values if k.count("/") == 2 and not k.startswith("eval/loss/"))
+        columns = (
+            *columns,
+            *((k, k.removeprefix("eval/loss/")) for k in sources),
+            *((k, k.removeprefix("eval/")) for k in tasks),
+        )
     shown = [_cell(tag, name, values[tag]) for tag, name in columns if _shown(tag, values)]
     return f"step {step}/{total}  " + "  ".join(shown)
+
+
+def clock(seconds: float) -> str:
+    """A duration as H:MM:SS, as the progress bar shows it."""
+    return str(datetime.timedelta(seconds=round(seconds)))
 
 
 def _shown(tag: str, values: Mapping[str, float]) -> bool:
@@ -72,6 +88,7 @@ class Summary:
     train_loss: float | None
     eval_loss: float | None
     checkpoint: Path | None
+    next: list[str]  # commands to run next with the run
 
 
 def summary_table(s: Summary) -> Table:
@@ -94,15 +111,31 @@ def summary_table(s: Summary) -> Table:
     return table
 
 
-def next_commands(run: Path) -> list[str]:
-    """What a user runs next with a finished run."""
-    return [
-        f"tensorboard --logdir {run / 'tensorboard'}",
-        f"kiln compare {run} --metrics learning/loss,eval/loss --out {run / 'loss.png'}",
-        f'kiln generate {run} --prompt "def main(" --max-new-tokens 100',
-        f"kiln eval {run} choice:kiln:stdlib_next_line.jsonl",
-        f"kiln export-hf {run} --out {run}-hf",
+def next_commands(config: Config) -> list[str]:
+    """What a user runs next with a finished run, for the run's own data: a sample of it with
+    `kiln generate` (a Python prompt for Python sources, else from the document start; none for
+    synthetic tokens), and `kiln eval` on the run's eval tasks or held-out text files."""
+    run, q = config.run_dir, shlex.quote
+    metrics = "learning/loss,eval/loss" if config.train.eval_every_steps else "learning/loss"
+    out = [
+        f"tensorboard --logdir {q(str(run / 'tensorboard'))}",
+        f"kiln compare {q(str(run))} --metrics {metrics} --out {q(str(run / 'loss.png'))}",
     ]
+    sources = [s for _, s in config.data.mixture()]
+    if any(s.source != "synthetic" for s in sources):
+        python = all(s.paths and all(p.endswith(".py") for p in s.paths) for s in sources)
+        prompt = q("def main(") if python else '""'
+        out.append(f"kiln generate {q(str(run))} --prompt {prompt} --max-new-tokens 100")
+    tasks = list(config.train.eval_tasks) or [
+        f"perplexity:{p}"
+        for s in sources
+        if s.source in ("text", "jsonl", "parquet") and s.format == "text" and s.field == "text"
+        for p in s.eval_paths
+    ]
+    if tasks:
+        out.append(f"kiln eval {q(str(run))} {' '.join(q(t) for t in tasks)}")
+    out.append(f"kiln export-hf {q(str(run))} --out {q(str(run) + '-hf')}")
+    return out
 
 
 def _width(stream) -> int | None:
@@ -113,8 +146,14 @@ def _width(stream) -> int | None:
 class RunConsole:
     """Process 0's console: step lines on stdout, everything else on stderr, a bar on a terminal."""
 
-    def __init__(self, total: int, start_step: int, *, progress: bool):
+    def __init__(
+        self, total: int, start_step: int, *, progress: bool, started: float | None = None
+    ):
         self.total = total
+        # Elapsed from `started` (time.perf_counter() at start-up); the ETA from the steps done
+        # since the first one arrived (compilation left out).
+        self.started = time.perf_counter() if started is None else started
+        self.first: tuple[int, float] | None = None  # (step, perf_counter()) of the first
         # stdout (looked up at each print, so a live bar can route it); a file or pipe gets
         # the summary at its natural width rather than wrapped or cropped at 80 columns.
         self.out = Console(soft_wrap=True, highlight=False, markup=False, width=_width(sys.stdout))
@@ -147,15 +186,29 @@ class RunConsole:
             self.info(text)
 
     def advance(self, step: int, status: str) -> None:
+        if self.first is None:
+            self.first = (step, time.perf_counter())
         if self.bar is not None:
             self.bar.update(self.task, completed=step, status=status)
 
     def step(self, step: int, values: Mapping[str, float]) -> None:
         evals = {k: v for k, v in values.items() if k.startswith("eval/")}
         rest = {k: v for k, v in values.items() if not k.startswith("eval/")}
-        for part in (evals, rest):  # a step's evaluation on a line of its own, first
-            if part:
-                self.out.print(step_line(step, self.total, part))
+        if evals:  # a step's evaluation on a line of its own, first
+            self.out.print(step_line(step, self.total, evals))
+        if rest:
+            # Elapsed time and ETA, unless a progress bar beside the line shows them.
+            timing = "" if self.bar is not None and sys.stdout.isatty() else self.timing(step)
+            self.out.print(step_line(step, self.total, rest) + timing)
+
+    def timing(self, step: int) -> str:
+        """'  elapsed H:MM:SS  ETA H:MM:SS' after `step` (no ETA before a second step arrived)."""
+        now = time.perf_counter()
+        text = f"  elapsed {clock(now - self.started)}"
+        if self.first is not None and step > self.first[0]:
+            per_step = (now - self.first[1]) / (step - self.first[0])
+            text += f"  ETA {clock(per_step * (self.total - step))}"
+        return text
 
     def info(self, message: str) -> None:
         self.err.print(f"kiln: {message}")
@@ -167,7 +220,7 @@ class RunConsole:
         self.close()  # the table goes below the finished bar
         self.out.print(summary_table(s))
         self.out.print("next:")
-        for command in next_commands(s.run_dir):
+        for command in s.next:
             self.out.print(f"  {command}")
 
     def close(self) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -17,10 +16,11 @@ from jax.experimental import multihost_utils
 from kiln.config import Config
 from kiln.errors import RunStopped
 from kiln.runs.checkpoint import Checkpointer
-from kiln.training.console import Summary
+from kiln.training.console import Summary, next_commands
 from kiln.training.metrics import MetricsLogger, perf_metrics
 from kiln.training.profiling import ProfileWindow, cache_events
 from kiln.util.checksums import non_finite_leaf
+from kiln.util.interrupt import exit_now
 
 
 def checkpoint_tree(state) -> dict[str, Any]:
@@ -44,27 +44,29 @@ def skip_cause(state) -> str:
 
 
 @contextmanager
-def stop_requests(say: Callable[[str], None] = lambda message: None):
+def stop_requests(
+    say: Callable[[str], None] = lambda message: None,
+    way_back: Callable[[], str] = lambda: "run the same command again to resume",
+):
     """Turn SIGTERM and SIGINT into a flag the loop polls, so it can checkpoint, then exit 0.
 
     The first request is acknowledged at once through `say`; a second Ctrl-C (SIGINT) exits at
-    once with code 130, saving nothing. With several processes, JAX's preemption service keeps
-    SIGTERM (SIGINT is passed on to it as SIGTERM) and picks one step at which every process
-    stops: see `stop_due`.
+    once with code 130, saving nothing, in one line ending with `way_back()` (what the same
+    command does next). With several processes, JAX's preemption service keeps SIGTERM (SIGINT
+    is passed on to it as SIGTERM) and picks one step at which every process stops: see
+    `stop_due`.
     """
     requested: list[int] = []
     several = jax.process_count() > 1
 
     def handler(signum, _frame):
         if requested and signum == signal.SIGINT:  # a second Ctrl-C
-            # os._exit: no checkpoint, no waiting for saves in flight (orbax leaves a temporary
-            # directory that the next run removes); metrics.jsonl is flushed row by row.
-            sys.stderr.write(
-                "kiln: interrupted again: exiting now without a checkpoint; the run resumes "
-                "from its last saved one\n"
+            # No checkpoint, no waiting for saves in flight (orbax leaves a temporary directory
+            # that the next run removes); metrics.jsonl is flushed row by row; the run's lock is
+            # released by the exit's cleanups.
+            exit_now(
+                130, f"kiln: interrupted again: exiting now without a checkpoint; {way_back()}"
             )
-            sys.stderr.flush()
-            os._exit(130)
         requested.append(signum)  # first: a second signal may arrive while this one is told
         if len(requested) == 1:
             name = signal.Signals(signum).name
@@ -145,7 +147,8 @@ class Loop:
         self._first_done = None  # perf_counter() when the first step's metrics arrived
         self._evals: dict[int, dict[str, float]] = {}  # eval figures waiting for their step's row
         skips, pending = 0, None  # pending: (step, metrics on device), read one step late
-        with stop_requests(self.logger.info) as stop:
+        saved_before = self.ckpt.latest_step()  # complete: a save of this run is still to come
+        with stop_requests(self.logger.info, lambda: self._way_back(saved_before)) as stop:
             for step in range(first, cfg.train.steps + 1):
                 profile.before(step, state)
                 batch = self.place(next(self.batches))
@@ -196,6 +199,13 @@ class Loop:
         self.logger.summary(self._summary(first, int(state.step)))
         return state
 
+    def _way_back(self, saved_before: int | None) -> str:
+        """What running the command again does after an exit without a checkpoint."""
+        saved = self.ckpt.sealed if self.ckpt.sealed is not None else saved_before
+        if saved is None:
+            return "no checkpoint was saved yet: run the same command again to start over"
+        return f"run the same command again to resume from step {saved}"
+
     def _summary(self, first: int, last: int) -> Summary:
         """Figures of this invocation: steps, wall time, tokens/s after the first step, losses."""
         cfg, now, end = self.config, time.perf_counter(), self._trained_end
@@ -214,6 +224,7 @@ class Loop:
             train_loss=self.logger.last.get("learning/loss"),
             eval_loss=self.logger.last.get("eval/loss"),
             checkpoint=cfg.run_dir / "checkpoints" / str(last),
+            next=next_commands(cfg),
         )
 
     def _save(self, state) -> None:

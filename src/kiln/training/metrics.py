@@ -4,10 +4,12 @@ and MFU."""
 from __future__ import annotations
 
 import json
-import math
 import os
+import re
 from contextlib import suppress
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 
@@ -69,7 +71,15 @@ def perf_metrics(
 class MetricsLogger:
     """TensorBoard events, metrics.jsonl (flushed every write) and the console of process 0."""
 
-    def __init__(self, run_dir: Path, config: Config, *, enabled: bool, start_step: int):
+    def __init__(
+        self,
+        run_dir: Path,
+        config: Config,
+        *,
+        enabled: bool,
+        start_step: int,
+        started: float | None = None,
+    ):
         self.enabled, self.total, self.run_dir = enabled, config.train.steps, run_dir
         self.tokens_per_sec = None
         self.last: dict[str, float] = {}  # the latest value of every tag, for the summary
@@ -77,13 +87,15 @@ class MetricsLogger:
             return
         from tensorboardX import SummaryWriter
 
-        self.console = RunConsole(self.total, start_step, progress=config.logging.progress)
+        self.console = RunConsole(
+            self.total, start_step, progress=config.logging.progress, started=started
+        )
         # A resumed run repeats the steps after its checkpoint: what the interrupted run logged
         # for them is dropped, so each step is recorded once (TensorBoard: events from
         # purge_step on are hidden when read).
         self.jsonl_path = run_dir / "metrics.jsonl"
         try:
-            dropped = drop_rows_after(self.jsonl_path, start_step)
+            trimmed = drop_rows_after(self.jsonl_path, start_step)
             self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
             # Unbuffered: each row is one write of whole bytes, undone if the write fails.
             self.jsonl = open(self.jsonl_path, "ab", buffering=0)  # noqa: SIM115 - see close()
@@ -96,11 +108,8 @@ class MetricsLogger:
         devices = plural(jax.device_count(), "device")
         mfu = f"perf/mfu against {peak:g} TFLOP/s per device ({source})" if peak else source
         self.info(f"run directory {run_dir}; {plural(self.total, 'step')} on {devices}; {mfu}")
-        if dropped:
-            self.info(
-                f"metrics.jsonl: dropped {plural(dropped, 'row')} logged after step "
-                f"{start_step} by the interrupted run (or left half-written); they are logged again"
-            )
+        for note in trimmed.notes(self.jsonl_path):
+            self.info(note)
 
     def progress(self, step: int, values: dict[str, float]) -> None:
         if self.enabled:
@@ -166,35 +175,136 @@ def append_line(fh, line: bytes, path: Path) -> None:
         raise write_error(e, path) from None
 
 
-def drop_rows_after(path: Path, step: int) -> int:
-    """Keep the rows of a metrics.jsonl up to `step`, replacing the file atomically; returns how
-    many rows were dropped: later steps, and a torn (unterminated) or unreadable line."""
+# The start of a row as MetricsLogger writes it: the step of a damaged line, when still legible.
+_ROW_START = re.compile(rb'\{"step": (\d+)[,}]')
+DAMAGED_SUFFIX = ".damaged"
+
+
+class Damaged(NamedTuple):
+    """A line of metrics.jsonl that is not a whole JSON row: its number, its step if still
+    legible, and the steps of the intact rows before and after it (None: there is none)."""
+
+    line: int
+    step: int | None
+    before: int | None
+    after: int | None
+
+    def where(self) -> str:
+        if self.step is not None:
+            return f"step {self.step}"
+        if self.before is not None and self.after is not None:
+            return f"between steps {self.before} and {self.after}"
+        return "before any row" if self.before is None else f"after step {self.before}"
+
+    def fate(self, resumed: int) -> str:
+        """Whether the resumed run (after checkpoint `resumed`) logs this line's step again."""
+        if self.step is not None:
+            again = self.step > resumed
+            return f"step {self.step} is{'' if again else ' not'} logged again"
+        if self.before is not None and self.before >= resumed:
+            return f"its step, after {resumed}, is logged again"
+        if self.after is not None and self.after <= resumed:
+            return f"its step, before {resumed}, is not logged again"
+        return f"the run resumes after step {resumed}"
+
+
+@dataclass
+class Trimmed:
+    """What a resume from the checkpoint of step `step` took out of metrics.jsonl."""
+
+    step: int
+    later: list[int] = field(default_factory=list)  # steps of rows after `step`: logged again
+    torn: list[Damaged] = field(default_factory=list)  # damaged lines among `later`
+    damaged: list[Damaged] = field(default_factory=list)  # the other damaged lines: `aside`
+    aside: Path | None = None
+
+    def notes(self, path: Path) -> list[str]:
+        """One line per kind of change, naming the rows and what becomes of them."""
+        out = []
+        if self.later:
+            first, last = self.later[0], self.later[-1]
+            steps = f"step {first}" if first == last else f"steps {first}..{last}"
+            torn = "".join(f"; line {d.line} ({d.where()}) was damaged" for d in self.torn)
+            out.append(
+                f"{path.name}: dropped {plural(len(self.later), 'row')} of {steps}, logged after "
+                f"step {self.step} by the interrupted run{torn}; they are logged again"
+            )
+        for d in self.damaged[:3]:
+            out.append(
+                f"{path.name}: line {d.line} ({d.where()}) is damaged, not a JSON row: moved to "
+                f"{self.aside} ({d.fate(self.step)}); every intact row is kept"
+            )
+        if len(self.damaged) > 3:
+            more = plural(len(self.damaged) - 3, "more damaged line")
+            out.append(f"{path.name}: {more} moved to {self.aside}")
+        return out
+
+
+def drop_rows_after(path: Path, step: int) -> Trimmed:
+    """Keep the intact rows of a metrics.jsonl up to `step`, replacing the file atomically.
+
+    Rows after `step` are dropped (the resumed run logs them again), and so is a damaged line
+    (torn by a kill, or unreadable) whose step is still legible and after `step`; any other
+    damaged line is appended to `path` + ".damaged" rather than lost. Returns what was done.
+    """
+    done = Trimmed(step)
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        return 0
-    *complete, torn = data.split(b"\n")  # after the last newline: a half-written row, or b""
-    kept = [line for line in complete if _step_of(line) <= step]
-    dropped = len(complete) - len(kept) + bool(torn)
-    if dropped:
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            with open(tmp, "wb") as fh:
-                fh.writelines(line + b"\n" for line in kept)
-                fh.flush()
-                os.fsync(fh.fileno())
-        except OSError:
-            tmp.unlink(missing_ok=True)  # metrics.jsonl itself is untouched
-            raise
-        os.replace(tmp, path)
-    return dropped
+        return done
+    lines = data.split(b"\n")
+    if lines[-1] == b"":  # after the last newline: nothing, or a half-written row
+        lines.pop()
+    steps = [_step_of(line) for line in lines]
+    kept, aside = [], []
+    for number, (line, row_step) in enumerate(zip(lines, steps), 1):
+        if not line.strip():  # a blank line holds nothing to keep
+            continue
+        if row_step is not None:
+            if row_step <= step:
+                kept.append(line)
+            else:
+                done.later.append(row_step)
+            continue
+        legible = _ROW_START.match(line)
+        damaged = Damaged(
+            number,
+            None if legible is None else int(legible.group(1)),
+            next((s for s in reversed(steps[: number - 1]) if s is not None), None),
+            next((s for s in steps[number:] if s is not None), None),
+        )
+        if damaged.step is not None and damaged.step > step:
+            done.later.append(damaged.step)
+            done.torn.append(damaged)
+        else:
+            done.damaged.append(damaged)
+            aside.append(line)
+    if not data or (len(kept) == len(lines) and data.endswith(b"\n")):
+        return done
+    if aside:
+        done.aside = path.with_name(path.name + DAMAGED_SUFFIX)
+        with open(done.aside, "ab") as fh:
+            fh.writelines(line + b"\n" for line in aside)
+            fh.flush()
+            os.fsync(fh.fileno())
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.writelines(line + b"\n" for line in kept)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError:
+        tmp.unlink(missing_ok=True)  # metrics.jsonl itself is untouched
+        raise
+    os.replace(tmp, path)
+    return done
 
 
-def _step_of(line: bytes) -> float:
-    """The step of a metrics.jsonl row; infinity for a line that is not one (dropped)."""
+def _step_of(line: bytes) -> int | None:
+    """The step of a metrics.jsonl row; None for a line that is not a whole row."""
     try:
         row = json.loads(line)
     except ValueError:
-        return math.inf
+        return None
     step = row.get("step") if isinstance(row, dict) else None
-    return step if isinstance(step, int) and not isinstance(step, bool) else math.inf
+    return step if isinstance(step, int) and not isinstance(step, bool) else None

@@ -1,6 +1,6 @@
-"""Whether a config may start or continue the run in its directory: a run with metrics but no
-checkpoint, a finished run, or a longer schedule whose learning rate would jump at the resume step
-is refused (or, when finished, reported) before anything is written."""
+"""Whether a config may start or continue the run in its directory: a finished run, or a longer
+schedule whose learning rate would jump at the resume step, is refused (or, when finished,
+reported) before anything is written; a run with metrics but no checkpoint starts over."""
 
 from __future__ import annotations
 
@@ -10,9 +10,24 @@ from kiln.config import Config, OptimConfig
 from kiln.errors import KilnError
 from kiln.runs.rundir import RunComplete, metrics_rows
 from kiln.training.optim import make_schedule
+from kiln.util.humanize import plural
 
 # A learning rate above the finished schedule's by more than float32 rounding is a jump up.
 LR_RTOL = 1e-6
+
+
+def starts_over(run_dir: Path, latest: int | None) -> str | None:
+    """Why a run with nothing to resume starts over as `--restart` does (its earlier files moved
+    aside, so no row of the earlier run mixes with the new ones): it logged metrics but has no
+    checkpoint (`latest` is None). None when it has one, or logged nothing."""
+    rows = metrics_rows(run_dir) if latest is None else 0
+    if not rows:
+        return None
+    return (
+        f"{run_dir} has {plural(rows, 'row')} of metrics but no checkpoint to resume from (the "
+        "run stopped before its first save, or its checkpoints were removed): starting over "
+        "from step 0"
+    )
 
 
 def check_start(config: Config, previous: Config | None, latest: int | None) -> None:
@@ -22,13 +37,6 @@ def check_start(config: Config, previous: Config | None, latest: int | None) -> 
     """
     run_dir, steps = config.run_dir, config.train.steps
     if latest is None:
-        rows = metrics_rows(run_dir)
-        if rows:
-            raise KilnError(
-                f"train.run_name: {run_dir} has {rows} rows of metrics but no checkpoint to "
-                "resume from; starting over would mix two runs in its metrics.jsonl: run again "
-                "with --restart (moves the earlier run aside) or use a new train.run_name"
-            )
         return
     if latest >= steps:
         raise RunComplete(

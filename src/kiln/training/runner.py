@@ -42,7 +42,7 @@ from kiln.training import train
 from kiln.training.loop import Loop, checkpoint_tree
 from kiln.training.metrics import MetricsLogger
 from kiln.training.profiling import compilation_cache_for
-from kiln.training.resume import check_start
+from kiln.training.resume import check_start, starts_over
 from kiln.training.scoring import Evaluator, load_tasks
 from kiln.training.tracking import check_wandb
 from kiln.util.checksums import set_aside
@@ -271,7 +271,11 @@ def prepare_run(
 
 
 def _prepare(config, build, command, check, lock, started, restart, wrap) -> PreparedRun:
-    notes = resume_notes(config, restart)  # reads only config.yaml and the checkpoint steps
+    # These read only metrics.jsonl, config.yaml and the checkpoint steps.
+    checkpoints = config.run_dir / "checkpoints"
+    over = None if restart else starts_over(config.run_dir, latest_complete_step(checkpoints))
+    restart = restart or over is not None
+    notes = resume_notes(config, restart)
     mesh = make_mesh(config)
     check_attention(config.model.attention, mesh.devices.flat[0].platform, config.model.dtype)
     check_wandb(config)
@@ -290,7 +294,8 @@ def _prepare(config, build, command, check, lock, started, restart, wrap) -> Pre
         batches = wrap(config, datasets, batches)
     restart_to = restart_target(config.run_dir) if restart else None
     if restart_to is not None:
-        notes.append(f"--restart: the earlier run in {config.run_dir} moves to {restart_to}")
+        why = over or "--restart"
+        notes.append(f"{why}: the earlier run in {config.run_dir} moves to {restart_to}")
     state, resumed, damaged = (state, [], []) if restart else restore_latest(config, state, batches)
     source = config.checkpoint.load_params_from
     if resumed:
@@ -349,7 +354,11 @@ def run_loop(run: PreparedRun):
         raise
     try:
         logger = MetricsLogger(
-            config.run_dir, config, enabled=is_main, start_step=int(run.state.step)
+            config.run_dir,
+            config,
+            enabled=is_main,
+            start_step=int(run.state.step),
+            started=run.started,
         )
     except BaseException:
         _close_all((ckpt.close, run.lock.release), failing=True)

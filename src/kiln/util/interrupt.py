@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from typing import NoReturn
 
 # Run before exiting (e.g. releasing a run directory's lock); each must be quick and safe.
 _cleanups: list[Callable[[], None]] = []
@@ -25,16 +26,23 @@ def on_interrupt(cleanup: Callable[[], None]) -> Callable[[], None]:
     return lambda: _cleanups.remove(cleanup) if cleanup in _cleanups else None
 
 
-def _exit_now(signum: int, _frame) -> None:
+def exit_now(code: int, message: str) -> NoReturn:
+    """Run the registered cleanups, print `message` as one line on stderr and exit with `code`
+    at once (no unwinding, no waiting for other threads)."""
     for cleanup in list(_cleanups):
         with suppress(Exception):  # exiting anyway; the kernel drops what is left
             cleanup()
     with suppress(Exception):  # a closed or broken stderr: the line below is best effort
         sys.stderr.flush()
+    with suppress(OSError):
+        os.write(sys.stderr.fileno(), f"{message}\n".encode())
+    os._exit(code)
+
+
+def _exit_now(signum: int, _frame) -> None:
     name = signal.Signals(signum).name
-    message = "kiln: interrupted\n" if signum == signal.SIGINT else f"kiln: stopped by {name}\n"
-    os.write(sys.stderr.fileno(), message.encode())
-    os._exit(128 + signum)
+    message = "kiln: interrupted" if signum == signal.SIGINT else f"kiln: stopped by {name}"
+    exit_now(128 + signum, message)
 
 
 @contextmanager

@@ -1,0 +1,135 @@
+"""Signals as a user sends them: `kiln generate` and `kiln eval` stopped mid-work say so in one
+line and leave no partial output; Ctrl-C twice in a run says what the same command does next,
+releases the run's lock, and the same command then does it."""
+
+import json
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import communicate, kiln_main, start_kiln, write_config
+from kiln.runs.checkpoint import latest_complete_step
+
+RUN = {
+    "model": {"vocab_size": 384, "d_model": 32, "num_layers": 1, "num_heads": 2, "d_ff": 64, "max_seq_len": 64},
+    "data": {"source": "synthetic", "seq_len": 32},
+    "optim": {"learning_rate": 1e-3, "schedule": "constant", "warmup_steps": 0},
+    "train": {"run_name": "r", "global_batch_size": 8, "log_every_steps": 1, "steps": 2},
+    "checkpoint": {"every_steps": 0},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A 2-step run with its checkpoint, trained in this process."""
+    root = tmp_path_factory.mktemp("trained")
+    config = write_config(root / "run.yaml", RUN, train={"output_dir": str(root / "runs")})
+    proc = kiln_main("train", config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root / "runs" / "r"
+
+
+def wait_for(stream, start: str) -> list[str]:
+    """Lines of `stream` up to and including the first one starting with `start`."""
+    seen = []
+    for line in stream:
+        seen.append(line)
+        if line.startswith(start):
+            return seen
+    raise AssertionError(f"no line starting with {start!r}:\n" + "".join(seen[-30:]))
+
+
+# Enough work that the command is still at it when the signal arrives after its progress line:
+# compiling and decoding 512 rows of 60 tokens; scoring a 400 kB text file in 32-token windows.
+COMMANDS = {
+    "generate": (
+        ["--prompt", "x", "--num-samples", "512", "--max-new-tokens", "60", "--temperature", "1"],
+        "kiln: generating 512 completions",
+    ),
+    "eval": (["perplexity:{text}"], "kiln: scoring 1 task"),
+}
+SIGNALS = {"SIGTERM": (signal.SIGTERM, 143, "kiln: stopped by SIGTERM"),
+           "SIGINT": (signal.SIGINT, 130, "kiln: interrupted")}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SIGNALS)
+@pytest.mark.parametrize("command", COMMANDS)
+def test_generate_and_eval_stopped_by_a_signal_say_so_and_write_nothing(
+    trained, tmp_path, command, name
+):
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 9000)
+    args, progress = COMMANDS[command]
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    out = out_dir / ("o.jsonl" if command == "generate" else "e.json")
+    args = [a.format(text=text) for a in args]
+    proc = start_kiln(command, trained, *args, "--out", out)
+    try:
+        wait_for(proc.stderr, progress)
+        signum, code, line = SIGNALS[name]
+        proc.send_signal(signum)
+        stdout, rest = communicate(proc)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == code, rest[-3000:]
+    assert rest.splitlines() == [line], rest[-3000:]  # one line, no traceback
+    assert stdout == ""
+    assert list(out_dir.iterdir()) == []  # no --out, no temporary file beside it
+
+
+def first_steps(proc: subprocess.Popen) -> None:
+    """Ctrl-C at step 3, and again as soon as the run has said it will stop with a checkpoint."""
+    wait_for(proc.stdout, "step 3/")
+    proc.send_signal(signal.SIGINT)
+    wait_for(proc.stdout, "kiln: SIGINT: stopping after this step with a checkpoint")
+    proc.send_signal(signal.SIGINT)  # at once: the step and its save are still going
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resumed", [False, True], ids=["before_any_checkpoint", "resumed_run"])
+def test_ctrl_c_twice_says_what_the_same_command_does_next_and_releases_the_lock(
+    trained, tmp_path, resumed
+):
+    runs = tmp_path / "runs"
+    if resumed:  # the run holds the checkpoint of step 2, and goes on from it
+        shutil.copytree(trained, runs / "r")
+    config = write_config(tmp_path / "run.yaml", RUN, train={"output_dir": str(runs)})
+    run_dir = runs / "r"
+    proc = start_kiln("train", config, "train.steps=100000", merged=True)
+    try:
+        first_steps(proc)
+        rest = communicate(proc)[0]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, rest[-3000:]
+    last = rest.strip().splitlines()[-1]
+    if resumed:
+        way = "run the same command again to resume from step 2"
+    else:
+        way = "no checkpoint was saved yet: run the same command again to start over"
+    assert last == f"kiln: interrupted again: exiting now without a checkpoint; {way}", rest
+    assert "Traceback" not in rest
+    assert latest_complete_step(run_dir / "checkpoints") == (2 if resumed else None)
+    assert not (run_dir / "kiln.lock").exists()
+    logged = (run_dir / "metrics.jsonl").read_text()
+    assert logged  # the steps before the interrupt were logged
+
+    # The same command (a shorter run here) does what the line said.
+    again = kiln_main("train", config, "train.steps=4")
+    assert again.returncode == 0, again.stderr[-3000:]
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    if resumed:
+        assert f"kiln: resuming from step 2 ({run_dir / 'checkpoints' / '2'})" in again.stderr
+        assert steps == [1, 2, 3, 4]
+    else:
+        assert "starting over from step 0" in again.stderr, again.stderr
+        assert (run_dir / "restart-1" / "metrics.jsonl").read_text() == logged  # nothing lost
+        assert steps == [1, 2, 3, 4]  # no row of the interrupted run stays
+    assert not (run_dir / "kiln.lock").exists()
