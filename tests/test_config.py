@@ -96,6 +96,13 @@ def test_config_is_frozen():
         (["loss.label_smoothing=1.0"], "loss.label_smoothing"),
         (["optim.learning_rate=0"], "optim.learning_rate"),
         (["optim.warmup_steps=11", "train.steps=10"], "optim.warmup_steps"),
+        (["optim.name=sgd"], "optim.name"),
+        (
+            ["optim.lion.b1=0.8"],
+            "optim.lion: set, but optim.name is adamw; allowed: optim.name=lion",
+        ),
+        (["optim.name=muon", "optim.muon.ns_steps=0"], "optim.muon.ns_steps"),
+        (["optim.name=adafactor", "optim.adafactor.decay_rate=0"], "optim.adafactor.decay_rate"),
         (["model.num_heads=3"], "model.num_heads"),
         (["model.num_kv_heads=3"], "model.num_kv_heads"),
         (
