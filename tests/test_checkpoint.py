@@ -171,6 +171,36 @@ def test_kill_9_during_async_saves_resumes_from_last_complete(tmp_path, corpus, 
     assert_bitwise(final_params(config), want_params)
 
 
+@pytest.mark.parametrize(
+    "optim",
+    [{"name": "muon"}, {"name": "adafactor", "adafactor": {"min_dim_size_to_factor": 32}}],
+    ids=["muon", "adafactor"],
+)
+def test_kill_9_resumes_bitwise_with_each_optimizers_state(tmp_path, corpus, optim):
+    """Muon's momentum and Adafactor's factored statistics (replicated, see
+    `kiln.parallel.mesh.state_specs`) are saved and restored exactly as AdamW's moments."""
+    (tmp_path / "straight").mkdir()
+    straight = write_run_config(tmp_path / "straight", corpus, optim=optim)
+    kiln_train(straight)
+    want_losses, want_state = losses(tmp_path / "straight" / "runs" / "r"), final_params(straight)
+    config = write_run_config(tmp_path, corpus, optim=optim, checkpoint={"every_steps": 1})
+    run_dir = tmp_path / "runs" / "r"
+    proc = start_kiln("train", config, "train.steps=400")
+    wait_for_step(run_dir, 5, proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    communicate(proc)
+    complete = latest_complete_step(run_dir / "checkpoints")
+    assert complete is not None and complete >= 3
+    if complete >= 12:
+        pytest.skip("the killed run got past step 12 before the kill")
+    kiln_train(config)
+    got = losses(run_dir)
+    assert [got[s] for s in range(complete + 1, 13)] == [
+        want_losses[s] for s in range(complete + 1, 13)
+    ]
+    assert_bitwise(final_params(config), want_state)  # parameters and optimizer state
+
+
 def test_restore_onto_a_different_mesh(tmp_path, corpus, straight):
     _, want_losses, _ = straight
     config = write_run_config(tmp_path, corpus)

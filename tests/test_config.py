@@ -96,6 +96,13 @@ def test_config_is_frozen():
         (["loss.label_smoothing=1.0"], "loss.label_smoothing"),
         (["optim.learning_rate=0"], "optim.learning_rate"),
         (["optim.warmup_steps=11", "train.steps=10"], "optim.warmup_steps"),
+        (["optim.name=sgd"], "optim.name"),
+        (
+            ["optim.lion.b1=0.8"],
+            "optim.lion: set, but optim.name is adamw; allowed: optim.name=lion",
+        ),
+        (["optim.name=muon", "optim.muon.ns_steps=0"], "optim.muon.ns_steps"),
+        (["optim.name=adafactor", "optim.adafactor.decay_rate=0"], "optim.adafactor.decay_rate"),
         (["model.num_heads=3"], "model.num_heads"),
         (["model.num_kv_heads=3"], "model.num_kv_heads"),
         (
@@ -243,11 +250,20 @@ def test_device_dependent_rules_are_checked_at_run_time():
 
 def test_schema_lists_every_field():
     rows = {r[0]: r for r in schema_rows()}
+
+    def fields(prefix: str, model: type[pydantic.BaseModel]):
+        for name, field in model.model_fields.items():
+            kind = field.annotation
+            if isinstance(kind, type) and issubclass(kind, pydantic.BaseModel):
+                yield from fields(f"{prefix}{name}.", kind)  # a subsection, e.g. optim.muon
+            else:
+                yield f"{prefix}{name}"
+
     for section, field in Config.model_fields.items():
-        for name in field.annotation.model_fields:
-            dotted = f"{section}.{name}"
+        for dotted in fields(f"{section}.", field.annotation):
             assert dotted in rows, dotted
             assert rows[dotted][3], f"{dotted} has no description"
+    assert "optim.muon.ns_steps" in rows
     assert math.isclose(float(rows["loss.z_loss_multiplier"][2]), 0.0)
 
 

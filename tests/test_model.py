@@ -20,6 +20,7 @@ from kiln.model import (
     create_model,
     flops_per_token,
     param_count,
+    state_bytes_per_device,
     summary,
 )
 from kiln.model.attention import dense_attention as attention
@@ -33,6 +34,7 @@ from kiln.parallel.mesh import (
     use_mesh,
 )
 from kiln.training import train
+from kiln.training.optim import make_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 B, S, V = 8, 16, 128
@@ -50,13 +52,14 @@ MESHES = {
 }
 
 
-def make_config(model=None, mesh=None):
+def make_config(model=None, mesh=None, optim=None):
     return config_from_dict(
         {
             "model": {**TINY, "max_seq_len": 32, **(model or {})},
             "mesh": {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1, **(mesh or {})},
             "data": {"seq_len": S},
             "train": {"global_batch_size": B},
+            "optim": optim or {},
         }
     )
 
@@ -570,7 +573,7 @@ def test_flops_per_token_follows_maxtext_accounting():
 
 def test_summary_memory_matches_the_real_shards(fsdp8_model):
     model, _, config = fsdp8_model
-    text = summary(config)
+    text = summary(config, make_optimizer(config.optim))
     assert f"{param_count(config.model):,}" in text
     assert f"FLOPs per token:   {flops_per_token(config.model, S):.4g}" in text
     assert "fsdp=8" in text
@@ -582,6 +585,23 @@ def test_summary_memory_matches_the_real_shards(fsdp8_model):
         if shard.device == jax.devices()[0]
     )
     assert f"memory per device: {on_device0:,} parameters x 4 bytes" in text
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon", "adafactor", "lion"])
+def test_optimizer_state_bytes_per_device_match_the_real_shards(name):
+    # Width 128 so that Adafactor factors the matrices (min_dim_size_to_factor=128).
+    model = {**VARIANTS["untied"], "d_model": 128, "d_ff": 256, "vocab_size": 256}
+    config = make_config(model, MESHES["fsdp8"], optim={"name": name})
+    state = train.init_state(config)
+    on_device0 = sum(
+        shard.data.nbytes
+        for array in jax.tree.leaves(state.opt_state)
+        for shard in array.addressable_shards
+        if shard.device == jax.devices()[0]
+    )
+    sizes = dict(state.params["embedding"].get_value().sharding.mesh.shape)
+    abstract = jax.eval_shape(make_optimizer(config.optim).init, state.params)
+    assert state_bytes_per_device(abstract, config, sizes) == on_device0
 
 
 def test_cli_config_summary_for_llama3_8b():

@@ -1,11 +1,14 @@
-"""Learning-rate schedules against their closed forms; the weight-decay mask."""
+"""Learning-rate schedules against their closed forms; the weight-decay mask by declared role."""
 
 import math
 
+import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from kiln.config import OptimConfig
+from kiln.errors import KilnError
 from kiln.training.optim import decay_mask, make_schedule
 
 LR, STEPS, WARMUP, F = 1e-3, 100, 10, 0.1
@@ -51,18 +54,68 @@ def test_wsd_closed_form(shape, step):
     assert math.isclose(got, LR * frac, rel_tol=1e-5)
 
 
-def test_decay_mask_excludes_norms_and_biases():
-    params = {
-        "embed": {"embedding": jnp.zeros((4, 2))},
-        "layers": {
-            "attn_norm": {"scale": jnp.zeros((3, 2))},
-            "mlp": {"kernel": jnp.zeros((3, 2, 2))},
-        },
-        "final_norm": {"scale": jnp.zeros(2)},
-        "proj": {"bias": jnp.zeros(2)},
+class Box(nnx.Module):
+    def __init__(self, **attributes):
+        for name, value in attributes.items():
+            setattr(self, name, value)
+
+
+def param(role: str, *names: str, **metadata) -> nnx.Param:
+    return nnx.Param(
+        jnp.zeros((4,) * len(names)),
+        out_sharding=names,
+        eager_sharding=False,
+        role=role,
+        **metadata,
+    )
+
+
+# (path, role, decayed): names chosen so that a rule on name substrings ("norm", "scale",
+# "bias") gets each one wrong; the decision must follow the declared role.
+FOOLING = [
+    ("upscale_proj.kernel", "matrix", True),
+    ("norm_mixer.w", "matrix", True),
+    ("biasing.head", "head", True),
+    ("gain.g", "norm", False),
+    ("shift.b", "bias", False),
+    ("scale_table", "embedding", True),
+]
+
+
+def fooling_tree() -> nnx.State:
+    modules: dict = {}
+    for path, role, _ in FOOLING:
+        *outer, leaf = path.split(".")
+        extra = {"fan_in": ("embed",)} if role == "matrix" else {}
+        value = param(role, "embed", "mlp", **extra)
+        if outer:
+            modules[outer[0]] = Box(**{leaf: value})
+        else:
+            modules[leaf] = value
+    return nnx.state(Box(**modules), nnx.Param)
+
+
+@pytest.mark.parametrize("decay_embeddings", [True, False])
+def test_decay_mask_follows_declared_roles_not_names(decay_embeddings):
+    mask = decay_mask(fooling_tree(), OptimConfig(decay_embeddings=decay_embeddings))
+    got = {
+        ".".join(str(k.key) for k in path): bool(v)
+        for path, v in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(mask))
     }
-    mask = decay_mask(params)
-    assert mask["embed"]["embedding"] and mask["layers"]["mlp"]["kernel"]
-    assert not mask["layers"]["attn_norm"]["scale"]
-    assert not mask["final_norm"]["scale"]
-    assert not mask["proj"]["bias"]
+    want = {
+        path: decayed and (role != "embedding" or decay_embeddings)
+        for path, role, decayed in FOOLING
+    }
+    assert got == want
+    # Each name fools a substring rule: its decision differs from the role's on every row.
+    substring = {path: not any(n in path for n in ("norm", "scale", "bias")) for path in want}
+    assert all(substring[p] != d for p, _, d in FOOLING)
+
+
+def test_a_parameter_without_a_role_is_refused_by_name_of_the_roles():
+    tree = nnx.state(
+        Box(w=nnx.Param(jnp.zeros((2, 3)), out_sharding=("embed", "mlp"), eager_sharding=False)),
+        nnx.Param,
+    )
+    with pytest.raises(KilnError, match=r"declares role None; allowed: matrix, embedding"):
+        decay_mask(tree, OptimConfig())

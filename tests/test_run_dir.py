@@ -100,6 +100,18 @@ def test_lr_jump_against_float64_schedules():
 
 
 @pytest.mark.slow
+def test_resuming_with_another_optimizer_is_refused_naming_both(run, capsys):
+    config, run_dir = run
+    before = snapshot(run_dir)
+    more = ("train.steps=3", "optim.schedule=constant")  # no learning-rate jump to refuse
+    code, err = kiln_main(capsys, "train", config, *more, "optim.name=muon")
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("kiln: error: optim.name: adamw -> muon on resume"), err
+    assert "keep optim.name=adamw" in err[0] and "checkpoint.load_params_from" in err[0], err
+    assert snapshot(run_dir) == before
+
+
+@pytest.mark.slow
 def test_a_changed_config_is_kept_as_history_when_steps_are_trained(run, capsys):
     config, run_dir = run
     old = (run_dir / "config.yaml").read_text()

@@ -41,6 +41,8 @@ def cross_field_errors(
         yield f"data.seq_len: {c.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}"
     if ok("data"):
         yield from c.data.errors()
+    if ok("optim"):
+        yield from c.optim.errors()
     if ok("optim", "train") and c.optim.warmup_steps > t.steps:
         yield (
             f"optim.warmup_steps: {c.optim.warmup_steps} exceeds train.steps={t.steps}; "

@@ -13,7 +13,8 @@ May import: `kiln.errors`, `kiln.util`, `kiln.data`, `kiln.config`, `kiln.parall
 `kiln.losses` (the head's logits).
 
 Public names: `FAMILIES`, `LanguageModel`, `build_model`, `create_model`, `flops_per_token`,
-`summary`, `DTYPES`, `KVCache`, `ModelOutput`.
+`summary`, `state_bytes_per_device`, `DTYPES`, `KVCache`, `ModelOutput`; `interface.ROLES`, the
+roles a parameter declares (`nnx.Param(..., role=...)`) for the optimizers.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from kiln.config import ModelConfig
@@ -69,8 +71,20 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
     return abstract_model(model_cfg).flops_per_token(seq_len)
 
 
-def summary(config: Any, num_devices: int | None = None) -> str:
-    """Parameters, FLOPs per token and per-device state memory for the configured mesh.
+# How `summary` names each optimizer's state (`optim.name`).
+OPTIMIZER_STATE = {
+    "adamw": "AdamW moments",
+    "muon": "Muon momentum + AdamW moments",
+    "adafactor": "Adafactor statistics",
+    "lion": "Lion momentum",
+}
+
+
+def summary(
+    config: Any, optimizer: optax.GradientTransformation, num_devices: int | None = None
+) -> str:
+    """Parameters, FLOPs per token and per-device state memory for the configured mesh:
+    parameters, gradients and the state of `optimizer` (the one `config.optim` makes).
 
     A mesh size of -1 takes the rest of `num_devices` (default: the local devices).
     """
@@ -92,6 +106,7 @@ def summary(config: Any, num_devices: int | None = None) -> str:
     embed = m.vocab_size * m.d_model
     flops = model.flops_per_token(config.data.seq_len)
     gib = per_device * itemsize / 2**30
+    opt_gib = state_bytes_per_device(jax.eval_shape(optimizer.init, state), config, sizes) / 2**30
     mesh_text = " x ".join(f"{a}={s}" for a, s in sizes.items())
     return "\n".join(
         [
@@ -102,10 +117,26 @@ def summary(config: Any, num_devices: int | None = None) -> str:
             f"6 x {model.matmul_params():,} matmul params + causal attention)",
             f"mesh:              {mesh_text} ({plural(math.prod(sizes.values()), 'device')})",
             f"memory per device: {per_device:,} parameters x {itemsize} bytes ({m.param_dtype})",
-            f"  params {gib:.2f} GiB + grads {gib:.2f} GiB + AdamW moments {2 * gib:.2f} GiB "
-            f"= {4 * gib:.2f} GiB (state, before activations)",
+            f"  params {gib:.2f} GiB + grads {gib:.2f} GiB + "
+            f"{OPTIMIZER_STATE[config.optim.name]} {opt_gib:.2f} GiB "
+            f"= {2 * gib + opt_gib:.2f} GiB (state, before activations)",
         ]
     )
+
+
+def state_bytes_per_device(state: Any, config: Any, sizes: dict[str, int]) -> int:
+    """Bytes one device holds of an optimizer's state (ShapeDtypeStructs), as it is sharded."""
+    specs = state_specs(state, config.mesh.rules, sizes, derived=True)
+    leaves = jax.tree.leaves(state)
+    spec_leaves = jax.tree.leaves(
+        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    )
+
+    def nbytes(x, spec) -> int:
+        pieces = (*shards_per_dim(spec, sizes), *(1,) * len(x.shape))  # P(): every dim whole
+        return math.prod(math.ceil(n / p) for n, p in zip(x.shape, pieces)) * x.dtype.itemsize
+
+    return sum(nbytes(x, spec) for x, spec in zip(leaves, spec_leaves))
 
 
 __all__ = [
@@ -121,5 +152,6 @@ __all__ = [
     "flops_per_token",
     "logits_dtype",
     "param_count",
+    "state_bytes_per_device",
     "summary",
 ]

@@ -15,6 +15,19 @@ from kiln.config import ModelConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
+# What a parameter is, declared by the model as the metadata `role` of its `nnx.Param`, so
+# optimizers decide per parameter (weight decay, Muon or AdamW) without reading its name.
+# A `matrix` also declares `fan_in`: the logical names of the axes it contracts with its input
+# (the rest, but the stacked `layers` axis, are its outputs).
+ROLES = {
+    "matrix": "a hidden weight matrix: attention and MLP projections",
+    "embedding": "the token embedding table",
+    "head": "the LM head (when not tied to the embedding)",
+    "norm": "a normalisation scale",
+    "bias": "an additive bias",
+    "projection": "a learned map outside the model proper (the distillation feature projection)",
+}
+
 
 class ModelOutput(NamedTuple):
     """hidden [B,S,D] after the final norm (compute dtype); features [P,B,S,D] or None; aux terms."""

@@ -62,12 +62,21 @@ REMAT_POLICIES = {
 }
 
 
-def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape: tuple[int, ...], names: tuple[str, ...]):
-    """A normal(init_std) parameter tagged with the logical names of its dimensions."""
+def _param(
+    rngs: nnx.Rngs,
+    cfg: ModelConfig,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    role: str,
+    fan_in: tuple[str, ...] = (),
+):
+    """A normal(init_std) parameter tagged with the logical names of its dimensions and its
+    role (`kiln.model.interface.ROLES`; a matrix's `fan_in`: the names of its input axes)."""
     dtype = DTYPES[cfg.param_dtype]
     value = (cfg.init_std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
     # Sharding is applied from these names by mesh.sharded_init (jit out_shardings), not eagerly.
-    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+    extra = {"fan_in": fan_in} if role == "matrix" else {}
+    return nnx.Param(value, out_sharding=names, eager_sharding=False, role=role, **extra)
 
 
 class RMSNorm(nnx.Module):
@@ -76,7 +85,7 @@ class RMSNorm(nnx.Module):
     def __init__(self, dim: int, axis: str, cfg: ModelConfig):
         """`axis`: the logical name of the normalised dimension (how `scale` is sharded)."""
         ones = jnp.ones((dim,), DTYPES[cfg.param_dtype])
-        self.scale = nnx.Param(ones, out_sharding=(axis,), eager_sharding=False)
+        self.scale = nnx.Param(ones, out_sharding=(axis,), eager_sharding=False, role="norm")
         self.eps = cfg.norm_eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -124,10 +133,11 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, n, k, h = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.resolved_head_dim
-        self.wq = _param(rngs, cfg, (d, n, h), ("embed", "heads", "head_dim"))
-        self.wk = _param(rngs, cfg, (d, k, h), ("embed", "kv_heads", "head_dim"))
-        self.wv = _param(rngs, cfg, (d, k, h), ("embed", "kv_heads", "head_dim"))
-        self.wo = _param(rngs, cfg, (n, h, d), ("heads", "head_dim", "embed"))
+        into, out_of = ("embed",), ("heads", "head_dim")
+        self.wq = _param(rngs, cfg, (d, n, h), ("embed", "heads", "head_dim"), "matrix", into)
+        self.wk = _param(rngs, cfg, (d, k, h), ("embed", "kv_heads", "head_dim"), "matrix", into)
+        self.wv = _param(rngs, cfg, (d, k, h), ("embed", "kv_heads", "head_dim"), "matrix", into)
+        self.wo = _param(rngs, cfg, (n, h, d), ("heads", "head_dim", "embed"), "matrix", out_of)
         self.q_norm = RMSNorm(h, "head_dim", cfg) if cfg.qk_norm else None
         self.k_norm = RMSNorm(h, "head_dim", cfg) if cfg.qk_norm else None
         self.theta = cfg.rope_theta
@@ -200,9 +210,9 @@ class Mlp(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.d_ff
-        self.w_gate = _param(rngs, cfg, (d, f), ("embed", "mlp"))
-        self.w_up = _param(rngs, cfg, (d, f), ("embed", "mlp"))
-        self.w_down = _param(rngs, cfg, (f, d), ("mlp", "embed"))
+        self.w_gate = _param(rngs, cfg, (d, f), ("embed", "mlp"), "matrix", ("embed",))
+        self.w_up = _param(rngs, cfg, (d, f), ("embed", "mlp"), "matrix", ("embed",))
+        self.w_down = _param(rngs, cfg, (f, d), ("mlp", "embed"), "matrix", ("mlp",))
         self.dtype = DTYPES[cfg.dtype]
 
     def __call__(self, x_BSD):
@@ -253,13 +263,14 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embedding = _param(rngs, cfg, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
+        shape = (cfg.vocab_size, cfg.d_model)
+        self.embedding = _param(rngs, cfg, shape, ("vocab", "embed"), "embedding")
         self.blocks = _stacked_blocks(cfg, rngs)
         self.final_norm = RMSNorm(cfg.d_model, "norm", cfg)
         self.lm_head = (
             None
             if cfg.tie_embeddings
-            else _param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+            else _param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), "head")
         )
 
     def hidden_states(

@@ -22,7 +22,9 @@ class FeatureProjection(nnx.Module):
         w = jax.random.normal(rngs.params(), (pairs, d_student, d_teacher), jnp.float32)
         # Variance 1/D keeps the projected states on the scale of the student's.
         value = (w * d_student**-0.5).astype(dtype)
-        self.w = nnx.Param(value, out_sharding=(None, "embed", None), eager_sharding=False)
+        self.w = nnx.Param(
+            value, out_sharding=(None, "embed", None), eager_sharding=False, role="projection"
+        )
 
     def __call__(self, feats_PBSD: jax.Array) -> jax.Array:
         return jnp.einsum("PBSD,PDE->PBSE", feats_PBSD, self.w[...].astype(feats_PBSD.dtype))

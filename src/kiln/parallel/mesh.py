@@ -164,17 +164,35 @@ def _logical_names(var: nnx.Variable, ndim: int) -> tuple[str | None, ...]:
     return tuple(names) + (None,) * (ndim - len(names))
 
 
+def _fits(shape: tuple[int, ...], names: tuple, rules: Rules, sizes) -> bool:
+    """Whether `names` (one per dimension) shard `shape` evenly."""
+    if len(names) != len(shape):
+        return False
+    pieces = shards_per_dim(logical_spec(tuple(names), rules), sizes)
+    return all(n % p == 0 for n, p in zip(shape, pieces))
+
+
 def _path_str(path: tuple) -> str:
     return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
-def state_specs(state: Any, rules: Rules, sizes: Mapping[str, int]) -> Any:
-    """PartitionSpec per variable of an nnx state (arrays or ShapeDtypeStructs), by the rules."""
+def state_specs(
+    state: Any, rules: Rules, sizes: Mapping[str, int], *, derived: bool = False
+) -> Any:
+    """PartitionSpec per variable of an nnx state (arrays or ShapeDtypeStructs), by the rules.
+
+    `derived`: the state is an optimizer's, whose variables carry their parameter's logical
+    names. A statistic of another shape than its parameter's (Adafactor's row and column
+    means, its placeholders for unfactored parameters) is replicated: it is a sum of the
+    parameter's dimensions, not their product, in size.
+    """
 
     def spec(path, leaf):
         if isinstance(leaf, nnx.Variable):
             value = leaf.get_value()
             names = _logical_names(leaf, len(value.shape))
+            if derived and not _fits(value.shape, names, rules, sizes):
+                return leaf.replace(PartitionSpec())
             return leaf.replace(param_spec(_path_str(path), value.shape, names, rules, sizes))
         return PartitionSpec()
 
@@ -183,10 +201,11 @@ def state_specs(state: Any, rules: Rules, sizes: Mapping[str, int]) -> Any:
     )
 
 
-def state_shardings(state: Any, mesh: Mesh, rules: Rules) -> Any:
-    """NamedSharding per variable of an nnx state, matching its tree (for jit in/out_shardings)."""
+def state_shardings(state: Any, mesh: Mesh, rules: Rules, *, derived: bool = False) -> Any:
+    """NamedSharding per variable of an nnx state, matching its tree (for jit in/out_shardings);
+    `derived` as in `state_specs`."""
     sizes = dict(mesh.shape)
-    specs = state_specs(state, rules, sizes)
+    specs = state_specs(state, rules, sizes, derived=derived)
     return jax.tree.map(
         lambda s: NamedSharding(mesh, s),
         specs,

@@ -1,19 +1,32 @@
-"""AdamW with global-norm clipping, and the learning-rate schedules."""
+"""The optimizers (AdamW, Muon, Adafactor, Lion), gradient clipping, weight decay by parameter
+role, and the learning-rate schedules.
+
+Which rule a parameter gets (weight decay; Muon or AdamW) is decided by the role its model
+declares on it (`kiln.model.interface.ROLES`), never by its name.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
+from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from kiln.config import OptimConfig
+from kiln.errors import KilnError
+from kiln.model.interface import ROLES
 
 Schedule = Callable[[jax.Array], jax.Array]
 
-# Parameters whose path contains one of these names are not weight-decayed (norm scales, biases).
-NO_DECAY_NAMES = ("norm", "scale", "bias")
+# Roles that get weight decay; the embedding's follows `optim.decay_embeddings`.
+DECAYED_ROLES = ("matrix", "head", "projection")
+# The stacked-layers axis of scanned blocks: one matrix per layer, never an input or output axis.
+LAYERS = "layers"
 
 
 def make_schedule(cfg: OptimConfig, total_steps: int) -> Schedule:
@@ -47,26 +60,118 @@ def make_schedule(cfg: OptimConfig, total_steps: int) -> Schedule:
     return schedule
 
 
-def decay_mask(params) -> object:
-    """True for parameters that get weight decay: everything but norm scales and biases."""
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
 
-    def keep(path, _):
-        names = [str(getattr(k, "key", getattr(k, "name", k))).lower() for k in path]
-        return not any(n in name for name in names for n in NO_DECAY_NAMES)
 
-    return jax.tree_util.tree_map_with_path(keep, params)
+def role_of(var: nnx.Variable) -> str:
+    """The role a parameter declares; a KilnError if it declares none or an unknown one."""
+    role = var.get_metadata().get("role")
+    if role not in ROLES:
+        raise KilnError(
+            f"a parameter of shape {tuple(var.get_value().shape)} declares role {role!r}; "
+            f"allowed: {', '.join(ROLES)} (the model sets nnx.Param(..., role=...))"
+        )
+    return role
+
+
+def _per_parameter(decide: Callable[[nnx.Variable], Any], tree: Any) -> Any:
+    """`decide(var)` for every parameter of an nnx State, in the State's own structure."""
+    return jax.tree.map(lambda v: v.replace(decide(v)), tree, is_leaf=_is_variable)
+
+
+def decay_mask(params: Any, cfg: OptimConfig) -> Any:
+    """True for the parameters that get weight decay, by their declared role: hidden matrices,
+    the LM head, the distillation projection, and the embedding if `optim.decay_embeddings`."""
+    roles = (*DECAYED_ROLES, "embedding") if cfg.decay_embeddings else DECAYED_ROLES
+    return _per_parameter(lambda v: role_of(v) in roles, params)
+
+
+def muon_dimensions(var: nnx.Variable) -> MuonDimensionNumbers:
+    """The axes a matrix contracts with its input (its declared `fan_in`) and its output axes;
+    the stacked `layers` axis is a batch axis (one matrix per layer)."""
+    names = tuple(var.get_metadata().get("out_sharding") or ())
+    fan_in = tuple(var.get_metadata().get("fan_in") or ())
+    if len(names) != var.get_value().ndim or not fan_in or not set(fan_in) <= set(names):
+        raise KilnError(
+            f"a matrix parameter with axes {names} declares fan_in {fan_in}; "
+            "allowed: a non-empty subset of its axes' logical names"
+        )
+    into = tuple(i for i, n in enumerate(names) if n in fan_in)
+    out = tuple(i for i, n in enumerate(names) if n not in fan_in and n != LAYERS)
+    return MuonDimensionNumbers(reduction_axis=into, output_axis=out)
+
+
+def muon_labels(params: Any) -> Any:
+    """'muon' for hidden matrices, 'adamw' for every other parameter."""
+    return jax.tree.map(
+        lambda v: "muon" if role_of(v) == "matrix" else "adamw", params, is_leaf=_is_variable
+    )
+
+
+def _muon_dimension_tree(updates: Any) -> Any:
+    """Dimension numbers per matrix of the (partition-masked) updates Muon sees."""
+    return _per_parameter(muon_dimensions, updates)
+
+
+def match_adamw_rms(rms_scale: float) -> optax.GradientTransformation:
+    """Each orthogonalised update times rms_scale * sqrt(max(fan_in, fan_out)): Muon's updates
+    then have AdamW's typical RMS (Moonlight: 0.2), so AdamW's learning rate carries over."""
+
+    def scaled(var: nnx.Variable) -> jax.Array:
+        dims, shape = muon_dimensions(var), var.get_value().shape
+        fan_in = math.prod(shape[i] for i in dims.reduction_axis)
+        fan_out = math.prod(shape[i] for i in dims.output_axis)
+        return var.get_value() * (rms_scale * math.sqrt(max(fan_in, fan_out)))
+
+    return optax.stateless(lambda updates, params=None: _per_parameter(scaled, updates))
+
+
+def _direction(cfg: OptimConfig) -> optax.GradientTransformation:
+    """The configured optimizer's update direction, before weight decay and learning rate."""
+    adam = optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+    if cfg.name == "adamw":
+        return adam
+    if cfg.name == "muon":
+        m = cfg.muon
+        matrices = optax.chain(
+            scale_by_muon(
+                ns_steps=m.ns_steps,
+                beta=m.beta,
+                nesterov=m.nesterov,
+                weight_dimension_numbers=_muon_dimension_tree,
+            ),
+            match_adamw_rms(m.rms_scale),
+        )
+        return optax.partition({"muon": matrices, "adamw": adam}, muon_labels)
+    if cfg.name == "adafactor":
+        a = cfg.adafactor
+        parts = [
+            optax.scale_by_factored_rms(
+                factored=a.factored,
+                decay_rate=a.decay_rate,
+                min_dim_size_to_factor=a.min_dim_size_to_factor,
+                epsilon=a.eps,
+            )
+        ]
+        if a.clipping_threshold is not None:
+            parts.append(optax.clip_by_block_rms(a.clipping_threshold))
+        return optax.chain(*parts)
+    return optax.scale_by_lion(b1=cfg.lion.b1, b2=cfg.lion.b2)
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-    """Clipping and AdamW without the learning rate: the train step scales by the schedule.
+    """Clipping, the optimizer's direction and decoupled weight decay, without the learning
+    rate: the train step scales by the schedule.
 
     Keeping the learning rate outside optax makes it an exact function of the train step, which
     is what `learning/current_learning_rate` reports and what a resumed run continues from.
+    The parameters are an nnx State whose Params declare their roles (the masks read them).
     """
     parts = []
     if cfg.grad_clip is not None:
         parts.append(optax.clip_by_global_norm(cfg.grad_clip))
-    parts.append(optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps))
+    parts.append(_direction(cfg))
     if cfg.weight_decay:
-        parts.append(optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask))
+        parts.append(optax.add_decayed_weights(cfg.weight_decay, mask=lambda p: decay_mask(p, cfg)))
     return optax.chain(*parts)

@@ -1,6 +1,7 @@
-"""Whether a config may start or continue the run in its directory: a finished run, or a longer
-schedule whose learning rate would jump at the resume step, is refused (or, when finished,
-reported) before anything is written; a run with metrics but no checkpoint starts over."""
+"""Whether a config may start or continue the run in its directory: a finished run, another
+optimizer than the checkpoint's, or a longer schedule whose learning rate would jump at the
+resume step, is refused (or, when finished, reported) before anything is written; a run with
+metrics but no checkpoint starts over."""
 
 from __future__ import annotations
 
@@ -42,6 +43,13 @@ def check_start(config: Config, previous: Config | None, latest: int | None) -> 
         raise RunComplete(
             f"run complete at step {latest} (train.steps={steps}); nothing trained, {run_dir} "
             f"left as it was; {_way_on(config.optim, latest)}"
+        )
+    if previous is not None and previous.optim.name != config.optim.name:
+        raise KilnError(
+            f"optim.name: {previous.optim.name} -> {config.optim.name} on resume: the checkpoint "
+            f"at step {latest} holds {previous.optim.name}'s state; keep "
+            f"optim.name={previous.optim.name}, or start a new run from these weights "
+            f"({_new_run(run_dir)})"
         )
     if previous is not None and previous.train.steps != steps:
         jump = lr_jump(config.optim, latest, previous.train.steps, steps)

@@ -87,7 +87,8 @@ def _optimizer_init(config: Config, mesh: Mesh, params: nnx.State) -> Callable:
     """The optimizer's jitted `init(params)`, its state in the parameters' shardings."""
     tx = make_optimizer(config.optim)
     # Moments carry their parameter's logical names, so they shard like it; counts replicate.
-    opt_shardings = state_shardings(jax.eval_shape(tx.init, params), mesh, config.mesh.rules)
+    abstract = jax.eval_shape(tx.init, params)
+    opt_shardings = state_shardings(abstract, mesh, config.mesh.rules, derived=True)
     return jax.jit(tx.init, out_shardings=opt_shardings)
 
 

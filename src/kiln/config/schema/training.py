@@ -13,9 +13,64 @@ from kiln.errors import KilnError
 from kiln.util.storage import local_dir, local_or_url
 
 
-class OptimConfig(Section):
-    """AdamW, gradient clipping and the learning-rate schedule."""
+class MuonConfig(Section):
+    """Muon (optim.name: muon): momentum orthogonalised by Newton-Schulz iterations for the
+    hidden matrices; AdamW (optim.b1, b2, eps) for the embedding, LM head and norms."""
 
+    ns_steps: PositiveInt = Field(
+        5, le=20, description="Newton-Schulz iterations per update (1..20)."
+    )
+    beta: float = Field(0.95, ge=0, lt=1, description="Momentum decay.")
+    nesterov: bool = Field(True, description="Nesterov momentum.")
+    rms_scale: float = Field(
+        0.2,
+        gt=0,
+        le=10,
+        allow_inf_nan=False,
+        description="Update RMS matched to AdamW's: each orthogonalised update is scaled by rms_scale * sqrt(max(fan_in, fan_out)) (Moonlight's 0.2), so AdamW learning rates carry over.",
+    )
+
+
+class AdafactorConfig(Section):
+    """Adafactor (optim.name: adafactor): second moments factored into row and column means."""
+
+    factored: bool = Field(
+        True, description="Factor the second moments of matrices (false: full, as Adam's)."
+    )
+    decay_rate: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        description="Second-moment decay 1 - (step + 1)^-decay_rate.",
+    )
+    min_dim_size_to_factor: PositiveInt = Field(
+        128, description="A matrix is factored when its two largest dimensions are this or larger."
+    )
+    clipping_threshold: float | None = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Clip each update to this root-mean-square; null = no clipping.",
+    )
+    eps: float = Field(1e-30, gt=0, allow_inf_nan=False, description="Added to squared gradients.")
+
+
+class LionConfig(Section):
+    """Lion (optim.name: lion): the sign of an interpolated momentum. Its updates are +-1 per
+    entry, so its learning rate is usually 3-10 times smaller than AdamW's."""
+
+    b1: float = Field(0.9, ge=0, lt=1, description="Interpolation of momentum and gradient.")
+    b2: float = Field(0.99, ge=0, lt=1, description="Momentum decay.")
+
+
+class OptimConfig(Section):
+    """The optimizer, gradient clipping and the learning-rate schedule."""
+
+    name: Literal["adamw", "muon", "adafactor", "lion"] = Field(
+        "adamw",
+        description="adamw; muon (Muon for hidden matrices, AdamW for the rest); adafactor; lion. Each one's own fields are in its section (optim.muon, optim.adafactor, optim.lion).",
+    )
     learning_rate: float = Field(
         3e-4, gt=0, allow_inf_nan=False, description="Peak learning rate (> 0)."
     )
@@ -45,17 +100,35 @@ class OptimConfig(Section):
         0.1,
         ge=0,
         allow_inf_nan=False,
-        description="Decoupled weight decay (norm scales and biases are excluded).",
+        description="Decoupled weight decay, by each parameter's declared role: hidden matrices, the LM head, the distillation projection and (decay_embeddings) the embedding; never norm scales or biases.",
     )
-    b1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
-    b2: float = Field(0.95, ge=0, lt=1, description="Adam beta2.")
-    eps: float = Field(1e-8, gt=0, allow_inf_nan=False, description="Adam epsilon.")
+    decay_embeddings: bool = Field(True, description="Weight-decay the token embedding too.")
+    b1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1 (also Muon's AdamW part).")
+    b2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2 (also Muon's AdamW part).")
+    eps: float = Field(
+        1e-8, gt=0, allow_inf_nan=False, description="AdamW epsilon (also Muon's AdamW part)."
+    )
     grad_clip: float | None = Field(
         1.0,
         gt=0,
         allow_inf_nan=False,
         description="Clip gradients to this global norm; null = no clipping.",
     )
+    muon: MuonConfig = Field(default_factory=MuonConfig, description="optim.name: muon.")
+    adafactor: AdafactorConfig = Field(
+        default_factory=AdafactorConfig, description="optim.name: adafactor."
+    )
+    lion: LionConfig = Field(default_factory=LionConfig, description="optim.name: lion.")
+
+    def errors(self) -> list[str]:
+        """A section of another optimizer than `name` set away from its defaults: it would be
+        silently unused."""
+        return [
+            f"optim.{other}: set, but optim.name is {self.name}; "
+            f"allowed: optim.name={other}, or optim.{other} at its defaults"
+            for other in ("muon", "adafactor", "lion")
+            if other != self.name and getattr(self, other) != type(getattr(self, other))()
+        ]
 
 
 class LossConfig(Section):
