@@ -217,7 +217,7 @@ def _open_source(
     into the cache on first use."""
     d = config.data
     if s.source == "tokens":
-        dirs = [storage.location(p) for p in paths]
+        dirs = [storage.location(p, what) for p in paths]
         if not dirs:
             raise KilnError(f"{what}: empty; source=tokens needs `kiln prepare` output directories")
         corpus = open_corpus(

@@ -382,7 +382,7 @@ def run_prepare(
         fmt,
         field,
         tokenizer,
-        storage.location(output),
+        storage.location(output, "--output"),
         workers=workers,
         progress=sys.stderr.isatty(),
         on_decode_error=on_decode_error,
