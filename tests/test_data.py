@@ -723,6 +723,5 @@ def test_cli_train_on_shards_damaged_after_prepare_is_refused(tmp_path, corpus):
         "384; allowed: ids below it (the shard is damaged or was prepared for another "
         "vocabulary; re-run kiln prepare with data.tokenizer)"
     ]
-    metrics = runs / "tiny" / "metrics.jsonl"
-    assert not metrics.exists() or not metrics.read_text().strip()  # not one step trained
-    assert not list((runs / "tiny" / "checkpoints").glob("[0-9]*"))
+    # The first batch is read before the run directory is written: nothing of the run is.
+    assert not (runs / "tiny").exists()

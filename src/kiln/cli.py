@@ -25,7 +25,7 @@ from kiln.commands.handlers import (
     cmd_train,
 )
 from kiln.errors import KilnError, RunStopped
-from kiln.util.interrupt import exit_on_signals
+from kiln.util.interrupt import exit_code, exit_on_signals, signal_of, stop_line
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -372,9 +372,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in str(e).splitlines() or [type(e).__name__]:
             print(f"kiln: error: {line}", file=sys.stderr)
         return _leave(2 if isinstance(e, KilnError) else 1)
-    except KeyboardInterrupt:
-        print("kiln: interrupted", file=sys.stderr)
-        return _leave(130)
+    except KeyboardInterrupt as e:
+        signum = signal_of(e)  # SIGINT, or SIGTERM raised as an exception (kiln prepare)
+        print(stop_line(signum), file=sys.stderr)
+        return _leave(exit_code(signum))
     except BrokenPipeError:
         # The reader of stdout has gone (`kiln config --explain | head`): stop quietly, as a
         # Unix filter does; stdout goes to /dev/null so that the exit's flush cannot fail again.

@@ -18,16 +18,20 @@ def first_line(e: BaseException, limit: int = 300) -> str:
     return (text.splitlines()[0] if text else type(e).__name__)[:limit]
 
 
-def write_error(e: OSError, path: object, kept: int | str | None = "") -> RunStopped:
+def write_error(
+    e: OSError, path: object, kept: int | str | None = "", *, then: str | None = None
+) -> RunStopped:
     """A failed write to a run's files as one line; a full disk (or quota) says so.
 
     `kept`: the step of the last complete checkpoint, None if there is none ("" = not known).
+    `then`: what running the same command again does, for files other than a run's.
     """
     resume = "resume from the last complete checkpoint"
     if kept is None:
         resume = "start over (there is no complete checkpoint yet)"
     elif kept != "":
         resume += f" (step {kept})"
+    resume = then or resume
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return RunStopped(
             f"no space left on device writing {path}; nothing half-written was kept: free "

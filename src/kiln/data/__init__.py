@@ -18,6 +18,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ import numpy as np
 
 from kiln.data.chat import record_format
 from kiln.data.corpus import open_corpus, read_manifest, split_documents
+from kiln.data.manifest import MANIFEST, DamagedShards
 from kiln.data.mixture import MixedDatasets, SourceSplit, source_seed
 from kiln.data.pipeline import Batch, Datasets, StreamWindows, SyntheticWindows
 from kiln.data.prepare import decode_error_note, prepare
@@ -130,11 +133,13 @@ def open_source(
 
     batch = config.train.global_batch_size
     corpus, sources, identity = _open_source(
-        config, s, s.paths, tokenizer, notes, f"{prefix}.paths"
+        config, s, s.paths, tokenizer, notes, warnings, f"{prefix}.paths"
     )
     if s.eval_paths:
         what = f"{prefix}.eval_paths"
-        held_corpus, held_sources, _ = _open_source(config, s, s.eval_paths, tokenizer, notes, what)
+        held_corpus, held_sources, _ = _open_source(
+            config, s, s.eval_paths, tokenizer, notes, warnings, what
+        )
         shared = sorted(set(sources) & set(held_sources), key=str)
         if shared:
             raise KilnError(
@@ -210,14 +215,20 @@ def small_eval_warning(
 
 
 def _open_source(
-    config: Any, s: Any, paths: list[str], tokenizer: Tokenizer, notes: list[str], what: str
+    config: Any,
+    s: Any,
+    paths: list[str],
+    tokenizer: Tokenizer,
+    notes: list[str],
+    warnings: list[str],
+    what: str,
 ) -> tuple[Any, list[storage.Location], list]:
     """The corpus of `paths` (local paths or URLs) of source `s`, what it was read from, and its
     identity for `inputs.json`: prepared directories (source=tokens), or raw files, tokenized
-    into the cache on first use."""
+    into the cache on first use (and again if the cache is damaged, with a warning)."""
     d = config.data
     if s.source == "tokens":
-        dirs = [storage.location(p) for p in paths]
+        dirs = [storage.location(p, what) for p in paths]
         if not dirs:
             raise KilnError(f"{what}: empty; source=tokens needs `kiln prepare` output directories")
         corpus = open_corpus(
@@ -229,8 +240,27 @@ def _open_source(
     check_regular(files, what)  # `kiln prepare --input` streams one once, e.g. /dev/stdin
     if not any(storage.size(f) for f in files):
         raise KilnError(f"{what}: {list(paths)} hold no text (every input file is empty)")
-    fmt = record_format(s.format, tokenizer, s.chat_template)
     cache = cache_dir_for(config, files, tokenizer, s)
+    try:
+        manifest, corpus = _tokenized(config, s, files, tokenizer, cache)
+    except DamagedShards as e:  # kiln's own copy of the inputs: made again from them
+        _discard(cache, e.reason)
+        warnings.append(f"data.cache_dir: {cache} was damaged ({e.reason}); rebuilt it from {what}")
+        manifest, corpus = _tokenized(config, s, files, tokenizer, cache)
+    note = decode_error_note(manifest)
+    if note:
+        notes.append(f"{what}: {note}")
+    identity = [(f["path"], f["size"]) for f in input_identity(files)]
+    return corpus, [f.resolve() if isinstance(f, Path) else f for f in files], identity
+
+
+def _tokenized(
+    config: Any, s: Any, files: list[storage.Location], tokenizer: Tokenizer, cache: Path
+) -> tuple[dict[str, Any], Any]:
+    """The manifest and corpus of `cache`, tokenizing `files` into it unless it holds them;
+    DamagedShards if what it holds is not what was written there."""
+    if cache.is_dir() and any(cache.iterdir()) and not (cache / MANIFEST).is_file():
+        raise DamagedShards(f"{cache}: no {MANIFEST}")  # published with one, in one rename
     manifest, _ = prepare(
         files,
         s.source,
@@ -240,16 +270,32 @@ def _open_source(
         progress=sys.stderr.isatty(),
         what="data.cache_dir",
         on_decode_error=s.on_decode_error,
-        record_format=fmt,
+        record_format=record_format(s.format, tokenizer, s.chat_template),
     )
-    note = decode_error_note(manifest)
-    if note:
-        notes.append(f"{what}: {note}")
     corpus = open_corpus(
-        [cache], tokenizer, config.model.vocab_size, what="data.cache_dir", verify=d.verify_shards
+        [cache],
+        tokenizer,
+        config.model.vocab_size,
+        what="data.cache_dir",
+        verify=config.data.verify_shards,
     )
-    identity = [(f["path"], f["size"]) for f in input_identity(files)]
-    return corpus, [f.resolve() if isinstance(f, Path) else f for f in files], identity
+    return manifest, corpus
+
+
+def _discard(cache: Path, reason: str) -> None:
+    """Remove a damaged cache directory: renamed aside in one step (so the cache is either the
+    damaged directory or absent, never half-deleted), then deleted."""
+    aside = cache.with_name(f".{cache.name}.damaged-{os.getpid()}")
+    try:
+        os.replace(cache, aside)
+    except FileNotFoundError:
+        return  # another process of the run got there first
+    except OSError as e:
+        raise KilnError(
+            f"data.cache_dir: {cache} is damaged ({reason}) and cannot be rebuilt: "
+            f"{e.strerror}; delete it, or set data.cache_dir to a directory kiln can write"
+        ) from None
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def cache_dir_for(

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.data.manifest import MANIFEST, READ_VERSIONS
+from kiln.data.manifest import MANIFEST, READ_VERSIONS, DamagedShards
 from kiln.data.remote_tokens import RemoteTokens, crc32_of_url
 from kiln.data.tokenizers import Tokenizer
 from kiln.errors import KilnError
@@ -99,10 +99,14 @@ def read_manifest(d: storage.Location, what: str = "data.paths") -> dict[str, An
     try:
         manifest = json.loads(storage.read_bytes(path))
     except (KilnError, ValueError) as e:
-        raise KilnError(f"{path}: unreadable or not JSON ({e})") from None
+        raise DamagedShards(
+            f"{path}: unreadable or not JSON ({e})", "re-run kiln prepare"
+        ) from None
     needed = ("version", "tokenizer", "dtype", "shards")
     if not isinstance(manifest, dict) or any(k not in manifest for k in needed):
-        raise KilnError(f"{path}: not a kiln manifest (needs {', '.join(needed)})")
+        raise DamagedShards(
+            f"{path}: not a kiln manifest (needs {', '.join(needed)})", "re-run kiln prepare"
+        )
     if manifest["version"] not in READ_VERSIONS:
         raise KilnError(
             f"{path}: manifest version {manifest['version']!r}; this kiln reads versions "
@@ -137,21 +141,18 @@ def _open_shard(
         try:
             size = storage.size(path)
         except KilnError as e:
-            raise KilnError(f"{e}; re-run kiln prepare") from None
+            raise DamagedShards(str(e)) from None
         if size != expect:
-            raise KilnError(
-                f"{path}: {size} bytes, the manifest says {expect}; the shard is damaged, re-run kiln prepare"
-            )
+            raise DamagedShards(f"{path}: {size} bytes, the manifest says {expect}")
         want = entry.get(f"{kind}_crc32")
         crc = crc32_of_url if remote else crc32_of
         if verify and want is not None and f"{crc(path):08x}" != want:
-            raise KilnError(
-                f"{path}: its bytes do not match the CRC-32 in {storage.join(d, MANIFEST)}; the "
-                "shard is damaged, re-run kiln prepare"
+            raise DamagedShards(
+                f"{path}: its bytes do not match the CRC-32 in {storage.join(d, MANIFEST)}"
             )
     offsets = np.frombuffer(storage.read_bytes(idx_path), np.int64)
     if offsets[0] != 0 or offsets[-1] != n_tok or np.any(np.diff(offsets) <= 0):
-        raise KilnError(f"{idx_path}: document offsets are inconsistent; re-run kiln prepare")
+        raise DamagedShards(f"{idx_path}: document offsets are inconsistent")
     if not n_tok:
         return np.zeros(0, dtype), offsets
     if remote:
@@ -166,17 +167,16 @@ def _open_weights(d: storage.Location, entry: dict[str, Any], num_tokens: int, v
         return None
     path = storage.join(d, f"{entry['name']}.wts")
     remote = storage.is_remote(d)
-    size = storage.size(path)
+    try:
+        size = storage.size(path)
+    except KilnError as e:
+        raise DamagedShards(str(e)) from None
     if size != num_tokens:
-        raise KilnError(
-            f"{path}: {size} bytes, one loss weight per token needs {num_tokens}; the shard is "
-            "damaged, re-run kiln prepare"
-        )
+        raise DamagedShards(f"{path}: {size} bytes, one loss weight per token needs {num_tokens}")
     crc = crc32_of_url if remote else crc32_of
     if verify and f"{crc(path):08x}" != want:
-        raise KilnError(
-            f"{path}: its bytes do not match the CRC-32 in {storage.join(d, MANIFEST)}; the "
-            "shard is damaged, re-run kiln prepare"
+        raise DamagedShards(
+            f"{path}: its bytes do not match the CRC-32 in {storage.join(d, MANIFEST)}"
         )
     if not num_tokens:
         return np.zeros(0, np.uint8)
@@ -202,10 +202,10 @@ def _check_ids(
 
 def token_id_error(path: storage.Location, token: int, vocab_size: int) -> KilnError:
     """A shard holds `token` >= model.vocab_size: found at open time or in a batch being read."""
-    return KilnError(
-        f"{path}: holds token id {token}, but model.vocab_size is {vocab_size}; allowed: ids "
-        "below it (the shard is damaged or was prepared for another vocabulary; re-run kiln "
-        "prepare with data.tokenizer)"
+    return DamagedShards(
+        f"{path}: holds token id {token}, but model.vocab_size is {vocab_size}",
+        "allowed: ids below it (the shard is damaged or was prepared for another vocabulary; "
+        "re-run kiln prepare with data.tokenizer)",
     )
 
 

@@ -61,6 +61,9 @@ def parse_task(text: str, what: str = "task") -> TaskSpec:
         raise KilnError(f"{what}: {got}; {allowed}")
     if not path:
         raise KilnError(f"{what}: {text!r} gives no path; {allowed}")
+    problem = storage.url_problem(path)
+    if problem is not None:
+        raise KilnError(f"{what}: {text!r}: {problem}; {storage.ALLOWED}")
     name = name if name is not None else default_name(path)
     if not _NAME.match(name):
         raise KilnError(

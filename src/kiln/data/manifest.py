@@ -16,6 +16,15 @@ MANIFEST_VERSION = 2  # the newest this kiln writes (with loss weights)
 READ_VERSIONS = (1, 2)  # 1: tokens only, every token a target; 2: may carry .wts weights
 
 
+class DamagedShards(KilnError):
+    """Prepared shards whose files are not what `kiln prepare` wrote (sizes, checksums,
+    manifest); `reason` says what is wrong without advice, for a cache that kiln rebuilds."""
+
+    def __init__(self, reason: str, advice: str = "the shard is damaged, re-run kiln prepare"):
+        super().__init__(f"{reason}; {advice}")
+        self.reason = reason
+
+
 def identity_of(
     fmt: str,
     field: str,
@@ -44,6 +53,11 @@ def up_to_date(output: storage.Location, wanted: dict[str, Any], what: str) -> d
     existing = existing_manifest(output)
     if existing is None:
         return None
+    if not existing:
+        raise DamagedShards(
+            f"{what} {output}: its {MANIFEST} is unreadable or not JSON",
+            "choose a new directory or delete it",
+        )
     if {k: existing.get(k) for k in wanted} == wanted:
         return existing
     raise KilnError(

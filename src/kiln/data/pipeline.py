@@ -156,6 +156,27 @@ class SyntheticWindows:
         return pack(tokens, np.ones(tokens.shape, bool), None, 0)
 
 
+class FirstRead(Iterator):
+    """A data iterator whose next batch is read at once: a batch that cannot be read (a token id
+    beyond model.vocab_size in a shard opened with data.verify_shards: false) is refused before
+    a run writes anything. The same batches follow; the state is the data's."""
+
+    def __init__(self, batches):
+        self.batches = batches
+        self._state = batches.get_state()
+        self._first = [next(batches)]
+
+    def __next__(self) -> Batch:
+        return self._first.pop() if self._first else next(self.batches)
+
+    def get_state(self) -> dict[str, Any]:
+        return self._state if self._first else self.batches.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._first = []
+        self.batches.set_state(state)
+
+
 class Datasets:
     """Train and held-out batches of one process: its rows of every global batch.
 

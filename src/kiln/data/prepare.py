@@ -53,8 +53,9 @@ from kiln.data.sources import (
 from kiln.data.tokenizers import Tokenizer, load_tokenizer
 from kiln.data.upload import prepare_to_url
 from kiln.data.workers import sigterm_as_interrupt, worker_pool
-from kiln.errors import KilnError
+from kiln.errors import KilnError, write_error
 from kiln.util import storage
+from kiln.util.files import check_creatable, write_array
 from kiln.util.humanize import plural
 
 _MIN_TASK_BYTES = 64 << 10
@@ -123,6 +124,7 @@ def _write_shards(
         raise KilnError(
             f"{what} {output}: exists and is not an empty directory or a kiln prepare output"
         )
+    check_creatable(output, what, beside=True)  # staged next to it: before any input is read
     total = sum(i["size"] for i in inputs)
     if workers is None:
         workers = 1 if total < _SERIAL_BYTES else default_workers()
@@ -133,12 +135,12 @@ def _write_shards(
     # Directories this call makes, deepest first: removed again if it fails (a bad record
     # leaves nothing behind, not even an empty cache directory).
     made = [p for p in (output.parent, *output.parent.parents) if not p.exists()]
-    output.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_staging(output)
     staging = output.parent / f".{output.name}.partial-{socket.gethostname()}-{os.getpid()}"
     start = time.perf_counter()
     with sigterm_as_interrupt():
         try:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            _remove_stale_staging(output)
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir()
             shards = _run(
@@ -165,11 +167,13 @@ def _write_shards(
             }
             _write_json(staging / MANIFEST, manifest)
             _publish(staging, output)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(staging, ignore_errors=True)
             for path in made:
                 with contextlib.suppress(OSError):
                     path.rmdir()
+            if isinstance(e, OSError):  # inputs are read through KilnErrors: a failed write
+                raise write_error(e, output, then="prepare it") from None
             raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -304,15 +308,15 @@ def _tokenize_task(
     for e, a, b in zip(encoded, offsets[:-1], offsets[1:]):
         tokens[a : b - 1] = e
         tokens[b - 1] = tokenizer.eos_id
-    tokens.tofile(Path(staging) / f"{name}.bin")
-    offsets.tofile(Path(staging) / f"{name}.idx")
+    write_array(Path(staging) / f"{name}.bin", tokens)
+    write_array(Path(staging) / f"{name}.idx", offsets)
     weighted = {}
     if doc_weights is not None:
         weights = np.empty(len(tokens), np.uint8)
         for w, a, b in zip(doc_weights, offsets[:-1], offsets[1:]):
             weights[a : b - 1] = w
             weights[b - 1] = eos_weight(record_format)
-        weights.tofile(Path(staging) / f"{name}.wts")
+        write_array(Path(staging) / f"{name}.wts", weights)
         weighted = {
             "wts_crc32": f"{zlib.crc32(weights):08x}",
             "num_scored_tokens": int(weights.sum(dtype=np.int64)),
@@ -378,7 +382,7 @@ def run_prepare(
         fmt,
         field,
         tokenizer,
-        storage.location(output),
+        storage.location(output, "--output"),
         workers=workers,
         progress=sys.stderr.isatty(),
         on_decode_error=on_decode_error,

@@ -57,10 +57,10 @@ def _expand(pattern: str, what: str) -> list[Location]:
         root = bundled_root()
         hits = glob.glob(pattern[len(BUNDLED_PREFIX) :], root_dir=root, recursive=True)
         return [(root / h).absolute() for h in hits if (root / h).is_file()]
-    if storage.is_remote(storage.location(pattern)):
+    if storage.is_remote(storage.location(pattern, what)):
         return list(storage.expand(pattern, what))
     if storage.scheme(pattern) == "file":
-        pattern = str(storage.location(pattern))
+        pattern = str(storage.location(pattern, what))
     if pattern.startswith(STDLIB_PREFIX):
         root = stdlib_root()
         hits = glob.glob(pattern[len(STDLIB_PREFIX) :], root_dir=root, recursive=True)

@@ -21,6 +21,7 @@ in `writer_processes` equal blocks, whatever the reader's process count.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -32,8 +33,9 @@ from typing import Any
 import numpy as np
 
 from kiln.data.prepare import pid_alive
-from kiln.errors import KilnError
+from kiln.errors import KilnError, write_error
 from kiln.util.checksums import crc32_of
+from kiln.util.files import write_array
 
 MANIFEST = "manifest.json"
 SHARD_INFO = "shard.json"
@@ -41,6 +43,8 @@ VERSION = 1
 DTYPES = ("bfloat16", "float32")
 ARRAYS = ("values", "ids", "lse", "row_crc")
 FIELD = "distillation.teacher_logits_dir"
+# What running `kiln teacher-logits` again does after a failed write.
+FINISH = "finish the store (the shards written so far are kept)"
 
 
 def bytes_per_token(top_k: int, dtype: str) -> int:
@@ -103,13 +107,18 @@ def read_manifest(directory: Path, what: str = FIELD) -> dict[str, Any]:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    """Write JSON atomically (temporary file, fsync, rename)."""
+    """Write JSON atomically (temporary file, fsync, rename); a failed write leaves nothing."""
     tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def first_difference(want: Any, got: Any, prefix: str = "") -> tuple[str, Any, Any] | None:
@@ -128,20 +137,24 @@ def first_difference(want: Any, got: Any, prefix: str = "") -> tuple[str, Any, A
 
 
 def write_shard(directory: Path, name: str, arrays: dict[str, np.ndarray]) -> None:
-    """Write one shard's arrays into a staging directory, then rename it into place."""
+    """Write one shard's arrays into a staging directory, then rename it into place; a failed
+    write (a full disk) removes the staging directory and is a RunStopped naming the shard."""
     staging = directory / f".{name}.partial-{socket.gethostname()}-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    info = {}
-    for key in ARRAYS:
-        path = staging / f"{key}.npy"
-        with open(path, "wb") as f:
-            np.save(f, arrays[key], allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-        info[key] = {"bytes": path.stat().st_size, "crc32": f"{crc32_of(path):08x}"}
-    write_json(staging / SHARD_INFO, info)
-    os.replace(staging, directory / name)
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        info = {}
+        for key in ARRAYS:
+            path = staging / f"{key}.npy"
+            write_array(path, arrays[key], npy=True, sync=True)
+            info[key] = {"bytes": path.stat().st_size, "crc32": f"{crc32_of(path):08x}"}
+        write_json(staging / SHARD_INFO, info)
+        os.replace(staging, directory / name)
+    except BaseException as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise write_error(e, directory / name, then=FINISH) from None
+        raise
 
 
 def remove_stale_staging(directory: Path) -> None:

@@ -10,6 +10,7 @@ log-sum-exp at `distillation.temperature` of all of them. Shards are published w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -41,10 +42,12 @@ from kiln.distill.store import (
     write_shard,
 )
 from kiln.distill.teacher import abstract_teacher, load_teacher, read_teacher_config
-from kiln.errors import KilnError
+from kiln.errors import KilnError, write_error
 from kiln.parallel.distributed import initialize
 from kiln.parallel.mesh import batch_sharding, in_mesh, make_mesh
 from kiln.runs.checkpoint import complete_steps, restore_params
+from kiln.runs.lock import LOCK_NAME, RunLock
+from kiln.runs.paths import check_creatable
 from kiln.training import train
 from kiln.util.humanize import plural
 
@@ -95,7 +98,12 @@ def write_store(
     dtype: str = "bfloat16",
     shard_steps: int | None = None,
 ) -> str:
-    """Write (or finish) the store of `config`'s stream in `out`; returns a summary line."""
+    """Write (or finish) the store of `config`'s stream in `out`; returns a summary line.
+
+    `out` is checked writable before any work, and process 0 holds its lock (one writer per
+    store, as per run directory) from before the teacher is read to the end; directories this
+    call made are removed again if it fails before writing into them.
+    """
     initialize(config)  # before any device is touched
     out = Path(out).expanduser().absolute()
     if dtype not in DTYPES:
@@ -105,9 +113,38 @@ def write_store(
         raise KilnError(f"--top-k: {top_k}; allowed: 1..{vocab} (model.vocab_size)")
     if out.exists() and not out.is_dir():
         raise KilnError(f"--out: {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+    check_creatable(out, "--out")
+    held = out.is_dir() and any(p.name != LOCK_NAME for p in out.iterdir())
+    if held and not (out / MANIFEST).is_file():
         raise KilnError(f"--out: {out} is not empty and holds no store of kiln teacher-logits")
     checks.check_constant_temperature(config)
+    made = [p for p in (out, *out.parents) if not p.exists()]
+    lock = RunLock(out, "kiln teacher-logits", field="--out", kind="store")
+    written = False
+    try:
+        taken = None
+        if jax.process_index() == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            taken = lock.acquire()
+        line = _write_store(config, out, top_k, dtype, shard_steps, taken)
+        written = True
+        return line
+    finally:
+        lock.release()
+        for path in made if not written else ():
+            with contextlib.suppress(OSError):  # not empty: a manifest or shards were written
+                path.rmdir()
+
+
+def _write_store(
+    config: Config,
+    out: Path,
+    top_k: int,
+    dtype: str,
+    shard_steps: int | None,
+    taken: str | None,
+) -> str:
+    """`write_store` once `out` is locked; `taken`: the note of a stale lock taken over."""
     # The teacher's config is checked before any data is read; a new store takes its latest step.
     read_teacher_config(config, keep_pinned=False)
     existing = read_manifest(out, "--out") if (out / MANIFEST).is_file() else None
@@ -138,11 +175,15 @@ def write_store(
                 f"--out: {out} holds a store with {key} {stored!r}, this run would write {mine!r}; "
                 "finish it with the settings it was started with, or choose a new directory"
             )
+    batches = datasets.train_iterator()
+    next(batches)  # its token ids checked (data.verify_shards: false) before anything is written
     if writers > 1:  # every process has read `out` before process 0 writes into it
         multihost_utils.sync_global_devices("kiln: teacher-logits validated")
     if me == 0 and existing is None:
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / MANIFEST, manifest)
+        try:
+            write_json(out / MANIFEST, manifest)
+        except OSError as e:
+            raise write_error(e, out / MANIFEST, then="write the store") from None
     if writers > 1:
         multihost_utils.sync_global_devices("kiln: teacher-logits manifest written")
     remove_stale_staging(out)
@@ -154,8 +195,9 @@ def write_store(
         missing = multihost_utils.process_allgather(missing).any(axis=0)
     todo = [m for m, needed in zip(mine, missing) if needed]
     fn = topk_function(config, teacher, mesh, top_k)
-    batches = datasets.train_iterator()
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if me == 0 else (lambda _: None)
+    if taken:
+        say(f"kiln: {taken}")
     if len(todo) < len(mine):
         say(f"kiln: {plural(len(mine) - len(todo), 'shard')} of {out} already written; resuming")
     started, done_steps = time.perf_counter(), 0

@@ -1,4 +1,5 @@
-"""One writer per run directory: an exclusive lock file naming its holder's host and pid.
+"""One writer per run directory (and per store of `kiln teacher-logits`): an exclusive lock file
+naming its holder's host and pid.
 
 The lock is an advisory `flock` on `{run_dir}/kiln.lock`, which the kernel releases when the
 holder exits in any way (kill -9 included), so a lock left behind by a dead process never
@@ -25,11 +26,18 @@ LOCK_NAME = "kiln.lock"
 
 
 class RunLock:
-    """The exclusive lock of one run directory, held from `acquire` until `release` or exit."""
+    """The exclusive lock of one run directory, held from `acquire` until `release` or exit.
 
-    def __init__(self, run_dir: Path, command: str):
+    `field` and `kind` name the directory in a refusal: the option or config field that chose
+    it, and what it holds (a "run", a "store").
+    """
+
+    def __init__(
+        self, run_dir: Path, command: str, *, field: str = "train.run_name", kind: str = "run"
+    ):
         self.path = Path(run_dir) / LOCK_NAME
         self.command = command
+        self.field, self.kind = field, kind
         self._fd: int | None = None
         self._forget = lambda: None
 
@@ -93,9 +101,9 @@ class RunLock:
             else "another process (the lock file names no holder yet)"
         )
         return (
-            f"train.run_name: the run directory {self.path.parent} is in use by {who}; "
-            f"one process writes a run at a time (its lock: {self.path}); wait for it to end, "
-            "stop it, or use another train.run_name"
+            f"{self.field}: the {self.kind} directory {self.path.parent} is in use by {who}; "
+            f"one process writes a {self.kind} at a time (its lock: {self.path}); wait for it "
+            f"to end, stop it, or use another {self.field}"
         )
 
 

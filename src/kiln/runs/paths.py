@@ -3,13 +3,11 @@ file in the way, a read-only or pseudo filesystem) is bad input, refused in one 
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 from kiln.config import Config
-from kiln.errors import KilnError
 from kiln.util import storage
+from kiln.util.files import check_creatable
 
 # Sources tokenized into data.cache_dir on first use.
 _CACHED_SOURCES = ("text", "jsonl", "parquet")
@@ -31,28 +29,3 @@ def check_output_paths(config: Config) -> None:
         root = Path(cache).expanduser() if cache else output_dir / ".cache"
         if not root.is_dir():  # an existing cache may be read-only: prepared data is only read
             check_creatable(root, "data.cache_dir" if cache else "data.cache_dir (default)")
-
-
-def check_creatable(path: Path, field: str) -> None:
-    """KilnError unless `path` is a writable directory or one that can be created.
-
-    Probes with a temporary directory in the nearest existing ancestor, removed at once, so a
-    refusal leaves nothing behind and a pass means the first real write will not fail for
-    want of permission (space can still run out: see `kiln.errors.write_error`).
-    """
-    path = path.absolute()
-    existing = path
-    while not (existing.exists() or existing.is_symlink()) and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        where = "is" if existing == path else f"cannot be created: {existing} is"
-        raise KilnError(
-            f"{field}: {path} {where} not a directory; allowed: a directory kiln can create or write"
-        )
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".kiln-probe-", dir=existing))
-    except OSError as e:
-        raise KilnError(
-            f"{field}: {path} cannot be created or written ({e.strerror} in {existing}); "
-            "allowed: a directory kiln can create or write"
-        ) from None

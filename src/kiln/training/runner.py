@@ -20,6 +20,7 @@ from jax.experimental import multihost_utils
 from kiln.config import Config, read_run_config
 from kiln.data import make_datasets
 from kiln.data.eval_tasks import parse_tasks
+from kiln.data.pipeline import FirstRead
 from kiln.errors import KilnError, write_error
 from kiln.model.attention import check as check_attention
 from kiln.parallel.distributed import initialize
@@ -297,6 +298,7 @@ def _prepare(config, build, command, check, lock, started, restart, wrap) -> Pre
         why = over or "--restart"
         notes.append(f"{why}: the earlier run in {config.run_dir} moves to {restart_to}")
     state, resumed, damaged = (state, [], []) if restart else restore_latest(config, state, batches)
+    batches = FirstRead(batches)  # the first batch to train on, read before anything is written
     source = config.checkpoint.load_params_from
     if resumed:
         notes[:0] = resumed

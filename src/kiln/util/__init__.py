@@ -1,8 +1,9 @@
 """Small helpers every layer uses, with no kiln dependency but `kiln.errors`.
 
 Modules: `storage` (files at local paths or URLs through fsspec: read, list, upload, the local
-mirror of a URL), `checksums` (CRC-32 of files and trees), `humanize` (counts and plurals in
-words), `interrupt` (SIGINT/SIGTERM as one clean exit during start-up).
+mirror of a URL), `files` (output directories checked writable, arrays written so a full disk
+keeps its errno), `checksums` (CRC-32 of files and trees), `humanize` (counts and plurals in
+words), `interrupt` (SIGINT/SIGTERM as one clean exit, exit codes 128 + the signal).
 
 May import: `kiln.errors`. Imports no JAX.
 

@@ -1,5 +1,8 @@
 """Ctrl-C and SIGTERM outside the training loop: one line and an immediate exit.
 
+Every command exits 128 + the signal's number: 130 for SIGINT (`kiln: interrupted`), 143 for
+SIGTERM (`kiln: stopped by SIGTERM`).
+
 Unwinding a KeyboardInterrupt through half-imported C extensions or past XLA's compile threads
 can abort or crash the interpreter at exit, so until the loop installs its own handlers (which
 checkpoint and stop, see `kiln.training.loop.stop_requests`) a signal ends the process at once with
@@ -26,6 +29,34 @@ def on_interrupt(cleanup: Callable[[], None]) -> Callable[[], None]:
     return lambda: _cleanups.remove(cleanup) if cleanup in _cleanups else None
 
 
+class Stopped(KeyboardInterrupt):
+    """A signal other than SIGINT raised as an exception (see `kiln.data.workers`), so that
+    cleanup runs as for Ctrl-C; the process still exits `exit_code(signum)`."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def signal_of(e: KeyboardInterrupt) -> int:
+    """The signal behind a KeyboardInterrupt: SIGINT unless it is a `Stopped`."""
+    return e.signum if isinstance(e, Stopped) else signal.SIGINT
+
+
+def exit_code(signum: int) -> int:
+    """The exit code of a command a signal stopped: 128 + its number (130 SIGINT, 143 SIGTERM)."""
+    return 128 + signum
+
+
+def stop_line(signum: int) -> str:
+    """The one line a command a signal stopped prints."""
+    return (
+        "kiln: interrupted"
+        if signum == signal.SIGINT
+        else f"kiln: stopped by {signal.Signals(signum).name}"
+    )
+
+
 def exit_now(code: int, message: str) -> NoReturn:
     """Run the registered cleanups, print `message` as one line on stderr and exit with `code`
     at once (no unwinding, no waiting for other threads)."""
@@ -40,9 +71,7 @@ def exit_now(code: int, message: str) -> NoReturn:
 
 
 def _exit_now(signum: int, _frame) -> None:
-    name = signal.Signals(signum).name
-    message = "kiln: interrupted" if signum == signal.SIGINT else f"kiln: stopped by {name}"
-    exit_now(128 + signum, message)
+    exit_now(exit_code(signum), stop_line(signum))
 
 
 @contextmanager

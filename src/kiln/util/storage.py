@@ -26,6 +26,13 @@ EXTRAS = {"gs": "gcs", "gcs": "gcs", "s3": "s3", "hf": "hf"}
 PACKAGES = {"gcs": "gcsfs", "s3": "s3fs", "hf": "huggingface_hub"}
 OTHER_PACKAGES = {"az": "adlfs", "abfs": "adlfs", "abfss": "adlfs"}
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
+# Written as a URL: `://` before any '/' (a local path holding `://` further on stays a path).
+_URL_LIKE = re.compile(r"^([^/]*)://(.*)$", re.DOTALL)
+ALLOWED = (
+    "allowed: a local path, file:///absolute/path, or a URL of a scheme fsspec knows with a "
+    "path after it (gs://bucket/dir, s3://bucket/dir, hf://..., memory://dir)"
+)
+LOCAL = "allowed: a local path or file:///absolute/path"
 
 
 def scheme(path: str) -> str | None:
@@ -39,25 +46,69 @@ def is_remote(loc: Location) -> bool:
     return isinstance(loc, str) and scheme(loc) not in (None, "file")
 
 
-def location(path: str | Path) -> Location:
-    """A local Path (`~` expanded, `file://` URLs too) or the URL of another scheme."""
+def url_problem(path: str) -> str | None:
+    """What is wrong with `path` written as a URL (`://` before any '/'), or None: a plain path
+    or a URL kiln can read. Refused: no scheme (`://x`), a scheme that is not one (`1x://`), one
+    fsspec does not know, no path after the scheme (`gs://`), and a `file://` URL whose path is
+    not absolute (`file://relative/runs` names a host `relative`)."""
+    m = _URL_LIKE.match(path)
+    if m is None:
+        return None
+    given, rest = m.groups()
+    if not given:
+        return "no URL scheme before '://'"
+    s = scheme(path)
+    if s is None:
+        return f"{given!r} before '://' is not a URL scheme"
+    if s == "file":
+        parsed = urlparse(path)
+        if parsed.netloc not in ("", "localhost"):
+            return (
+                f"a file:// URL takes an absolute path (file:///...), but {parsed.netloc!r} "
+                "stands where its host would be"
+            )
+        return None if parsed.path else "the file:// URL names no path"
+    if not rest.strip("/"):
+        return f"the {s}:// URL names no path after its scheme"
+    if not _known_scheme(s):
+        return f"fsspec knows no URL scheme {s}://"
+    return None
+
+
+def _known_scheme(s: str) -> bool:
+    from fsspec.registry import known_implementations, registry  # only for a URL
+
+    return s in known_implementations or s in registry
+
+
+def check_url(path: str, allowed: str = ALLOWED) -> str:
+    """`path` itself; a ValueError (for a pydantic validator) if it is a malformed URL."""
+    problem = url_problem(path)
+    if problem is not None:
+        raise ValueError(f"{problem}; {allowed}")
+    return path
+
+
+def location(path: str | Path, what: str = "") -> Location:
+    """A local Path (`~` expanded, `file://` URLs too) or the URL of another scheme; a
+    KilnError naming `what` for a malformed URL (`url_problem`)."""
     if isinstance(path, Path):
         return path.expanduser()
+    problem = url_problem(path)
+    if problem is not None:
+        raise KilnError(f"{what + ': ' if what else ''}{path!r}: {problem}; {ALLOWED}")
     s = scheme(path)
     if s is None:
         return Path(path).expanduser()
     if s == "file":
-        parsed = urlparse(path)
-        if parsed.netloc not in ("", "localhost"):
-            raise KilnError(f"{path}: a file:// URL names a host; allowed: file:///absolute/path")
-        return Path(unquote(parsed.path))
+        return Path(unquote(urlparse(path).path))
     return path.rstrip("/")
 
 
 def local_dir(value: str | None, field: str) -> str | None:
     """A directory a run writes or resumes on the local filesystem: `file://` URLs become paths,
     other URLs are refused (a ValueError for pydantic, naming what needs a local path)."""
-    if value is None or scheme(value) is None:
+    if value is None or scheme(check_url(value, LOCAL)) is None:
         return value
     loc = location(value)
     if isinstance(loc, Path):
@@ -83,8 +134,9 @@ def mirror_root(output_dir: str, mirror_dir: str | None) -> Path:
 
 
 def local_or_url(value: str | None) -> str | None:
-    """A path a run only reads: a `file://` URL becomes the path it names, other URLs stay."""
-    if value is None or scheme(value) != "file":
+    """A path that may be a URL: a `file://` URL becomes the path it names, other URLs stay;
+    a malformed one is a ValueError (`check_url`)."""
+    if value is None or scheme(check_url(value)) != "file":
         return value
     return str(location(value))
 

@@ -11,7 +11,7 @@ import pydantic
 from pydantic import Field
 
 from kiln.config.schema.base import INT32_MAX, Section, Seed
-from kiln.util.storage import local_dir
+from kiln.util.storage import check_url, local_dir
 
 # Source names end up in metric tags (eval/loss/<name>) and directory-safe keys.
 SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -63,6 +63,16 @@ class SourceFields(Section):
     def _one_path_is_a_list(cls, value):
         # `data.paths=/dir` on the command line: one path, not a list of characters.
         return [value] if isinstance(value, str) else value
+
+    @pydantic.field_validator("paths", "eval_paths")
+    @classmethod
+    def _urls_well_formed(cls, paths: list[str]) -> list[str]:
+        for path in paths:
+            try:
+                check_url(path)
+            except ValueError as e:
+                raise ValueError(f"{path!r}: {e}") from None
+        return paths
 
 
 class SourceConfig(SourceFields):

@@ -1,0 +1,57 @@
+"""Local files kiln writes: output directories checked before the work, and arrays written so
+that a failed write (a full disk, a quota) raises an OSError with its errno.
+
+numpy's own writers (`ndarray.tofile`, `np.save` to a real file) write through C stdio and
+report a full disk as a bare OSError ("N requested and M written", "Not enough free space"),
+without the errno that tells it from other faults; Python's file objects keep it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from kiln.errors import KilnError
+
+
+def check_creatable(path: Path, field: str, *, beside: bool = False) -> None:
+    """KilnError unless `path` is a writable directory or one that can be created.
+
+    Probes with a temporary directory in the nearest existing ancestor, removed at once, so a
+    refusal leaves nothing behind and a pass means the first real write will not fail for
+    want of permission (space can still run out: see `kiln.errors.write_error`).
+    `beside`: `path` is staged next to itself and renamed into place, so its parent is written.
+    """
+    path = path.absolute()
+    existing = path.parent if beside else path
+    while not (existing.exists() or existing.is_symlink()) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "is" if existing == path else f"cannot be created: {existing} is"
+        raise KilnError(
+            f"{field}: {path} {where} not a directory; allowed: a directory kiln can create or write"
+        )
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".kiln-probe-", dir=existing))
+    except OSError as e:
+        raise KilnError(
+            f"{field}: {path} cannot be created or written ({e.strerror} in {existing}); "
+            "allowed: a directory kiln can create or write"
+        ) from None
+
+
+def write_array(path: Path, array: np.ndarray, *, npy: bool = False, sync: bool = False) -> None:
+    """Write `array`'s bytes (C order) to `path`: raw, or as a .npy file (`npy`); `sync`:
+    fsync before returning."""
+    array = np.ascontiguousarray(array)
+    with open(path, "wb") as f:
+        if npy:
+            header = np.lib.format.header_data_from_array_1_0(array)
+            np.lib.format.write_array_header_1_0(f, header)
+        f.write(array.data.cast("B") if array.size else b"")
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
