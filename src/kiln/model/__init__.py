@@ -13,7 +13,7 @@ May import: `kiln.errors`, `kiln.util`, `kiln.data`, `kiln.config`, `kiln.parall
 `kiln.losses` (the head's logits).
 
 Public names: `FAMILIES`, `LanguageModel`, `build_model`, `create_model`, `flops_per_token`,
-`summary`, `DTYPES`, `KVCache`, `ModelOutput`.
+`summary`, `state_size`, `check_state_memory`, `DTYPES`, `KVCache`, `ModelOutput`.
 """
 
 from __future__ import annotations
@@ -26,10 +26,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kiln.config import ModelConfig
+from kiln.errors import KilnError
 from kiln.model.interface import DTYPES, KVCache, LanguageModel, ModelOutput, logits_dtype
 from kiln.model.llama import Transformer
-from kiln.parallel.mesh import mesh_sizes_for_summary, sharded_init, shards_per_dim, state_specs
-from kiln.util.humanize import plural
+from kiln.parallel.mesh import (
+    device_memory,
+    mesh_sizes_for_summary,
+    sharded_init,
+    shards_per_dim,
+    state_specs,
+)
+from kiln.util.humanize import gigabytes, plural
 
 # model.family -> the class that implements it; built as cls(model_cfg, rngs=...).
 FAMILIES: dict[str, type[LanguageModel]] = {
@@ -69,26 +76,38 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
     return abstract_model(model_cfg).flops_per_token(seq_len)
 
 
+def state_size(config: Any, sizes: dict[str, int]) -> tuple[int, int, int]:
+    """(parameters, parameters per device, bytes per parameter) of `config.model` on a mesh
+    of `sizes`, from shapes only."""
+    m = config.model
+    state = abstract_state(m)
+    specs = state_specs(state, config.mesh.rules, sizes)
+    leaves = jax.tree.leaves(state)
+    spec_leaves = jax.tree.leaves(
+        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    )
+    total = sum(math.prod(x.shape) for x in leaves)
+    per_device = sum(
+        math.prod(math.ceil(n / p) for n, p in zip(x.shape, shards_per_dim(spec, sizes)))
+        for x, spec in zip(leaves, spec_leaves)
+    )
+    return total, per_device, jnp.dtype(DTYPES[m.param_dtype]).itemsize
+
+
+# The train state before activations, in parameters' worth: the parameters, their gradients
+# and AdamW's two moments.
+STATE_COPIES = 4
+
+
 def summary(config: Any, num_devices: int | None = None) -> str:
     """Parameters, FLOPs per token and per-device state memory for the configured mesh.
 
     A mesh size of -1 takes the rest of `num_devices` (default: the local devices).
     """
     m = config.model
-    model = abstract_model(m)
-    state = nnx.state(model, nnx.Param)
     sizes = mesh_sizes_for_summary(config, num_devices)
-    specs = state_specs(state, config.mesh.rules, sizes)
-    leaves = jax.tree.leaves(state)
-    spec_leaves = jax.tree.leaves(
-        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
-    )
-    itemsize = jnp.dtype(DTYPES[m.param_dtype]).itemsize
-    total = sum(math.prod(x.shape) for x in leaves)
-    per_device = sum(
-        math.prod(math.ceil(n / p) for n, p in zip(x.shape, shards_per_dim(spec, sizes)))
-        for x, spec in zip(leaves, spec_leaves)
-    )
+    total, per_device, itemsize = state_size(config, sizes)
+    model = abstract_model(m)
     embed = m.vocab_size * m.d_model
     flops = model.flops_per_token(config.data.seq_len)
     gib = per_device * itemsize / 2**30
@@ -103,9 +122,31 @@ def summary(config: Any, num_devices: int | None = None) -> str:
             f"mesh:              {mesh_text} ({plural(math.prod(sizes.values()), 'device')})",
             f"memory per device: {per_device:,} parameters x {itemsize} bytes ({m.param_dtype})",
             f"  params {gib:.2f} GiB + grads {gib:.2f} GiB + AdamW moments {2 * gib:.2f} GiB "
-            f"= {4 * gib:.2f} GiB (state, before activations)",
+            f"= {STATE_COPIES * gib:.2f} GiB (state, before activations)",
         ]
     )
+
+
+def check_state_memory(config: Any, mesh) -> None:
+    """KilnError, before any parameter is allocated, when the train state (`summary`'s
+    parameters, gradients and AdamW moments) cannot fit in the memory of this process's
+    devices of `mesh`."""
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    memory = device_memory(local)
+    if memory is None:
+        return
+    available, what = memory
+    total, per_device, itemsize = state_size(config, dict(mesh.shape))
+    needed = STATE_COPIES * per_device * itemsize * len(local)
+    if needed > available:
+        m = config.model
+        raise KilnError(
+            f"model: the train state of {total:,} parameters (d_model={m.d_model}, "
+            f"num_layers={m.num_layers}, vocab_size={m.vocab_size}, {m.param_dtype}) needs "
+            f"{gigabytes(needed)} for parameters, gradients and AdamW moments, more than the "
+            f"{gigabytes(available)} of {what}; shrink the model or add devices (`kiln config "
+            "CONFIG --summary` shows the state per device)"
+        )
 
 
 __all__ = [
@@ -117,9 +158,11 @@ __all__ = [
     "abstract_model",
     "abstract_state",
     "build_model",
+    "check_state_memory",
     "create_model",
     "flops_per_token",
     "logits_dtype",
     "param_count",
+    "state_size",
     "summary",
 ]

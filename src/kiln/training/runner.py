@@ -21,6 +21,7 @@ from kiln.config import Config, read_run_config
 from kiln.data import make_datasets
 from kiln.data.eval_tasks import parse_tasks
 from kiln.errors import KilnError, write_error
+from kiln.model import check_state_memory
 from kiln.model.attention import check as check_attention
 from kiln.parallel.distributed import initialize
 from kiln.parallel.mesh import make_mesh
@@ -273,6 +274,7 @@ def prepare_run(
 def _prepare(config, build, command, check, lock, started, restart, wrap) -> PreparedRun:
     notes = resume_notes(config, restart)  # reads only config.yaml and the checkpoint steps
     mesh = make_mesh(config)
+    check_state_memory(config, mesh)  # before data is read or a parameter allocated
     check_attention(config.model.attention, mesh.devices.flat[0].platform, config.model.dtype)
     check_wandb(config)
     if check is not None:
