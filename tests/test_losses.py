@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kiln import losses
 from kiln.losses import cross_entropy, lm_loss
 
 AXES = ("data", "fsdp", "tensor", "sequence")
@@ -407,3 +408,94 @@ def test_rejects_vocab_chunk_not_dividing_shard_vocab(lm_data):
     args = place(mesh, *lm_data)
     with pytest.raises(ValueError, match=r"vocab_chunk_size=48 does not divide the 64"):
         lm_vjp(mesh, 2, 0.0, 0.0, None, 48)(*args, ONE)
+
+
+# --------------------------------------------------------------------------- values given as arrays
+
+
+def _bad_values_data():
+    """Small student, teacher and top-k inputs: [2, 4] tokens, hidden 8, vocabulary 16."""
+    rng = np.random.default_rng(3)
+    hs, ht = (jnp.asarray(rng.standard_normal((2, 4, 8)), jnp.float32) for _ in range(2))
+    ws, wt = (jnp.asarray(rng.standard_normal((8, 16)) / 2, jnp.float32) for _ in range(2))
+    y = jnp.asarray(rng.integers(0, 16, (2, 4)), jnp.int32)
+    w = jnp.ones((2, 4), jnp.float32)
+    x_t = losses.logits(ht, wt) / 2.0
+    values, ids = jax.lax.top_k(x_t * 2.0, 4)
+    top = losses.TopK(values, ids, jax.nn.logsumexp(x_t, axis=-1))
+    return hs, ws, ht, wt, y, w, top
+
+
+def _call(fn: str, arg: str, value):
+    """The loss `fn` on the data above with `arg` set to `value`; the output computed from it."""
+    hs, ws, ht, wt, y, w, top = _bad_values_data()
+    kw = {"temperature": 2.0, "weights": w, "alpha": 0.5, "beta": 1.0, "coefficients": (1.0, 0.5)}
+    kw[arg] = value
+    t, wts = kw["temperature"], kw["weights"]
+    if fn == "lm_loss":
+        return lm_loss(hs, ws, y, wts)["loss_sum"]
+    if fn == "soft_loss":
+        return losses.soft_loss(losses.logits(hs, ws), losses.logits(ht, wt), t)
+    if fn == "top_k_soft_loss":
+        return losses.top_k_soft_loss(losses.logits(hs, ws), top, t)
+    if fn == "soft_loss_sums":
+        return losses.soft_loss_sums(hs, ws, ht, wt, y, wts, temperature=t)["soft_sum"]
+    if fn == "distill_loss_sums":
+        out = losses.distill_loss_sums(
+            hs, ws, ht, wt, y, wts, temperature=t, coefficients=kw["coefficients"]
+        )
+        return out["objective_sum"]
+    if fn == "top_k_distill_loss_sums":
+        out = losses.top_k_distill_loss_sums(
+            hs, ws, top, y, wts, temperature=t, coefficients=kw["coefficients"]
+        )
+        return out["objective_sum"]
+    assert fn == "distillation_loss"
+    h, s, f = jnp.float32(2.0), jnp.float32(0.5), jnp.float32(0.25)
+    return losses.distillation_loss(h, s, f, alpha=kw["alpha"], beta=kw["beta"], balance="none")[0]
+
+
+NAN, INF = float("nan"), float("inf")
+ALL_MINUS_ONE = np.full((2, 4), -1.0, np.float32)
+# (function, argument, bad value, the argument's name in the ValueError)
+BAD_VALUES = [
+    ("soft_loss", "temperature", NAN, "temperature"),
+    ("soft_loss", "temperature", -1.0, "temperature"),
+    ("soft_loss", "temperature", 0.0, "temperature"),
+    ("top_k_soft_loss", "temperature", INF, "temperature"),
+    ("soft_loss_sums", "temperature", -1.0, "temperature"),
+    ("distill_loss_sums", "temperature", NAN, "temperature"),
+    ("top_k_distill_loss_sums", "temperature", -2.0, "temperature"),
+    ("distillation_loss", "alpha", INF, "alpha"),
+    ("distillation_loss", "alpha", 1.5, "alpha"),
+    ("distillation_loss", "beta", -1.0, "beta"),
+    ("distillation_loss", "beta", NAN, "beta"),
+    ("lm_loss", "weights", ALL_MINUS_ONE, r"weights_BS .* got -1\.0 at position \(0, 0\)"),
+    ("lm_loss", "weights", np.ones((2, 4), np.float32) * [1, 1, 1, NAN], r"at position \(0, 3\)"),
+    ("lm_loss", "weights", np.ones((2, 4), np.float32) * [1, INF, 1, 1], r"at position \(0, 1\)"),
+    ("soft_loss_sums", "weights", ALL_MINUS_ONE, "weights_BS"),
+    ("distill_loss_sums", "weights", ALL_MINUS_ONE, "weights_BS"),
+    ("top_k_distill_loss_sums", "weights", ALL_MINUS_ONE, "weights_BS"),
+    ("distill_loss_sums", "coefficients", (jnp.float32(1), jnp.float32(-1)), r"coefficients\[1\]"),
+    ("top_k_distill_loss_sums", "coefficients", (jnp.float32(INF), 1.0), r"coefficients\[0\]"),
+]
+
+
+@pytest.mark.parametrize(("fn", "arg", "bad", "name"), BAD_VALUES)
+def test_bad_values_given_as_arrays(fn, arg, bad, name):
+    """A NaN, infinite or out-of-range setting or weight passed as a JAX array: a ValueError
+    naming it when the array is concrete; under jit, NaN in the result (never a plausible
+    number), while a valid traced value gives the result the concrete array gives."""
+    as_array = jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), bad)
+    with pytest.raises(ValueError, match=name):
+        _call(fn, arg, as_array)
+    traced = jax.jit(lambda v: _call(fn, arg, v))
+    assert np.all(np.isnan(traced(as_array)))
+    good = {"temperature": 2.0, "alpha": 0.5, "beta": 1.0, "coefficients": (1.0, 0.5)}
+    good["weights"] = _bad_values_data()[5]
+    value = jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), good[arg])
+    result = traced(value)
+    assert np.all(np.isfinite(result))
+    # tolerance: 1e-5 relative, float32 rounding of the same operations fused differently by
+    # jit (a per-token KL of a few terms differs by up to ~1.2e-6)
+    np.testing.assert_allclose(result, _call(fn, arg, value), rtol=1e-5)

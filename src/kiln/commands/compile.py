@@ -32,6 +32,9 @@ from kiln.training.train import abstract_batch, abstract_pretraining, make_step,
 from kiln.util.humanize import plural
 
 GB = 1e9  # --hbm-gb is in decimal gigabytes, as accelerator memory is sold
+# The most devices a step is compiled for: the largest slice --topology knows (v4-4096 and
+# v5p-4096 TensorCores). Each simulated CPU device costs host memory and compile time.
+MAX_DEVICES = 4096
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "bf16": 16, "f16": 16, "s16": 16}
 _BITS |= {"u16": 16, "f32": 32, "s32": 32, "u32": 32, "f64": 64, "s64": 64, "u64": 64}
@@ -48,8 +51,16 @@ _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
 
 
-def use_cpu_devices(count: int) -> list[Any]:
-    """`count` simulated CPU devices; set before JAX's backend starts (else it must have enough)."""
+def use_cpu_devices(count: int, what: str = "--devices") -> list[Any]:
+    """`count` simulated CPU devices; set before JAX's backend starts (else it must have enough).
+
+    At most MAX_DEVICES (KilnError naming `what`), refused before any device is simulated.
+    """
+    if not 1 <= count <= MAX_DEVICES:
+        raise KilnError(
+            f"{what}: {count} devices; allowed: 1..{MAX_DEVICES} (the largest slice kiln "
+            f"compiles for, v5p-{MAX_DEVICES})"
+        )
     # Refused once the backend has started: then its devices are used, if there are enough.
     # CPU only, so that an installed libtpu or CUDA plugin is not started for nothing.
     with contextlib.suppress(RuntimeError):
@@ -70,11 +81,12 @@ def tpu_topology(name: str) -> dict[str, Any]:
     match = re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", name)
     size = int(match.group(2)) if match else 0
     megacore = bool(match) and match.group(1) in ("v4", "v5p")
-    low, high = (8, 4096) if megacore else (4, 256)
+    low, high = (8, MAX_DEVICES) if megacore else (4, 256)
     if not match or size < low or size > high or size & (size - 1):
         raise KilnError(
             f"--topology: unknown TPU slice {name!r}; allowed: v4-N or v5p-N (N TensorCores, "
-            "a power of 2 from 8 to 4096), v5e-N or v6e-N (N chips, a power of 2 from 4 to 256)"
+            f"a power of 2 from 8 to {MAX_DEVICES}), v5e-N or v6e-N (N chips, a power of 2 from 4 "
+            "to 256)"
         )
     # Slices grow by doubling their shortest side (the last of equals): 2x2x1, 2x2x2, 2x2x4, ...
     dims = [2, 2, 1] if megacore else [2, 2]
@@ -358,7 +370,7 @@ def summary_devices(config: Config, devices: int | None, topology: str | None) -
     """Devices for `kiln config --summary`: as `kiln compile`, or as many as an explicit mesh has."""
     sizes = [getattr(config.mesh, a) for a in MESH_AXES]
     if devices is None and topology is None and -1 not in sizes:
-        devices = math.prod(sizes)
+        return use_cpu_devices(math.prod(sizes), "mesh (" + " x ".join(MESH_AXES) + ")")
     return target_devices(devices, topology)
 
 

@@ -14,10 +14,10 @@ from kiln.config import read_run_config
 from kiln.data import load_tokenizer
 from kiln.data.eval_tasks import parse_tasks
 from kiln.errors import KilnError
-from kiln.runs.paths import check_creatable
 from kiln.runs.runmodel import load_run_model
 from kiln.training.scoring import LOGGED, Evaluator, load_tasks, tags
 from kiln.util.atomic import write_whole
+from kiln.util.files import check_creatable
 from kiln.util.humanize import plural
 
 

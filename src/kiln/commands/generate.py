@@ -25,16 +25,16 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from kiln.config import DEFAULT_AXIS_RULES, read_run_config
+from kiln.config import DEFAULT_AXIS_RULES, SEED_LIMIT, read_run_config
 from kiln.data.tokenizers import load_tokenizer
 from kiln.errors import KilnError
-from kiln.model import KVCache, LanguageModel
+from kiln.model import KVCache, LanguageModel, abstract_model
 from kiln.model.llama import CACHE_LBTKH
-from kiln.parallel.mesh import constrain, in_mesh, mesh_axes
-from kiln.runs.paths import check_creatable
+from kiln.parallel.mesh import constrain, device_memory, in_mesh, mesh_axes
 from kiln.runs.runmodel import load_run_model
 from kiln.util.atomic import write_whole
-from kiln.util.humanize import plural
+from kiln.util.files import check_creatable
+from kiln.util.humanize import gigabytes, plural
 
 # Prompt slots are rounded up to a multiple of this, so that prompts of similar lengths
 # share one compiled prefill and step.
@@ -205,6 +205,24 @@ def _batch_multiple(mesh: Mesh | None, rules: tuple) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
+def _prompt_slots(longest: int, cfg, max_new_tokens: int) -> int:
+    """Positions of the left-padded prompts when the longest has `longest` tokens."""
+    return min(-(-longest // PROMPT_BUCKET) * PROMPT_BUCKET, cfg.max_seq_len - max_new_tokens)
+
+
+def decode_bytes(model: LanguageModel, rows: int, longest: int, max_new_tokens: int) -> int:
+    """Bytes on the devices of decoding `rows` prompts of up to `longest` tokens, from shapes
+    only (an abstract model allocates nothing): the parameters, the KV cache (`init_cache`,
+    prompt and new tokens), the new tokens, and a step's float32 logits with the three
+    [rows, vocab] arrays sampling makes of them. A lower bound: activations are left out."""
+    cfg = model.cfg
+    slots = _prompt_slots(longest, cfg, max_new_tokens) + max_new_tokens - 1
+    cache = jax.eval_shape(lambda: model.init_cache(rows, slots))
+    arrays = [*jax.tree.leaves(nnx.state(model)), *jax.tree.leaves(cache)]
+    held = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in arrays)
+    return held + rows * max_new_tokens * 4 + 4 * rows * cfg.vocab_size * 4
+
+
 def _check_prompts(prompts: Sequence[Sequence[int]], cfg, max_new_tokens: int) -> None:
     if max_new_tokens < 1:
         raise KilnError(f"--max-new-tokens: got {max_new_tokens}; allowed: an integer >= 1")
@@ -258,8 +276,7 @@ def generate(
 
     rows = len(prompts)
     b = -(-rows // _batch_multiple(mesh, rules_t)) * _batch_multiple(mesh, rules_t)
-    longest = max(len(p) for p in prompts)
-    p = min(-(-longest // PROMPT_BUCKET) * PROMPT_BUCKET, cfg.max_seq_len - max_new_tokens)
+    p = _prompt_slots(max(len(p) for p in prompts), cfg, max_new_tokens)
     inputs_BP = np.zeros((b, p), np.int32)
     positions_BP = np.zeros((b, p), np.int32)
     segment_ids_BP = np.zeros((b, p), np.int32)
@@ -331,6 +348,29 @@ def read_prompts(path: str | Path) -> list[str]:
     return prompts
 
 
+def check_seed(seed: int) -> None:
+    """KilnError unless `seed` is one of the seeds JAX's keys tell apart (as `train.seed`)."""
+    if not 0 <= seed < SEED_LIMIT:
+        raise KilnError(f"--seed: got {seed}; allowed: an integer 0 <= seed < 2^32 ({SEED_LIMIT})")
+
+
+def _check_memory(config, prompts: int, samples: int, longest: int, max_new_tokens: int) -> None:
+    """KilnError when the decode batch cannot fit in the local devices' memory (`decode_bytes`)."""
+    memory = device_memory(jax.devices())
+    if memory is None:
+        return
+    rows = prompts * samples
+    needed = decode_bytes(abstract_model(config.model), rows, longest, max_new_tokens)
+    if needed > memory[0]:
+        raise KilnError(
+            f"--num-samples: {plural(prompts, 'prompt')} x {plural(samples, 'sample')} x (up to "
+            f"{longest} prompt + {max_new_tokens} new tokens) need at least "
+            f"{gigabytes(needed)} (parameters, KV cache, logits), more than the "
+            f"{gigabytes(memory[0])} of {memory[1]}; allowed: fewer samples, prompts or "
+            "--max-new-tokens"
+        )
+
+
 def run_generate(
     run_dir: str | Path,
     texts: Sequence[str],
@@ -354,10 +394,13 @@ def run_generate(
         check_creatable(path.parent, "--out")
     config = read_run_config(Path(run_dir).expanduser(), context)
     tokenizer = load_tokenizer(config.data.tokenizer)
+    check_seed(seed)
     # Training documents follow an EOS (it starts every packed document), so a prompt does too.
-    prompts = [[tokenizer.eos_id, *tokenizer.encode(t)] for t in texts for _ in range(num_samples)]
-    _check_prompts(prompts, config.model, max_new_tokens)  # before the parameters are read
+    encoded = [[tokenizer.eos_id, *tokenizer.encode(t)] for t in texts]
+    _check_prompts(encoded, config.model, max_new_tokens)  # before the parameters are read
     sampling.check(config.model.vocab_size)
+    _check_memory(config, len(encoded), num_samples, max(map(len, encoded)), max_new_tokens)
+    prompts = [prompt for prompt in encoded for _ in range(num_samples)]
     run = load_run_model(run_dir, step, context=context, config=config)
 
     def stopped(tokens: list[int]) -> bool:

@@ -11,7 +11,8 @@ and the shards' tokenizer from the data). Imports no JAX.
 
 Public names: `Config`, `load_config`, `read_run_config`, `config_from_dict`, `yaml_layers`,
 `schema_rows`, `check_devices`, the section classes (`ModelConfig`, `DataConfig`, ...),
-`MESH_AXES`, `MeshAxis`, `DEFAULT_AXIS_RULES`, `INT32_MAX`, `DEFAULT_MAX_KD_SCALE`.
+`MESH_AXES`, `MeshAxis`, `DEFAULT_AXIS_RULES`, `INT32_MAX`, `SEED_LIMIT`,
+`DEFAULT_MAX_KD_SCALE`.
 """
 
 from kiln.config.axes import DEFAULT_AXIS_RULES, MESH_AXES, MeshAxis, MeshConfig
@@ -27,6 +28,7 @@ from kiln.config.loader import (
 from kiln.config.schema import (
     DEFAULT_MAX_KD_SCALE,
     INT32_MAX,
+    SEED_LIMIT,
     CheckpointConfig,
     DataConfig,
     DistillationConfig,
@@ -43,6 +45,7 @@ __all__ = [
     "DEFAULT_MAX_KD_SCALE",
     "INT32_MAX",
     "MESH_AXES",
+    "SEED_LIMIT",
     "CheckpointConfig",
     "Config",
     "DataConfig",

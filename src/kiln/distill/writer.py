@@ -47,8 +47,8 @@ from kiln.parallel.distributed import initialize
 from kiln.parallel.mesh import batch_sharding, in_mesh, make_mesh
 from kiln.runs.checkpoint import complete_steps, restore_params
 from kiln.runs.lock import LOCK_NAME, RunLock
-from kiln.runs.paths import check_creatable
 from kiln.training import train
+from kiln.util.files import check_creatable
 from kiln.util.humanize import plural
 
 SHARD_BYTES = 256 << 20  # default shard size per process

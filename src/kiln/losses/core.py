@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,7 @@ def logits(hidden_ND: jax.Array, head_DV: jax.Array, *, softcap: float | None = 
     loss): it runs in the head's dtype (`LanguageModel.head_weight`, i.e. `model.logits_dtype`)
     with float32 accumulation, forward and backward. A float32 head is plain autodiff.
     """
+    softcap = check_cap("softcap", softcap)
     hidden_ND = hidden_ND.astype(head_DV.dtype)
     if head_DV.dtype == f32:
         x = _f32_matmul(hidden_ND, head_DV)
@@ -164,18 +166,61 @@ def scored(targets: jax.Array, weights: jax.Array | None, vocab: int) -> jax.Arr
 # --------------------------------------------------------------------------- argument checks
 
 
+def known(value) -> np.ndarray | None:
+    """`value` as a NumPy array when its value is known now (a Python or NumPy number or array,
+    or a concrete JAX array); None while it is traced (inside `jit`, `grad` or `vmap`)."""
+    if isinstance(value, jax.core.Tracer):
+        return None
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        return None  # spread over several processes: each checks its own part under jit
+    return np.asarray(value)
+
+
 def as_number(value) -> float | None:
-    """A Python or NumPy real number as float; None for arrays and traced values."""
-    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
-        return float(value)
-    return None
+    """A real scalar known now (Python, NumPy or a concrete JAX array) as float; None for
+    arrays and traced values."""
+    if isinstance(value, bool) or value is None:
+        return None
+    v = known(value)
+    if v is None or v.ndim != 0 or v.dtype.kind not in "iuf":
+        return None
+    return float(v)
+
+
+def checked(name: str, value, allowed: str, ok: Callable[[Any], Any]):
+    """`value` (a number or an array) where `ok(value)` holds everywhere.
+
+    Known now, a value out of range is a ValueError naming `name` (and the first bad entry of
+    an array). Traced, its values are unknown, so each entry out of range becomes NaN: the
+    result is `value * where(ok, 1, NaN)`, bit for bit `value` (and its gradient) when in range,
+    so a loss computed from it is NaN, never a plausible number. `ok` uses only comparison
+    operators, which NumPy and traced arrays share.
+    """
+    v = known(value)
+    if v is None:
+        return value * jnp.where(ok(value), 1.0, jnp.nan)
+    good = np.asarray(ok(v)) if v.dtype.kind in "biuf" else np.zeros(v.shape, bool)
+    if not good.all():
+        if v.ndim == 0:
+            raise ValueError(f"{name} must be {allowed}, got {v.item()!r}")
+        where = tuple(int(i) for i in np.argwhere(~good)[0])
+        raise ValueError(f"{name} must be {allowed}, got {v[where]} at position {where}")
+    return value
+
+
+def finite_positive(x):
+    return (x > 0) & (x < math.inf)
+
+
+def finite_non_negative(x):
+    return (x >= 0) & (x < math.inf)
 
 
 def check_z(z_loss_multiplier) -> float:
     z = as_number(z_loss_multiplier)
     if z is None or not math.isfinite(z) or z < 0:
         raise ValueError(
-            f"z_loss_multiplier must be a finite Python number >= 0, got {z_loss_multiplier!r}"
+            f"z_loss_multiplier must be a static finite number >= 0, got {z_loss_multiplier!r}"
         )
     return z
 
@@ -184,7 +229,7 @@ def check_smoothing(label_smoothing) -> float:
     eps = as_number(label_smoothing)
     if eps is None or not 0.0 <= eps < 1.0:
         raise ValueError(
-            f"label_smoothing must be a Python number in [0, 1), got {label_smoothing!r}"
+            f"label_smoothing must be a static number in [0, 1), got {label_smoothing!r}"
         )
     return eps
 
@@ -194,15 +239,13 @@ def check_cap(name: str, cap) -> float | None:
         return None
     value = as_number(cap)
     if value is None or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be None or a finite Python number > 0, got {cap!r}")
+        raise ValueError(f"{name} must be None or a static finite number > 0, got {cap!r}")
     return value
 
 
-def check_temperature(temperature) -> None:
-    """A Python number must be finite and > 0 (a traced temperature is the caller's to check)."""
-    t = as_number(temperature)
-    if t is not None and not (math.isfinite(t) and t > 0):
-        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+def check_temperature(temperature):
+    """The temperature, finite and > 0 (`checked`: a ValueError, or NaN when traced)."""
+    return checked("temperature", temperature, "finite and > 0", finite_positive)
 
 
 def check_positive_int(name: str, value, *, optional: bool = False) -> None:
@@ -213,15 +256,18 @@ def check_positive_int(name: str, value, *, optional: bool = False) -> None:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
-def check_targets(targets, weights, vocab: int, name: str = "targets_BS") -> None:
-    """Eagerly refuse a target outside [0, vocab) with nonzero weight, when both are concrete.
+def check_targets(targets, weights, vocab: int, name: str = "targets_BS"):
+    """The weights, finite and >= 0 (`checked`); and, when targets and weights are concrete, a
+    ValueError for a target outside [0, vocab) with nonzero weight.
 
-    Under `jit` the values are unknown here; the loss of such a token is NaN instead (see
-    `CrossEntropy.values`), which makes the step non-finite so the trainer skips it.
+    Under `jit` the values are unknown here: a negative or non-finite weight becomes NaN, and
+    the loss of an out-of-range target is NaN (see `CrossEntropy.values`); either makes the
+    step non-finite, so the trainer skips it.
     """
-    if isinstance(targets, jax.core.Tracer) or isinstance(weights, jax.core.Tracer):
-        return
-    y, w = np.asarray(targets), np.asarray(weights)
+    weights = checked("weights_BS", weights, "finite and >= 0", finite_non_negative)
+    y, w = known(targets), known(weights)
+    if y is None or w is None:
+        return weights
     bad = ((y < 0) | (y >= vocab)) & (w != 0)
     if bad.any():
         where = tuple(int(i) for i in np.argwhere(bad)[0])
@@ -229,3 +275,4 @@ def check_targets(targets, weights, vocab: int, name: str = "targets_BS") -> Non
             f"{name}: target id {int(y[where])} at position {where} has weight {w[where]} but is "
             f"outside the vocabulary [0, {vocab}); give such tokens weight 0"
         )
+    return weights

@@ -19,7 +19,9 @@ from kiln.losses.core import (
     check_targets,
     check_temperature,
     check_z,
+    checked,
     f32,
+    finite_non_negative,
     weighted_sum,
 )
 from kiln.losses.cross_entropy import CrossEntropy, weighted_cross_entropy
@@ -36,7 +38,7 @@ def _prepare(losses, sets, hs, ws, ht, wt, targets, weights, temperature, settin
         raise ValueError(f"vocabularies differ: student head {ws.shape}, teacher head {wt.shape}")
     if ht.shape[:2] != hs.shape[:2]:
         raise ValueError(f"token shapes differ: student {hs.shape}, teacher {ht.shape}")
-    check_temperature(temperature)
+    temperature = check_temperature(temperature)
     tiling = tl.make_tiling(
         losses,
         sets,
@@ -46,7 +48,7 @@ def _prepare(losses, sets, hs, ws, ht, wt, targets, weights, temperature, settin
         teacher_cap=check_cap("teacher_softcap", settings["teacher_softcap"]),
         **kw,
     )
-    check_targets(targets, weights, tiling.vocab)
+    weights = check_targets(targets, weights, tiling.vocab)
     temperature = sg(jnp.asarray(temperature, f32))
     return tiling, tl.Inputs(hs, ws, targets, weights, sg(ht), sg(wt), temperature)
 
@@ -140,6 +142,15 @@ def _value_only_bwd(_, ct):
 _value_only.defvjp(_value_only_fwd, _value_only_bwd)
 
 
+def _coefficients(coefficients) -> jax.Array:
+    """(c_hard, c_soft), each finite and >= 0 (`checked`), as a constant float32 [2]."""
+    c = [
+        checked(f"coefficients[{i}]", c, "finite and >= 0", finite_non_negative)
+        for i, c in enumerate(coefficients)
+    ]
+    return sg(jnp.stack([jnp.asarray(x, f32) for x in c]))
+
+
 def distill_loss_sums(
     student_hidden_BSD: jax.Array,
     student_head_DV: jax.Array,
@@ -172,8 +183,8 @@ def distill_loss_sums(
       `soft_sum`. Tiled, the forward pass makes the gradients of `loss_sum` and of `soft_sum`
       (two sets of head and hidden gradients) and the backward pass combines them; a nonzero
       `z_loss_sum` cotangent recomputes its own.
-    - `coefficients=(c_hard, c_soft)` (float32 scalars): the result gains `objective_sum =
-      c_hard * loss_sum + c_soft * soft_sum`, and that is the ONLY differentiable output.
+    - `coefficients=(c_hard, c_soft)` (float32 scalars, finite and >= 0): the result gains
+      `objective_sum = c_hard * loss_sum + c_soft * soft_sum`, the ONLY differentiable output.
       Tiled, each chunk's logit gradient is the one combination `c_hard g_hard + c_soft g_soft`,
       so one hidden and one head gradient matmul per chunk. Differentiating `loss_sum`,
       `z_loss_sum` or `soft_sum` in this mode makes every gradient NaN (loud, never wrong).
@@ -184,10 +195,7 @@ def distill_loss_sums(
     if coefficients is None:
         sets, coefs = (("loss",), ("soft",)), jnp.ones((2,), f32)
     else:
-        sets, coefs = (
-            (("loss", "soft"),),
-            sg(jnp.stack([jnp.asarray(c, f32) for c in coefficients])),
-        )
+        sets, coefs = (("loss", "soft"),), _coefficients(coefficients)
     tiling, inputs = _prepare(
         (hard, SoftKL(), _teacher_ce(vocab)),
         sets,
@@ -264,14 +272,14 @@ def top_k_distill_loss_sums(
     each device makes its tokens' logits once, in one chunk of the same engine.
     """
     z, eps = check_z(z_loss_multiplier), check_smoothing(label_smoothing)
-    check_temperature(temperature)
+    temperature = check_temperature(temperature)
     vocab = student_head_DV.shape[-1]
     _check_top_k(teacher_top_k, student_hidden_BSD, vocab)
     hard = CrossEntropy(z=z, eps=eps, vocab=vocab)
     if coefficients is None:
         sets, coefs = (("loss",), ("soft",)), jnp.ones((2,), f32)
     else:
-        coefs = sg(jnp.stack([jnp.asarray(c, f32) for c in coefficients]))
+        coefs = _coefficients(coefficients)
         sets = (("loss", "soft"),)
     tiling = tl.make_tiling(
         (hard, TopKKL(vocab, bool(renormalize))),
@@ -286,7 +294,7 @@ def top_k_distill_loss_sums(
         student_cap=check_cap("student_softcap", student_softcap),
         objective=coefficients is not None,
     )
-    check_targets(targets_BS, weights_BS, vocab)
+    weights_BS = check_targets(targets_BS, weights_BS, vocab)
     t = sg(jnp.asarray(temperature, f32))
     top = TopK(*(sg(x) for x in teacher_top_k))
     hit, tail = teacher_stats(top, targets_BS, t, vocab)
@@ -338,12 +346,6 @@ def _ratio(num, den):
     return jnp.where(ok, num / jnp.where(ok, den, 1.0), 0.0)
 
 
-def _check_weight(name: str, value, upper: float = math.inf) -> None:
-    v = as_number(value)
-    if v is not None and not (0.0 <= v <= upper and math.isfinite(v)):
-        raise ValueError(f"{name} must be a finite number in [0, {upper}], got {value!r}")
-
-
 def distillation_loss(
     hard: jax.Array,
     soft: jax.Array,
@@ -366,15 +368,16 @@ def distillation_loss(
     d hard + alpha k (d soft + beta (soft / feature) d feature), k = min(hard / kd, max_kd_scale):
     the cap bounds the amplification of the distillation gradient as kd -> 0 (a student near
     its teacher). beta = 0 switches the feature term off; with "none" the two scales are
-    returned for reference only.
+    returned for reference only. alpha in [0, 1] and beta finite and >= 0: a ValueError when
+    known, a NaN total when traced out of range (`kiln.losses.core.checked`).
     """
     if balance not in ("none", "dynamic"):
         raise ValueError(f"balance must be 'none' or 'dynamic', got {balance!r}")
-    _check_weight("alpha", alpha, 1.0)
-    _check_weight("beta", beta)
+    alpha = checked("alpha", alpha, "a number in [0, 1]", lambda a: (a >= 0) & (a <= 1))
+    beta = checked("beta", beta, "finite and >= 0", finite_non_negative)
     cap = as_number(max_kd_scale)
     if cap is None or not (math.isfinite(cap) and cap > 0):
-        raise ValueError(f"max_kd_scale must be a finite Python number > 0, got {max_kd_scale!r}")
+        raise ValueError(f"max_kd_scale must be a static finite number > 0, got {max_kd_scale!r}")
     feature_mag_scale = _ratio(sg(soft), sg(feature))
     kd = soft + beta * feature_mag_scale * feature
     kd_mag_scale = jnp.minimum(_ratio(sg(hard), sg(kd)), cap)

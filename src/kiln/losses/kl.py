@@ -208,7 +208,8 @@ def soft_loss(
     docstring) so it keeps float32 relative precision down to KL ~ 1e-12 and is never negative.
     The gradient w.r.t. student logits is `T (p_s - p_t)`; the T^2 keeps it on the scale of the
     hard loss's as T changes. Teacher logits and a traced temperature get their exact
-    gradients too. A Python-number temperature must be > 0.
+    gradients too. The temperature must be finite and > 0: a ValueError when its value is
+    known, a NaN result when it is traced (`kiln.losses.core.checked`).
     """
-    check_temperature(temperature)
+    temperature = check_temperature(temperature)
     return _soft_loss(student_logits, teacher_logits, jnp.asarray(temperature, f32))

@@ -41,8 +41,9 @@ def lm_loss(
     logits for the gradients: 4/3 of the matmul FLOPs, for loss memory independent of the
     vocabulary). `schedule` picks how the tiled loss walks each shard's tokens (`auto`,
     `whole`, `cpu_blocked` or a `CpuBlocked(chunk_bytes, block_bytes)`; see
-    `kiln.losses.schedule`): the same values either way, up to summation order. A target outside [0, V) with nonzero weight is a ValueError when targets and
-    weights are concrete, and makes `loss_sum` NaN under `jit`.
+    `kiln.losses.schedule`): the same values either way, up to summation order. A target
+    outside [0, V) with nonzero weight, or a negative or non-finite weight, is a ValueError
+    when targets and weights are concrete, and makes the sums NaN under `jit`.
     """
     z, eps = check_z(z_loss_multiplier), check_smoothing(label_smoothing)
     cap = check_cap("logit_softcap", logit_softcap)
@@ -58,7 +59,7 @@ def lm_loss(
         schedule=schedule,
         student_cap=cap,
     )
-    check_targets(targets_BS, weights_BS, tiling.vocab)
+    weights_BS = check_targets(targets_BS, weights_BS, tiling.vocab)
     if tiling.tiled:
         inputs = tl.Inputs(hidden_BSD, head_DV, targets_BS, weights_BS)
         out = engine.run(tiling, inputs, jnp.ones((1,), f32))

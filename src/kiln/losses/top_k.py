@@ -267,5 +267,5 @@ def top_k_soft_loss(
     and the temperature (the one the stored lse was computed at) are constants: only the
     student's logits get a gradient, `T (M q - r)` or `T (q' - p')`.
     """
-    check_temperature(temperature)
+    temperature = check_temperature(temperature)
     return _top_k_soft(student_logits, top, jnp.asarray(temperature, f32), bool(renormalize))

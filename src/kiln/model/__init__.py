@@ -13,8 +13,9 @@ May import: `kiln.errors`, `kiln.util`, `kiln.data`, `kiln.config`, `kiln.parall
 `kiln.losses` (the head's logits).
 
 Public names: `FAMILIES`, `LanguageModel`, `build_model`, `create_model`, `flops_per_token`,
-`summary`, `state_bytes_per_device`, `DTYPES`, `KVCache`, `ModelOutput`; `interface.ROLES`, the
-roles a parameter declares (`nnx.Param(..., role=...)`) for the optimizers.
+`summary`, `state_size`, `state_bytes_per_device`, `check_state_memory`, `DTYPES`, `KVCache`,
+`ModelOutput`; `interface.ROLES`, the roles a parameter declares (`nnx.Param(..., role=...)`)
+for the optimizers.
 """
 
 from __future__ import annotations
@@ -28,10 +29,17 @@ import optax
 from flax import nnx
 
 from kiln.config import ModelConfig
+from kiln.errors import KilnError
 from kiln.model.interface import DTYPES, KVCache, LanguageModel, ModelOutput, logits_dtype
 from kiln.model.llama import Transformer
-from kiln.parallel.mesh import mesh_sizes_for_summary, sharded_init, shards_per_dim, state_specs
-from kiln.util.humanize import plural
+from kiln.parallel.mesh import (
+    device_memory,
+    mesh_sizes_for_summary,
+    sharded_init,
+    shards_per_dim,
+    state_specs,
+)
+from kiln.util.humanize import gigabytes, plural
 
 # model.family -> the class that implements it; built as cls(model_cfg, rngs=...).
 FAMILIES: dict[str, type[LanguageModel]] = {
@@ -71,6 +79,24 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
     return abstract_model(model_cfg).flops_per_token(seq_len)
 
 
+def state_size(config: Any, sizes: dict[str, int]) -> tuple[int, int, int]:
+    """(parameters, parameters per device, bytes per parameter) of `config.model` on a mesh
+    of `sizes`, from shapes only."""
+    m = config.model
+    state = abstract_state(m)
+    specs = state_specs(state, config.mesh.rules, sizes)
+    leaves = jax.tree.leaves(state)
+    spec_leaves = jax.tree.leaves(
+        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    )
+    total = sum(math.prod(x.shape) for x in leaves)
+    per_device = sum(
+        math.prod(math.ceil(n / p) for n, p in zip(x.shape, shards_per_dim(spec, sizes)))
+        for x, spec in zip(leaves, spec_leaves)
+    )
+    return total, per_device, jnp.dtype(DTYPES[m.param_dtype]).itemsize
+
+
 # How `summary` names each optimizer's state (`optim.name`).
 OPTIMIZER_STATE = {
     "adamw": "AdamW moments",
@@ -89,24 +115,13 @@ def summary(
     A mesh size of -1 takes the rest of `num_devices` (default: the local devices).
     """
     m = config.model
-    model = abstract_model(m)
-    state = nnx.state(model, nnx.Param)
     sizes = mesh_sizes_for_summary(config, num_devices)
-    specs = state_specs(state, config.mesh.rules, sizes)
-    leaves = jax.tree.leaves(state)
-    spec_leaves = jax.tree.leaves(
-        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
-    )
-    itemsize = jnp.dtype(DTYPES[m.param_dtype]).itemsize
-    total = sum(math.prod(x.shape) for x in leaves)
-    per_device = sum(
-        math.prod(math.ceil(n / p) for n, p in zip(x.shape, shards_per_dim(spec, sizes)))
-        for x, spec in zip(leaves, spec_leaves)
-    )
+    total, per_device, itemsize = state_size(config, sizes)
+    model = abstract_model(m)
     embed = m.vocab_size * m.d_model
     flops = model.flops_per_token(config.data.seq_len)
     gib = per_device * itemsize / 2**30
-    opt_gib = state_bytes_per_device(jax.eval_shape(optimizer.init, state), config, sizes) / 2**30
+    opt_gib = optimizer_state_bytes(config, optimizer, sizes) / 2**30
     mesh_text = " x ".join(f"{a}={s}" for a, s in sizes.items())
     return "\n".join(
         [
@@ -139,6 +154,39 @@ def state_bytes_per_device(state: Any, config: Any, sizes: dict[str, int]) -> in
     return sum(nbytes(x, spec) for x, spec in zip(leaves, spec_leaves))
 
 
+def optimizer_state_bytes(
+    config: Any, optimizer: optax.GradientTransformation, sizes: dict[str, int]
+) -> int:
+    """Bytes one device holds of `optimizer`'s state for `config.model` on a mesh of `sizes`."""
+    state = jax.eval_shape(optimizer.init, abstract_state(config.model))
+    return state_bytes_per_device(state, config, sizes)
+
+
+def check_state_memory(config: Any, mesh, optimizer: optax.GradientTransformation) -> None:
+    """KilnError, before any parameter is allocated, when the train state (`summary`'s
+    parameters, gradients and optimizer state) cannot fit in the memory of this process's
+    devices of `mesh`."""
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    memory = device_memory(local)
+    if memory is None:
+        return
+    available, what = memory
+    sizes = dict(mesh.shape)
+    total, per_device, itemsize = state_size(config, sizes)
+    per_device_bytes = 2 * per_device * itemsize + optimizer_state_bytes(config, optimizer, sizes)
+    needed = per_device_bytes * len(local)
+    if needed > available:
+        m = config.model
+        raise KilnError(
+            f"model: the train state of {total:,} parameters (d_model={m.d_model}, "
+            f"num_layers={m.num_layers}, vocab_size={m.vocab_size}, {m.param_dtype}) needs "
+            f"{gigabytes(needed)} for parameters, gradients and "
+            f"{OPTIMIZER_STATE[config.optim.name]}, more than the "
+            f"{gigabytes(available)} of {what}; shrink the model or add devices (`kiln config "
+            "CONFIG --summary` shows the state per device)"
+        )
+
+
 __all__ = [
     "DTYPES",
     "FAMILIES",
@@ -148,10 +196,13 @@ __all__ = [
     "abstract_model",
     "abstract_state",
     "build_model",
+    "check_state_memory",
     "create_model",
     "flops_per_token",
     "logits_dtype",
+    "optimizer_state_bytes",
     "param_count",
     "state_bytes_per_device",
+    "state_size",
     "summary",
 ]

@@ -20,6 +20,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from kiln.config import DEFAULT_AXIS_RULES, MESH_AXES, check_devices
 from kiln.config.axes import entry_axes, resolve, shards_per_dim
 from kiln.errors import KilnError
+from kiln.util.humanize import plural
 
 Rules = Mapping[str, Sequence[str]] | Iterable[tuple[str, Sequence[str]]]
 # The rules of the innermost `use_mesh` (None outside: the defaults).
@@ -247,3 +249,20 @@ def mesh_sizes_for_summary(config: Any, num_devices: int | None = None) -> dict[
         return given
     count = jax.device_count() if num_devices is None else num_devices
     return config.mesh.sizes(max(count, math.prod(s for s in given.values() if s > 0)))
+
+
+def device_memory(devices: Sequence[Any]) -> tuple[int, str] | None:
+    """(bytes, what they are) that `devices` hold together: the memory limit of each
+    accelerator, or for CPU devices the host's physical memory, which they share; None when
+    unknown. A bound for refusing work that cannot fit, not a promise that less will."""
+    platform = devices[0].platform
+    if platform == "cpu":
+        try:
+            host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, OSError, ValueError):
+            return None
+        return host, f"host memory (shared by {plural(len(devices), 'CPU device')})"
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
+    if None in limits:
+        return None
+    return sum(limits), f"memory of {plural(len(devices), platform + ' device')}"

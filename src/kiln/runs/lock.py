@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from contextlib import suppress
 from pathlib import Path
@@ -51,7 +52,7 @@ class RunLock:
         if self._fd is not None:
             return None
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 locked = _flock(fd)
                 holder = _read_holder(fd)
@@ -79,6 +80,22 @@ class RunLock:
                 f"{holder.get('host')} (since {holder.get('since')}): that process is gone"
             )
         return None
+
+    def _open(self) -> int:
+        """The lock file, created if absent; KilnError if something else has its name."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except IsADirectoryError:
+            fd = None
+        if fd is not None and stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+        if fd is not None:
+            os.close(fd)
+        kind = "a directory" if self.path.is_dir() else "not a regular file"
+        raise KilnError(
+            f"{self.path}: {kind}, where the run keeps its lock file; allowed: a regular file "
+            "or nothing (remove it: kiln creates the lock file itself)"
+        )
 
     def release(self) -> None:
         """Remove the lock file and let go (a no-op when not held)."""

@@ -7,10 +7,13 @@ from pathlib import Path
 
 from kiln.config import Config
 from kiln.util import storage
-from kiln.util.files import check_creatable
+from kiln.util.files import check_creatable, check_path_length
 
 # Sources tokenized into data.cache_dir on first use.
 _CACHED_SOURCES = ("text", "jsonl", "parquet")
+# Bytes of path kept free below a run directory for the files kiln writes there (the deepest,
+# a checkpoint's data files, take about 100).
+RUN_DIR_RESERVE = 256
 
 
 def check_output_paths(config: Config) -> None:
@@ -22,6 +25,7 @@ def check_output_paths(config: Config) -> None:
     else:
         check_creatable(output_dir, "train.output_dir")
     run_dir = output_dir / config.train.run_name
+    check_path_length(run_dir, "train.output_dir/train.run_name", RUN_DIR_RESERVE)
     if run_dir.exists() or run_dir.is_symlink():
         check_creatable(run_dir, "train.run_name")
     if any(s.source in _CACHED_SOURCES for _, s in config.data.mixture()):

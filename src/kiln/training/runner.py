@@ -22,6 +22,7 @@ from kiln.data import make_datasets
 from kiln.data.eval_tasks import parse_tasks
 from kiln.data.pipeline import FirstRead
 from kiln.errors import KilnError, write_error
+from kiln.model import check_state_memory
 from kiln.model.attention import check as check_attention
 from kiln.parallel.distributed import initialize
 from kiln.parallel.mesh import make_mesh
@@ -42,6 +43,7 @@ from kiln.runs.rundir import RunComplete, keep_config_history, move_aside, resta
 from kiln.training import train
 from kiln.training.loop import Loop, checkpoint_tree
 from kiln.training.metrics import MetricsLogger
+from kiln.training.optim import make_optimizer
 from kiln.training.profiling import compilation_cache_for
 from kiln.training.resume import check_start, starts_over
 from kiln.training.scoring import Evaluator, load_tasks
@@ -278,6 +280,8 @@ def _prepare(config, build, command, check, lock, started, restart, wrap) -> Pre
     restart = restart or over is not None
     notes = resume_notes(config, restart)
     mesh = make_mesh(config)
+    # Before data is read or a parameter allocated.
+    check_state_memory(config, mesh, make_optimizer(config.optim))
     check_attention(config.model.attention, mesh.devices.flat[0].platform, config.model.dtype)
     check_wandb(config)
     if check is not None:

@@ -26,6 +26,7 @@ def check_creatable(path: Path, field: str, *, beside: bool = False) -> None:
     `beside`: `path` is staged next to itself and renamed into place, so its parent is written.
     """
     path = path.absolute()
+    check_path_length(path, field)
     existing = path.parent if beside else path
     while not (existing.exists() or existing.is_symlink()) and existing != existing.parent:
         existing = existing.parent
@@ -41,6 +42,43 @@ def check_creatable(path: Path, field: str, *, beside: bool = False) -> None:
             f"{field}: {path} cannot be created or written ({e.strerror} in {existing}); "
             "allowed: a directory kiln can create or write"
         ) from None
+
+
+def check_path_length(path: Path, field: str, reserve: int = 0) -> None:
+    """KilnError naming `field` when a name in `path` is longer than its filesystem allows, or
+    the whole path, with `reserve` bytes for what is written below it, is."""
+    path = path.absolute()
+    name_max, path_max = _limits(path)
+    for name in path.parts:
+        size = len(os.fsencode(name))
+        if size > name_max:
+            raise KilnError(
+                f"{field}: the name {_short(name)} in {_short(str(path))} is {size} bytes; "
+                f"allowed: at most {name_max} bytes per name (the filesystem's limit)"
+            )
+    size = len(os.fsencode(str(path)))
+    if size + reserve > path_max:
+        room = f" plus {reserve} for the files kiln writes below it" if reserve else ""
+        raise KilnError(
+            f"{field}: {_short(str(path))} is {size} bytes long{room}; allowed: at most "
+            f"{path_max} bytes in all (the filesystem's path limit): choose a shorter path"
+        )
+
+
+def _limits(path: Path) -> tuple[int, int]:
+    """(longest name, longest path) in bytes on the filesystem of `path`'s nearest existing
+    ancestor; POSIX's usual 255 and 4096 where it does not say."""
+    for where in (path, *path.parents):
+        try:
+            return os.pathconf(where, "PC_NAME_MAX"), os.pathconf(where, "PC_PATH_MAX")
+        except (OSError, ValueError):
+            continue
+    return 255, 4096
+
+
+def _short(text: str) -> str:
+    """A long path or name cut in the middle for a one-line message."""
+    return text if len(text) <= 80 else f"{text[:40]}...{text[-30:]}"
 
 
 def write_array(path: Path, array: np.ndarray, *, npy: bool = False, sync: bool = False) -> None:

@@ -10,6 +10,11 @@ def count(n: int | float) -> str:
     return f"{round(n):,}" if math.isfinite(n) else str(n)
 
 
+def gigabytes(n: int | float) -> str:
+    """Bytes in decimal gigabytes, as memory is sold: 2.5e9 -> '2.50 GB'."""
+    return f"{n / 1e9:,.2f} GB"
+
+
 def plural(n: int, word: str, many: str | None = None) -> str:
     """'1 device', '8 devices', '12,000 tokens' ('many' for irregular plurals)."""
     return f"{count(n)} {word if n == 1 else (many or word + 's')}"

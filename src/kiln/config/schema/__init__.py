@@ -7,6 +7,7 @@ that relate several fields are in `kiln.config`.
 from kiln.config.schema.base import (
     DEFAULT_MAX_KD_SCALE,
     INT32_MAX,
+    SEED_LIMIT,
     Z_LOSS_MAX,
     Count,
     PositiveInt,
@@ -22,6 +23,7 @@ from kiln.config.schema.training import CheckpointConfig, LossConfig, OptimConfi
 __all__ = [
     "DEFAULT_MAX_KD_SCALE",
     "INT32_MAX",
+    "SEED_LIMIT",
     "Z_LOSS_MAX",
     "CheckpointConfig",
     "Count",

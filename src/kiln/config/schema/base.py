@@ -11,8 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field
 INT32_MAX = 2**31 - 1
 PositiveInt = Annotated[int, Field(gt=0, le=INT32_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
-# numpy refuses negative seeds, and the data pipeline's shuffle takes 32 bits.
-Seed = Annotated[int, Field(ge=0, lt=2**32)]
+# numpy refuses negative seeds, the data pipeline's shuffle takes 32 bits, and JAX's keys
+# keep a seed's low 32 bits (2^32 would give seed 0's key).
+SEED_LIMIT = 2**32
+Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
 # z * logsumexp^2 in float32: PaLM and MaxText use 1e-4; with z <= 1 the term stays finite
 # for any |logsumexp| below 1e19, while z = 1e38 overflows at the first step.
 Z_LOSS_MAX = 1.0

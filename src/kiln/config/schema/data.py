@@ -15,6 +15,10 @@ from kiln.util.storage import check_url, local_dir
 
 # Source names end up in metric tags (eval/loss/<name>) and directory-safe keys.
 SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# Smallest nonzero weight of a mixture, relative to the largest: grain scales the weights so
+# that the smallest becomes 100 and rounds them to integers, which overflows a float for
+# ratios past ~1e306; far below that, a source would get one window in billions.
+MIN_WEIGHT_RATIO = 1e-9
 
 
 class SourceFields(Section):
@@ -205,3 +209,13 @@ class DataConfig(SourceFields):
                 f"data.sources: the weights {[s.weight for s in self.sources]} sum to {total}; "
                 "allowed: weights >= 0 with at least one > 0 and a finite sum"
             )
+            return
+        largest = max(s.weight for s in self.sources)
+        for i, s in enumerate(self.sources):
+            if 0 < s.weight < largest * MIN_WEIGHT_RATIO:
+                yield (
+                    f"data.sources.{i}.weight: {s.weight:g} is less than {MIN_WEIGHT_RATIO:g} of "
+                    f"the largest weight, {largest:g}; allowed: 0 (not trained on) or at least "
+                    f"{largest * MIN_WEIGHT_RATIO:g} (grain scales the weights to integers, "
+                    "the smallest to 100)"
+                )

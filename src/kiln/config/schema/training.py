@@ -12,6 +12,9 @@ from kiln.data.eval_tasks import parse_tasks
 from kiln.errors import KilnError
 from kiln.util.storage import local_dir, local_or_url
 
+# Bytes of one directory name that filesystems commonly allow (Linux, macOS, Windows' NTFS).
+NAME_MAX = 255
+
 
 class MuonConfig(Section):
     """Muon (optim.name: muon): momentum orthogonalised by Newton-Schulz iterations for the
@@ -179,7 +182,7 @@ class TrainConfig(Section):
     run_name: str = Field(
         "run",
         min_length=1,
-        description="Name of the run directory under output_dir: one path component (no '/', not '.' or '..').",
+        description="Name of the run directory under output_dir: one path component (no '/', not '.' or '..'), at most 255 bytes.",
     )
     output_dir: str = Field(
         "runs",
@@ -277,6 +280,12 @@ class TrainConfig(Section):
             raise ValueError(
                 "allowed: a single directory name, without '/', '\\' or NUL, not '.' or '..'; "
                 "the run directory stays inside train.output_dir"
+            )
+        size = len(name.encode("utf-8", "surrogateescape"))
+        if size > NAME_MAX:
+            raise ValueError(
+                f"{size} bytes long; allowed: at most {NAME_MAX} bytes (UTF-8), the usual "
+                "filesystem limit of one directory name"
             )
         return name
 
