@@ -148,27 +148,39 @@ def test_sigterm_saves_and_exits_cleanly_then_cosine_resume_is_exact(tmp_path, c
     assert_bitwise(final_params(config, *overrides), final_params(ref_config, *overrides))
 
 
-def test_kill_9_during_async_saves_resumes_from_last_complete(tmp_path, corpus, straight):
-    _, want_losses, want_params = straight
-    config = write_run_config(tmp_path, corpus, checkpoint={"every_steps": 1, "keep": 3})
-    run_dir = tmp_path / "runs" / "r"
-    proc = start_kiln("train", config, "train.steps=400")
+def kill_9_after_step_5(config: Path, run_dir: Path, *overrides: str) -> int:
+    """Start `kiln train config` for 400 steps and kill -9 it once it has logged step 5; the
+    step of its latest complete checkpoint (the test is skipped if that is past step 12)."""
+    proc = start_kiln("train", config, "train.steps=400", *overrides)
     wait_for_step(run_dir, 5, proc)
     os.kill(proc.pid, signal.SIGKILL)
     communicate(proc)
     complete = latest_complete_step(run_dir / "checkpoints")
     assert complete is not None and complete >= 3
-    # Resume the killed run to step 12 of the same data stream as the straight run.
     if complete >= 12:
         pytest.skip("the killed run got past step 12 before the kill")
+    return complete
+
+
+def resume_to_step_12(config: Path, run_dir: Path, complete: int, want_losses, want_state):
+    """Resume the killed run to step 12: the losses after `complete` and the final state are
+    bitwise those of the straight run."""
     kiln_train(config)
-    # Half-written saves of the killed run were cleaned up when the next run opened the directory.
-    assert not [p.name for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name]
     got = losses(run_dir)
     assert [got[s] for s in range(complete + 1, 13)] == [
         want_losses[s] for s in range(complete + 1, 13)
     ]
-    assert_bitwise(final_params(config), want_params)
+    assert_bitwise(final_params(config), want_state)
+
+
+def test_kill_9_during_async_saves_resumes_from_last_complete(tmp_path, corpus, straight):
+    _, want_losses, want_params = straight
+    config = write_run_config(tmp_path, corpus, checkpoint={"every_steps": 1, "keep": 3})
+    run_dir = tmp_path / "runs" / "r"
+    complete = kill_9_after_step_5(config, run_dir)
+    resume_to_step_12(config, run_dir, complete, want_losses, want_params)
+    # Half-written saves of the killed run were cleaned up when the next run opened the directory.
+    assert not [p.name for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name]
 
 
 @pytest.mark.parametrize(
@@ -185,20 +197,8 @@ def test_kill_9_resumes_bitwise_with_each_optimizers_state(tmp_path, corpus, opt
     want_losses, want_state = losses(tmp_path / "straight" / "runs" / "r"), final_params(straight)
     config = write_run_config(tmp_path, corpus, optim=optim, checkpoint={"every_steps": 1})
     run_dir = tmp_path / "runs" / "r"
-    proc = start_kiln("train", config, "train.steps=400")
-    wait_for_step(run_dir, 5, proc)
-    os.kill(proc.pid, signal.SIGKILL)
-    communicate(proc)
-    complete = latest_complete_step(run_dir / "checkpoints")
-    assert complete is not None and complete >= 3
-    if complete >= 12:
-        pytest.skip("the killed run got past step 12 before the kill")
-    kiln_train(config)
-    got = losses(run_dir)
-    assert [got[s] for s in range(complete + 1, 13)] == [
-        want_losses[s] for s in range(complete + 1, 13)
-    ]
-    assert_bitwise(final_params(config), want_state)  # parameters and optimizer state
+    complete = kill_9_after_step_5(config, run_dir)
+    resume_to_step_12(config, run_dir, complete, want_losses, want_state)  # params and optimizer
 
 
 def test_restore_onto_a_different_mesh(tmp_path, corpus, straight):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import assert_user_error, communicate, kiln, make_config, write_config
+from conftest import assert_user_error, kiln, make_config, write_config
 from kiln.commands.compare import expand_metrics
 from kiln.config import config_from_dict, load_config
 from kiln.data import make_datasets
@@ -318,25 +318,13 @@ def straight(tmp_path_factory):
 
 @pytest.mark.slow
 def test_kill_9_mid_run_resumes_with_the_same_batches_and_losses(tmp_path, straight):
-    import os
-    import signal
-
-    from conftest import start_kiln
     from kiln.config import load_config
-    from kiln.runs.checkpoint import latest_complete_step
-    from test_checkpoint import assert_bitwise, final_params, wait_for_step
+    from test_checkpoint import assert_bitwise, final_params, kill_9_after_step_5
 
     root, corpus, want = straight
     config = run_config(tmp_path, corpus, root / "cache")
     run_dir = tmp_path / "runs" / "r"
-    proc = start_kiln("train", config, "train.steps=400", "checkpoint.every_steps=1")
-    wait_for_step(run_dir, 5, proc)
-    os.kill(proc.pid, signal.SIGKILL)
-    communicate(proc)
-    complete = latest_complete_step(run_dir / "checkpoints")
-    assert complete is not None and complete >= 3
-    if complete >= 12:
-        pytest.skip("the killed run got past step 12 before the kill")
+    complete = kill_9_after_step_5(config, run_dir, "checkpoint.every_steps=1")
 
     # The data state saved at `complete` continues with the straight run's next batches.
     mixture_config = load_config(config)
