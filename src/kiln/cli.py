@@ -26,6 +26,7 @@ from kiln.commands.handlers import (
 )
 from kiln.errors import KilnError, RunStopped
 from kiln.util.interrupt import exit_on_signals
+from kiln.util.platforms import cpu_unless_attached
 
 
 class _Parser(argparse.ArgumentParser):
@@ -332,6 +333,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    # Before any command imports JAX: an installed libtpu is not started on a machine without
+    # an accelerator (it would print its own errors above kiln's one line).
+    cpu_unless_attached(os.environ)
     try:
         if args.command in ("train", "distill", "teacher-logits"):
             # Until the loop takes over the signals, start-up stops at once, with one line.

@@ -30,6 +30,7 @@ from kiln.errors import KilnError, RunStopped
 from kiln.parallel.mesh import make_mesh
 from kiln.training.train import abstract_batch, abstract_pretraining, make_step, shardings_of
 from kiln.util.humanize import plural
+from kiln.util.platforms import tpu_attached
 
 GB = 1e9  # --hbm-gb is in decimal gigabytes, as accelerator memory is sold
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -108,6 +109,11 @@ def topology_devices(name: str) -> list[Any]:
 
     # Compile-only devices hold no chip: libtpu's one-process-per-TPU lock does not apply.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if not tpu_attached():
+        # Without a TPU (nor its metadata server) libtpu reads the host's slice and workers from
+        # these, and prints errors to stderr when they are unset; compile-only devices use neither.
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", name)
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
     return list(get_topology_desc(platform="tpu", **args).devices)
 

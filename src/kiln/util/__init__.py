@@ -2,10 +2,12 @@
 
 Modules: `storage` (files at local paths or URLs through fsspec: read, list, upload, the local
 mirror of a URL), `checksums` (CRC-32 of files and trees), `humanize` (counts and plurals in
-words), `interrupt` (SIGINT/SIGTERM as one clean exit during start-up).
+words), `interrupt` (SIGINT/SIGTERM as one clean exit during start-up), `platforms` (which
+accelerators are attached, from their device files; JAX's CPU backend when none is).
 
 May import: `kiln.errors`. Imports no JAX.
 
 Public names: the modules above; `storage.Location`, `storage.is_remote`, `storage.filesystem`,
-`checksums.crc32_of`, `humanize.count`, `humanize.plural`, `interrupt.exit_on_signals`.
+`checksums.crc32_of`, `humanize.count`, `humanize.plural`, `interrupt.exit_on_signals`,
+`platforms.tpu_attached`, `platforms.cpu_unless_attached`.
 """
