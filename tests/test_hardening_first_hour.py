@@ -2,6 +2,7 @@
 to run, on a CPU machine with the development install (libtpu included)."""
 
 import importlib.util
+import re
 
 import pytest
 
@@ -10,6 +11,8 @@ from kiln.util import platforms
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 TINY = REPO / "configs" / "tiny.yaml"
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+SHELL_BLOCK = re.compile(r"^```(?:bash|sh|shell|console)\n(.*?)^```", re.S | re.M)
 
 
 # Each row: a refusal after JAX has started, with JAX_PLATFORMS unset as in a user's shell
@@ -58,3 +61,17 @@ def test_jax_platforms_is_chosen_only_without_an_accelerator_or_a_users_choice(
         platforms.cpu_unless_attached(environ)
         assert environ == {}
         (tmp_path / device).unlink()
+
+
+def test_the_docs_run_their_commands_in_the_environment_the_first_one_activates():
+    """Later commands are bare (`kiln`, `tensorboard`): the README's first one activates .venv,
+    and no page mixes in `.venv/bin/...`; a full-size model's summary names its devices."""
+    first = SHELL_BLOCK.search((REPO / "README.md").read_text()).group(1)
+    assert first.startswith("python3 -m venv .venv && . .venv/bin/activate && pip install")
+    for page in PAGES:
+        for block in SHELL_BLOCK.findall(page.read_text()):
+            assert ".venv/bin/" not in block.replace(". .venv/bin/activate", ""), (page, block)
+            for line in block.splitlines():
+                if "--summary" in line and "configs/models/" in line:
+                    # Without them its mesh.fsdp: -1 is this machine's devices (one CPU).
+                    assert "--devices" in line or "mesh." in line, (page, line)
