@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+# This checkout's kiln, for rendering recorded outputs as kiln prints them (imported where used).
+sys.path.insert(0, str(REPO / "src"))
 RECORD = REPO / "docs" / "figures.json"
 GB = 1e9
 # A full-size model cut so that it compiles in seconds: 2 layers (XLA compiles a 1-layer scan
@@ -102,7 +104,9 @@ ENTRIES = {
         ("compile", B8, "mesh.fsdp=4", "mesh.sequence=2", "--devices", "8"), canary=True
     ),
     "8b-sequence-v5p-16": Entry(
-        ("compile", B8, "mesh.fsdp=4", "mesh.sequence=2", "--topology", "v5p-16"), True, True
+        ("compile", B8, "mesh.fsdp=4", "mesh.sequence=2", "--topology", "v5p-16"),
+        canary=True,
+        tpu=True,
     ),
     "1b": Entry(("compile", B1, "--devices", "8"), canary=True),
     "1b-summary": Entry(SUMMARY_1B, derived=True),
@@ -159,13 +163,12 @@ def measure(name: str) -> dict[str, Any]:
 # What the pages quote
 
 
-def _gb(n: float, digits: int = 2) -> str:
-    return f"{n / GB:.{digits}f} GB"
+def _gb(n: float) -> str:
+    return f"{n / GB:.2f} GB"
 
 
 def _report_lines(output: dict[str, Any], path: str) -> list[str]:
     """`kiln compile`'s text report of a recorded --json output."""
-    sys.path.insert(0, str(REPO / "src"))
     from kiln.commands.compile import StepReport, format_report
 
     return format_report(StepReport(**output), path).splitlines()
@@ -298,7 +301,8 @@ def regenerate(names: list[str]) -> None:
     RECORD.write_text(json.dumps(records, indent=1) + "\n")
     if set(records) != set(ENTRIES):
         return
-    for (page, before), (_, after) in zip(old, quotes(records)):
+    new = quotes(records)
+    for (page, before), (_, after) in zip(old, new) if len(old) == len(new) else ():
         path = REPO / page
         text = path.read_text()
         if before != after and text.count(before) == 1:
@@ -314,7 +318,6 @@ def disagreements(records: dict[str, dict[str, Any]]) -> list[str]:
     compiled lines of the model's compile record; the --fit trial of the config's own settings
     has that record's peak.
     """
-    sys.path.insert(0, str(REPO / "src"))
     from kiln.commands.compile import StepReport, summary_lines
     from kiln.config import load_config
     from kiln.model import summary
@@ -328,7 +331,7 @@ def disagreements(records: dict[str, dict[str, Any]]) -> list[str]:
         overrides = [a for a in args if "=" in a]
         config = load_config(REPO / args[1], overrides)
         report = StepReport(**out[compiled])
-        want = [*summary(config, report.devices).splitlines()]
+        want = summary(config, report.devices).splitlines()
         want += summary_lines(report, hbm_gb).splitlines()
         if out[name] != want:
             problems.append(f"{name}: the recorded summary is not the one of the {compiled} record")
