@@ -48,10 +48,12 @@ REPO = Path(__file__).resolve().parents[1]
 KILN_SRC = Path(importlib.import_module("kiln").__file__).resolve().parents[1]
 
 
-def kiln_env(**extra: str) -> dict[str, str]:
-    """The environment of a `kiln` subprocess: this one, with this process's kiln first."""
+def kiln_env(**extra: str | None) -> dict[str, str]:
+    """The environment of a `kiln` subprocess: this one, with this process's kiln first;
+    `extra` sets variables, or removes those given as None."""
     path = os.pathsep.join(p for p in (str(KILN_SRC), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, **extra}
+    env = {**os.environ, "PYTHONPATH": path, **extra}
+    return {k: v for k, v in env.items() if v is not None}
 
 
 # A process under test is stuck when it has used no CPU time for this long. Tests wait for a

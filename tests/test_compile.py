@@ -160,6 +160,34 @@ def test_collectives_are_counted_by_kind_with_result_bytes():
     assert got["all-to-all"] == static(0, 0)
 
 
+def test_collectives_over_groups_of_one_device_are_not_counted():
+    """A reduction over a mesh axis of size 1 stays in XLA:CPU's program and exchanges nothing.
+
+    In the 8B step's HLO (fsdp=8, tensor=1) the tiled loss's pmax/psum over `tensor`, inside
+    the accumulation, chunk and key loops, were 262,144 of its 264,323 all-reduces per step.
+    """
+    hlo = """
+  %all-reduce.1 = f32[2]{0} all-reduce(%a), replica_groups={{0},{1},{2},{3}}, to_apply=%max
+  %all-reduce.2 = f32[8]{0} all-reduce(%b), replica_groups={{0,1},{2,3}}, to_apply=%add
+  %all-reduce.3 = f32[4]{0} all-reduce(%c), replica_groups=[4,1]<=[4], to_apply=%add
+  %all-reduce.4 = f32[16]{0} all-reduce(%d), replica_groups=[1,4]<=[4], to_apply=%add
+  %all-gather.5 = f32[64]{0} all-gather(%e), replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_1'}, dimensions={0}
+  %all-gather.6 = f32[32]{0} all-gather(%f), replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_0'}, dimensions={0}
+  %all-reduce.7 = f32[1]{0} all-reduce(%g), replica_groups={}, to_apply=%add
+  %all-gather-start = (f32[8]{0}, f32[128]{0}) all-gather-start(%h), replica_groups={{0},{1},{2},{3}}, dimensions={0}
+  %all-gather-done = f32[128]{0} all-gather-done(%all-gather-start)
+  %all-gather-start.1 = (f32[8]{0}, f32[256]{0}) all-gather-start(%i), replica_groups=[1,4]<=[4], dimensions={0}
+  %all-gather-done.1 = f32[256]{0} all-gather-done(%all-gather-start.1)
+"""
+    assert [aot.group_size(line) for line in hlo.strip().splitlines()] == [
+        *(1, 2, 1, 4, 1, 4, None, 1, None, 4, None)
+    ]
+    got = aot.collectives(hlo)
+    # all-reduce.2, .4 and .7 (all devices); all-gather.6 and the second async gather.
+    assert (got["all-reduce"]["ops"], got["all-reduce"]["bytes"]) == (3, 8 * 4 + 16 * 4 + 4)
+    assert (got["all-gather"]["ops"], got["all-gather"]["bytes"]) == (2, 32 * 4 + 256 * 4)
+
+
 LOOPS = """
 %inner_body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
   %all-reduce.1 = f32[8]{0} all-reduce(%x), to_apply=%add

@@ -1,6 +1,8 @@
-"""The docs site builds with --strict, the generated config reference is current, and every
-benchmark figure the docs quote says which command made it, on what machine, under what load."""
+"""The docs site builds with --strict, the generated config reference is current, every
+benchmark figure the docs quote says which command made it, on what machine, under what load,
+and the compile figures they quote are the ones kiln gives (scripts/docs_figures.py)."""
 
+import importlib.util
 import json
 import re
 import shlex
@@ -110,3 +112,30 @@ def test_quoted_error_messages_are_what_kiln_prints(page, tmp_path):
         assert proc.returncode == 2 and len(got) == len(want), (command, proc.stderr)
         for line, doc in zip(got, want):
             assert line == doc or (doc.endswith("...") and line.startswith(doc[:-3])), (line, doc)
+
+
+def docs_figures():
+    """scripts/docs_figures.py as a module."""
+    spec = importlib.util.spec_from_file_location("docs_figures", REPO / "scripts/docs_figures.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks itself up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_docs_quote_the_recorded_compile_figures():
+    figures = docs_figures()
+    records = json.loads(figures.RECORD.read_text())
+    assert set(records) == set(figures.ENTRIES)
+    for name, entry in figures.ENTRIES.items():
+        assert records[name]["command"] == "kiln " + " ".join(entry.command()), name
+    assert figures.missing_quotes(records) == []
+
+
+@pytest.mark.slow
+def test_the_recorded_compile_figures_are_what_kiln_gives_now():
+    """Each cheap entry, and the canary of each full-size one, compiled again: exact figures."""
+    proc = run_process(
+        [sys.executable, str(REPO / "scripts" / "docs_figures.py"), "--check"], env=kiln_env()
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]

@@ -34,8 +34,20 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 SHELLS = {"bash", "sh", "shell", "console"}
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 # Tools a page may name that the test does not run (installs, linters, servers, clusters); a
-# `kiln` command inside `srun ...` or `--command="..."` is still checked.
-EXTERNAL = {"python3", "pip", "ruff", "pytest", "mkdocs", "tensorboard", "docker", "gcloud", "srun"}
+# `kiln` command inside `srun ...` or `--command="..."` is still checked. `.` activates the
+# virtual environment.
+EXTERNAL = {
+    ".",
+    "python3",
+    "pip",
+    "ruff",
+    "pytest",
+    "mkdocs",
+    "tensorboard",
+    "docker",
+    "gcloud",
+    "srun",
+}
 STEP_SCALE = 100
 PLACEHOLDER = re.compile(r"\[?[A-Z][A-Z_]*(\.\.\.|\.yaml)?\]?\|?")
 # Inputs a page assumes the reader has: created in the scratch directory before the page runs.

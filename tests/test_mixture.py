@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import assert_user_error, kiln, make_config, write_config
+from conftest import REPO, assert_user_error, kiln, kiln_main, make_config, write_config
 from kiln.commands.compare import expand_metrics
 from kiln.config import config_from_dict, load_config
 from kiln.data import make_datasets
@@ -215,16 +215,60 @@ def test_bad_mixtures_name_field_value_and_allowed(data, message):
     assert len(lines) == 1 and message in lines[0], lines
 
 
-def test_a_resolved_mixture_config_reads_back_and_an_inherited_source_is_refused(tmp_path):
+def test_a_resolved_mixture_config_reads_back(tmp_path):
     config = config_from_dict({"data": {"sources": [entry(), entry(name="code", weight=2)]}})
     assert config_from_dict(yaml.safe_load(config.to_yaml())) == config
-    # A mixture on top of a single-source config (tiny.yaml's data.source: text) would
-    # silently drop that source: refused, naming it.
-    base = write_config(tmp_path / "base.yaml", data={"source": "text", "paths": ["x"]})
-    top = tmp_path / "top.yaml"
-    top.write_text(f"base_config: {base.name}\ndata:\n  sources: [{json.dumps(entry())}]\n")
-    with pytest.raises(KilnError, match=r"^data\.source: set together with data\.sources"):
-        load_config(top)
+
+
+# What a user writes to mix a source into the shipped tiny run: no data.source or data.paths.
+ON_TINY = """\
+base_config: {tiny}
+data:
+  sources:
+    - {{name: stdlib, source: text, paths: ["stdlib:json/*.py"], weight: 0.9}}
+    - {{name: noise, source: synthetic, weight: 0.1}}
+train:
+  output_dir: {runs}
+"""
+
+
+def test_a_mixture_replaces_the_single_source_of_its_base_config(tmp_path):
+    tiny = REPO / "configs" / "tiny.yaml"
+    top = tmp_path / "mix.yaml"
+    top.write_text(ON_TINY.format(tiny=tiny, runs=tmp_path / "runs"))
+    config = load_config(top)
+    # tiny.yaml's data.source: text and data.paths are replaced; its seq_len stays.
+    assert (config.data.source, config.data.paths, config.data.seq_len) == ("synthetic", [], 128)
+    assert [(s.name, s.source, s.paths) for s in config.data.sources] == [
+        ("stdlib", "text", ["stdlib:json/*.py"]),
+        ("noise", "synthetic", []),
+    ]
+    explained = kiln_main("config", top, "--explain")
+    assert explained.returncode == 0, explained.stderr
+    replaced = f"# default (data.sources of {top} replaces data.paths of {tiny})"
+    assert replaced in explained.stdout
+    # The same mixture given on the command line replaces them too.
+    sources = json.dumps(
+        [s.model_dump(include={"name", "source", "paths", "weight"}) for s in config.data.sources]
+    )
+    assert load_config(tiny, [f"data.sources={sources}"]).data == config.data
+    # It builds: a step of the mixture, each source with its held-out loss.
+    proc = kiln_main(
+        "train",
+        top,
+        "train.steps=2",
+        "optim.warmup_steps=0",
+        "train.eval_every_steps=2",
+        "train.eval_tasks=[]",
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "runs/tiny/metrics.jsonl").open()]
+    assert {"eval/loss/stdlib", "eval/loss/noise"} <= set(rows[-1])
+    # Both in one file are still refused: which one was meant is not known.
+    both = tmp_path / "both.yaml"
+    both.write_text(top.read_text().replace("data:\n", "data:\n  paths: [x]\n"))
+    with pytest.raises(KilnError, match=r"^data\.paths: set together with data\.sources"):
+        load_config(both)
 
 
 def test_cli_refuses_a_bad_weight_in_one_line_and_writes_nothing(tmp_path):

@@ -30,6 +30,7 @@ from kiln.errors import KilnError, RunStopped
 from kiln.parallel.mesh import make_mesh
 from kiln.training.train import abstract_batch, abstract_pretraining, make_step, shardings_of
 from kiln.util.humanize import plural
+from kiln.util.platforms import tpu_attached
 
 GB = 1e9  # --hbm-gb is in decimal gigabytes, as accelerator memory is sold
 # The most devices a step is compiled for: the largest slice --topology knows (v4-4096 and
@@ -49,6 +50,15 @@ _CALLEE = re.compile(r"\b(body|condition|to_apply|calls)=%([\w.-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+# An instruction's name; an async collective's start (its `-done` names it as operand).
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%([\w.-]+)\s+=")
+_START = re.compile(r"\s(?:" + "|".join(COLLECTIVES) + r")-start\(")
+_DONE_OF = re.compile(r"-done\(%([\w.-]+)")
+# The device groups of a collective, in the three forms of the HLO text: explicit lists
+# `{{0,1},{2,3}}`, an iota `[groups,size]<=[...]`, or mesh axes `mesh['a'=8,'b'=1] {'a'}`.
+_GROUP_LISTS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)+)\}")
+_GROUP_IOTA = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")
+_GROUP_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 
 
 def use_cpu_devices(count: int, what: str = "--devices") -> list[Any]:
@@ -120,6 +130,11 @@ def topology_devices(name: str) -> list[Any]:
 
     # Compile-only devices hold no chip: libtpu's one-process-per-TPU lock does not apply.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if not tpu_attached():
+        # Without a TPU (nor its metadata server) libtpu reads the host's slice and workers from
+        # these, and prints errors to stderr when they are unset; compile-only devices use neither.
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", name)
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
     return list(get_topology_desc(platform="tpu", **args).devices)
 
@@ -219,9 +234,10 @@ def memory_figures(stats, platform: str) -> tuple[dict[str, int], str]:
 def collectives(hlo: str) -> dict[str, dict[str, int | None]]:
     """Collective ops of a compiled HLO module by kind: op count and bytes of their results.
 
-    `ops` and `bytes` are static: an op in a loop body (the layer scan, accumulation, attention's
-    query blocks) is counted once. `ops_per_step` and `bytes_per_step` count it as often as one
-    step runs it (see `collective_ops`; None when a loop's trip count is unknown).
+    Only ops that exchange data between devices count (see `_read_module`). `ops` and `bytes`
+    are static: an op in a loop body (the layer scan, accumulation, attention's query blocks) is
+    counted once. `ops_per_step` and `bytes_per_step` count it as often as one step runs it
+    (see `collective_ops`; None when a loop's trip count is unknown).
     """
     out: dict[str, dict[str, int | None]] = {
         kind: {"ops": 0, "bytes": 0, "ops_per_step": 0, "bytes_per_step": 0} for kind in COLLECTIVES
@@ -251,13 +267,31 @@ def collective_ops(hlo: str) -> list[tuple[str, str, int | None]]:
     return [(kind, result, runs(computation)) for computation, kind, result in found]
 
 
+def group_size(line: str) -> int | None:
+    """Devices in each group of a collective's HLO line (the largest group); None: all of them."""
+    lists = _GROUP_LISTS.search(line)
+    if lists is not None:
+        return max(len(group.split(",")) for group in re.findall(r"\{([\d,]+)\}", lists.group(1)))
+    iota = _GROUP_IOTA.search(line)
+    if iota is not None:
+        return int(iota.group(1))
+    mesh = _GROUP_MESH.search(line)
+    if mesh is not None:
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh.group(1)))
+        return math.prod(int(sizes[axis]) for axis in re.findall(r"'([^']+)'", mesh.group(2)))
+    return None
+
+
 def _read_module(hlo: str):
     """([(computation, kind, result type)] of the collectives, {callee: [(caller, runs)]}).
 
     `runs` is how often one run of the caller runs the callee: a while loop's trip count for
-    its body (one more for its condition), None when unknown, 1 for any other call.
+    its body (one more for its condition), None when unknown, 1 for any other call. A
+    collective whose groups each hold one device (a reduction over a mesh axis of size 1,
+    which XLA:CPU keeps in the program) exchanges nothing and is left out.
     """
     found, call_sites = [], {}
+    starts: dict[str, int | None] = {}  # group size of each async collective's start
     computation, scatter_result = None, None  # scatter_result: of the all-reduce-scatter read
     for line in hlo.splitlines():
         header = _COMPUTATION.match(line)
@@ -274,8 +308,14 @@ def _read_module(hlo: str):
         for branches in _BRANCHES.findall(line):
             for callee in re.findall(r"%([\w.-]+)", branches):
                 call_sites.setdefault(callee, []).append((computation, 1))
+        name = _NAME.match(line)
+        if name is not None and _START.search(line):
+            starts[name.group(1)] = group_size(line)
         match = _OP.search(line)
         if match is None:
+            continue
+        done_of = _DONE_OF.search(line)
+        if (starts.get(done_of.group(1)) if done_of else group_size(line)) == 1:
             continue
         kind, result = match.group(2), match.group(1)
         if kind == "all-reduce" and scatter_result is not None:
@@ -328,8 +368,8 @@ def format_report(report: StepReport, config_path: str) -> str:
         f"FLOPs per step: {f['kiln_per_step']:.4g} by kiln's formula "
         f"({f['kiln_per_device']:.4g} per device); XLA cost_analysis "
         f"{f['xla_cost_analysis_per_device']:.4g} per device (counts a scan body once)",
-        "collectives in the compiled HLO (static: an op inside a loop counted once; per step: "
-        "as often as the loops around it run):",
+        "collectives between devices in the compiled HLO (static: an op inside a loop counted "
+        "once; per step: as often as the loops around it run):",
     ]
     for kind, c in report.collectives.items():
         per_step = (

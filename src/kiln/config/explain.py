@@ -1,5 +1,6 @@
 """`kiln config CONFIG --explain`: the resolved config, every value with the file, override or
-schema default that set it (the last one wins: base_config first, then the file, then overrides)."""
+schema default that set it (the last one wins: base_config first, then the file, then overrides;
+a layer that sets `data.sources` replaces the single-source data fields of the layers before it)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from kiln.config.loader import load_config, schema_rows, yaml_layers
+from kiln.config.loader import load_config, replaced_by_sources, schema_rows, yaml_layers
 
 Key = tuple[str, ...]
 
@@ -17,11 +18,14 @@ Key = tuple[str, ...]
 def explain(path: str | Path, overrides: Sequence[str] = ()) -> str:
     """YAML of the resolved config with a comment on each value saying where it came from."""
     config = load_config(path, overrides)  # validates first: a bad config is refused as usual
-    origins = [(name, set(_leaf_keys(tree))) for name, tree in yaml_layers(path, overrides)]
+    layers = yaml_layers(path, overrides)
+    origins = [(name, set(_leaf_keys(tree))) for name, tree in layers]
+    replaced = replaced_by_sources(layers)
     defaults = {name: default for name, _, default, _ in schema_rows()}
     resolved = config.model_dump(mode="json")
     rows = list(_rows(resolved, ()))
-    width = max(len(text) for text, _ in rows)
+    # Comments line up after the one-line values (a long list wraps; its comment follows it).
+    width = max(len(text) for text, _ in rows if "\n" not in text)
     out = []
     for text, key in rows:
         if key is None:  # a section or sub-mapping heading
@@ -29,7 +33,10 @@ def explain(path: str | Path, overrides: Sequence[str] = ()) -> str:
             continue
         origin = next((o for o, keys in reversed(origins) if _sets(keys, key)), None)
         dotted = ".".join(key)
-        if origin is None:
+        if dotted in replaced:
+            setter, mixture = replaced[dotted]
+            note = f"default (data.sources of {mixture} replaces {dotted} of {setter})"
+        elif origin is None:
             note = "default"
         elif dotted in defaults and defaults[dotted] != _flow(_get(resolved, key)):
             note = f"{origin} (default {defaults[dotted]})"

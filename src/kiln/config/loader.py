@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 from kiln.config.axes import MeshConfig
 from kiln.config.rules import cross_field_errors
 from kiln.config.schema import (
+    PER_SOURCE,
     CheckpointConfig,
     DataConfig,
     DistillationConfig,
@@ -98,6 +99,9 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     the data decides (`model.vocab_size: auto`, the tokenizer of shards); raises KilnError."""
     raw = _load_yaml_tree(Path(path), stack=())
     for item in overrides:
+        layer: dict[str, Any] = {}
+        _apply_override(layer, item)
+        raw = _without_replaced(raw, layer)
         _apply_override(raw, item)
     config = config_from_dict(raw)
     resolved = resolve_data_fields(raw, config)
@@ -115,6 +119,27 @@ def yaml_layers(path: str | Path, overrides: Sequence[str] = ()) -> list[tuple[s
         _apply_override(tree, item)
         layers.append((f"override {item}", tree))
     return layers
+
+
+def replaced_by_sources(
+    layers: Sequence[tuple[str, Mapping[str, Any]]],
+) -> dict[str, tuple[str, str]]:
+    """`data.FIELD` -> (the layer that set it, the later layer whose `data.sources` replaced it),
+    for every single-source field a mixture replaced (see `_without_replaced`)."""
+    set_by: dict[str, str] = {}
+    replaced: dict[str, tuple[str, str]] = {}
+    for origin, tree in layers:
+        data = tree.get("data")
+        if not isinstance(data, Mapping):
+            continue
+        if "sources" in data:
+            replaced.update({f"data.{f}": (setter, origin) for f, setter in set_by.items()})
+            set_by = {}
+        for field in PER_SOURCE:
+            if field in data:
+                set_by[field] = origin
+                replaced.pop(f"data.{field}", None)
+    return replaced
 
 
 def read_run_config(run_dir: str | Path, context: str) -> Config:
@@ -172,7 +197,17 @@ def _load_yaml_tree(
     parent = {} if base is None else _load_yaml_tree(path.parent / base, (*stack, resolved), layers)
     if layers is not None:
         layers.append((path, data))
-    return _deep_merge(parent, data)
+    return _deep_merge(_without_replaced(parent, data), data)
+
+
+def _without_replaced(below: dict[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
+    """`below` without its single-source data fields (data.source, data.paths, ...) when `layer`
+    sets `data.sources`: a mixture replaces the one source a base config or an earlier override
+    gives. Both set in one layer are still refused (kiln.config.schema.data)."""
+    data, mine = below.get("data"), layer.get("data")
+    if not (isinstance(data, Mapping) and isinstance(mine, Mapping) and "sources" in mine):
+        return below
+    return {**below, "data": {k: v for k, v in data.items() if k not in PER_SOURCE}}
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

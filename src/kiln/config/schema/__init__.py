@@ -14,7 +14,7 @@ from kiln.config.schema.base import (
     Section,
     Seed,
 )
-from kiln.config.schema.data import DataConfig
+from kiln.config.schema.data import PER_SOURCE, DataConfig
 from kiln.config.schema.distillation import DistillationConfig
 from kiln.config.schema.model import ModelConfig
 from kiln.config.schema.runtime import DistributedConfig, LoggingConfig
@@ -23,6 +23,7 @@ from kiln.config.schema.training import CheckpointConfig, LossConfig, OptimConfi
 __all__ = [
     "DEFAULT_MAX_KD_SCALE",
     "INT32_MAX",
+    "PER_SOURCE",
     "SEED_LIMIT",
     "Z_LOSS_MAX",
     "CheckpointConfig",

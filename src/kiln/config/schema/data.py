@@ -113,7 +113,8 @@ class DataConfig(SourceFields):
         default_factory=list,
         description="A weighted mixture: each entry is one source with its own fields (source, "
         "paths, eval_paths, field, ...) plus name and weight. Empty = the single source given by "
-        "data.source, data.paths, ... With entries, those single-source fields are not set.",
+        "data.source, data.paths, ... With entries, those single-source fields are not set in the "
+        "same file or override; set by a base_config or an earlier override, they are replaced.",
     )
     tokenizer: str = Field(
         "byte",

@@ -1,0 +1,77 @@
+"""A newcomer's first hour (issue #33, cases 14-18): what the README and docs lead a new user
+to run, on a CPU machine with the development install (libtpu included)."""
+
+import importlib.util
+import re
+
+import pytest
+
+from conftest import REPO, assert_user_error, kiln
+from kiln.util import platforms
+
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+TINY = REPO / "configs" / "tiny.yaml"
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+SHELL_BLOCK = re.compile(r"^```(?:bash|sh|shell|console)\n(.*?)^```", re.S | re.M)
+
+
+# Each row: a refusal after JAX has started, with JAX_PLATFORMS unset as in a user's shell
+# (the suite sets it to cpu). libtpu, when installed, prints its own errors on a machine
+# without a TPU if JAX starts its TPU backend: then stderr has more than kiln's one line.
+@pytest.mark.parametrize(
+    ("args", "code", "needle"),
+    [
+        # The mesh needs 16 devices, 8 are present (conftest's simulated CPU devices): exit 2.
+        ((TINY, "mesh.fsdp=16"), 2, "16 but 8 devices are present"),
+        # The compiled peak over the budget, on the local devices: exit 1.
+        ((TINY, "--hbm-gb", "0.0001"), 1, "exceeds --hbm-gb 0.0001"),
+        # Compiling for a TPU slice loads libtpu on purpose, still with one line.
+        pytest.param(
+            (TINY, "--topology", "v5p-8", "--hbm-gb", "0.0001"),
+            1,
+            "exceeds --hbm-gb 0.0001",
+            marks=pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed"),
+        ),
+    ],
+    ids=["refused-mesh", "over-budget", "topology"],
+)
+def test_a_cpu_machine_with_libtpu_installed_prints_only_kilns_line(args, code, needle, tmp_path):
+    proc = kiln("compile", *args, cwd=tmp_path, env={"JAX_PLATFORMS": None})
+    assert_user_error(proc, needle, code=code)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_jax_platforms_is_chosen_only_without_an_accelerator_or_a_users_choice(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(platforms, "TPU_DEVICE_FILES", (str(tmp_path / "accel*"),))
+    monkeypatch.setattr(platforms, "GPU_DEVICE_FILES", (str(tmp_path / "nvidia0"),))
+    environ: dict[str, str] = {}
+    platforms.cpu_unless_attached(environ)
+    assert environ == {"JAX_PLATFORMS": "cpu"}
+    # The user's choice, even JAX's automatic one (empty), is kept.
+    for chosen in ("", "tpu", "cuda,cpu"):
+        environ = {"JAX_PLATFORMS": chosen}
+        platforms.cpu_unless_attached(environ)
+        assert environ == {"JAX_PLATFORMS": chosen}
+    # A TPU chip (or a GPU) attached: JAX chooses, as it does without kiln.
+    for device in ("accel0", "nvidia0"):
+        (tmp_path / device).touch()
+        environ = {}
+        platforms.cpu_unless_attached(environ)
+        assert environ == {}
+        (tmp_path / device).unlink()
+
+
+def test_the_docs_run_their_commands_in_the_environment_the_first_one_activates():
+    """Later commands are bare (`kiln`, `tensorboard`): the README's first one activates .venv,
+    and no page mixes in `.venv/bin/...`; a full-size model's summary names its devices."""
+    first = SHELL_BLOCK.search((REPO / "README.md").read_text()).group(1)
+    assert first.startswith("python3 -m venv .venv && . .venv/bin/activate && pip install")
+    for page in PAGES:
+        for block in SHELL_BLOCK.findall(page.read_text()):
+            assert ".venv/bin/" not in block.replace(". .venv/bin/activate", ""), (page, block)
+            for line in block.splitlines():
+                if "--summary" in line and "configs/models/" in line:
+                    # Without them its mesh.fsdp: -1 is this machine's devices (one CPU).
+                    assert "--devices" in line or "mesh." in line, (page, line)
