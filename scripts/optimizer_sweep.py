@@ -1,21 +1,23 @@
 """Each optimizer (optim.name) on the tiny model, over a small learning-rate sweep: held-out loss
-at equal steps and at equal training time, step time and optimizer-state bytes; JSON out.
+at equal steps and, given step times, at equal training time; JSON out.
 
-    python scripts/optimizer_sweep.py [--out-dir runs/optimizers] [--plot docs/img/optimizers.png]
-                                      [override ...]
+    python benchmarks/optimizer_step.py > step_times.json
+    python scripts/optimizer_sweep.py [--out-dir runs/optimizers] [--plot FILE.png]
+                                      [--step-times step_times.json] [override ...]
 
 Every run is `kiln train configs/tiny.yaml` (the same data, tokens, seed and schedule) with
 `optim.name` and `optim.learning_rate` set and `train.eval_every_steps=25`; overrides (e.g.
 `train.seed=1`) go to every run. A finished run is not trained again, so running the script
-again only summarises and redraws. Runs are trained one after another: step times are medians
-of the logged steps, so another job on the machine slows them all alike, not one optimizer.
+again only summarises and redraws. The runs are trained one after another, so their logged
+step times depend on whatever else the machine did meanwhile; equal training time is taken
+from `benchmarks/optimizer_step.py`, which times the optimizers' steps in alternating rounds
+of one process.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -29,13 +31,13 @@ from kiln.training.optim import make_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "tiny.yaml"
-# Learning rates per optimizer: the tiny config's AdamW rate (3e-3) with one step of ~3x either
-# side; Lion's updates are +-1 per entry, so its grid sits 3-10x lower, as its authors advise.
+# Learning rates per optimizer, steps of ~3x around the tiny config's AdamW rate (3e-3); Lion's
+# updates are +-1 per entry, so its grid sits 3-10x lower, as its authors advise.
 GRID = {
-    "adamw": (1e-3, 3e-3, 1e-2),
-    "muon": (1e-3, 3e-3, 1e-2),
-    "adafactor": (1e-3, 3e-3, 1e-2),
-    "lion": (1e-4, 3e-4, 1e-3),
+    "adamw": (3e-4, 1e-3, 3e-3, 1e-2),
+    "muon": (1e-3, 3e-3, 1e-2, 3e-2),
+    "adafactor": (3e-4, 1e-3, 3e-3, 1e-2),
+    "lion": (1e-4, 3e-4, 1e-3, 3e-3),
 }
 EVAL_EVERY = 25
 
@@ -52,7 +54,7 @@ def train(out_dir: Path, name: str, lr: float, overrides: list[str]) -> Path:
         f"train.output_dir={out_dir}", f"train.eval_every_steps={EVAL_EVERY}",
         "checkpoint.every_steps=0", *overrides,
     ]  # fmt: skip
-    subprocess.run(argv, check=True)
+    subprocess.run(argv, check=True, stdout=sys.stderr)  # stdout holds only the JSON
     return out_dir / run
 
 
@@ -66,7 +68,6 @@ def state_bytes(name: str, overrides: list[str]) -> int:
 
 def summarise(run_dir: Path) -> dict:
     series = read_run(run_dir)
-    step_time = float(statistics.median(series["perf/step_time_seconds"][1]))
     evals = {int(s): float(v) for s, v in zip(*series["eval/loss"])}
     steps, losses = series["learning/loss"]
     last = max(evals)
@@ -76,22 +77,24 @@ def summarise(run_dir: Path) -> dict:
         "eval_step": last,
         "train_loss": float(losses[-1]),
         "train_step": int(steps[-1]),
-        "median_step_seconds": step_time,
         "evals": evals,
     }
 
 
-def at_time(result: dict, seconds: float) -> tuple[int, float]:
-    """(step, eval loss) of the last evaluation reached within `seconds` of training."""
-    reached = [s for s in result["evals"] if s * result["median_step_seconds"] <= seconds]
-    step = max(reached) if reached else min(result["evals"])
-    return step, result["evals"][step]
+def at_time(evals: dict[int, float], step_seconds: float, seconds: float) -> dict:
+    """Step and eval loss of the last evaluation reached within `seconds` of training."""
+    reached = [s for s in evals if s * step_seconds <= seconds]
+    step = max(reached) if reached else min(evals)
+    return {"step": step, "eval_loss": evals[step]}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=Path("runs/optimizers"))
     parser.add_argument("--plot", type=Path, default=None, help="kiln compare of the best runs")
+    parser.add_argument(
+        "--step-times", type=Path, default=None, help="benchmarks/optimizer_step.py's JSON"
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     results = {}
@@ -105,26 +108,26 @@ def main() -> int:
             "best": best,
             "state_bytes": state_bytes(name, args.overrides),
         }
-    # Equal training time: the budget of the fastest best run's last evaluation.
-    budget = min(
-        r["best"]["eval_step"] * r["best"]["median_step_seconds"] for r in results.values()
-    )
+    report = {"config": str(CONFIG.relative_to(REPO)), "overrides": args.overrides}
+    if args.step_times is not None:
+        # Equal training time: what the fastest of the best runs takes to its last evaluation.
+        timed = json.loads(args.step_times.read_text())["optimizers"]
+        seconds = {name: timed[name]["step_seconds"] for name in results}
+        budget = min(r["best"]["eval_step"] * seconds[n] for n, r in results.items())
+        report["equal_time_budget_seconds"] = budget
+        for name, r in results.items():
+            r["step_seconds"] = seconds[name]
+            r["equal_time"] = at_time(r["best"]["evals"], seconds[name], budget)
     for r in results.values():
-        r["equal_time"] = dict(zip(("step", "eval_loss"), at_time(r["best"], budget)))
         del r["best"]["evals"]
-    report = {
-        "config": str(CONFIG.relative_to(REPO)),
-        "overrides": args.overrides,
-        "equal_time_budget_seconds": budget,
-        "optimizers": results,
-    }
+    report["optimizers"] = results
     print(json.dumps(report, indent=1))
     if args.plot is not None:
         best_dirs = [str(args.out_dir / r["best"]["run"]) for r in results.values()]
         subprocess.run(
             [sys.executable, "-m", "kiln.cli", "compare", *best_dirs, "--smooth", "3",
              "--metrics", "learning/loss,eval/loss", "--out", str(args.plot)],
-            check=True,
+            check=True, stdout=sys.stderr,
         )  # fmt: skip
     return 0
 
