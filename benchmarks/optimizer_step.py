@@ -21,28 +21,15 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from kiln.config import load_config
 from kiln.model import optimizer_state_bytes
 from kiln.training import train
 from kiln.training.optim import make_optimizer
+from step_throughput import make_batch  # benchmarks/, the script's own directory
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 OPTIMIZERS = ("adamw", "muon", "adafactor", "lion")
-
-
-def make_batch(batch: int, seq: int, vocab: int) -> dict[str, np.ndarray]:
-    """Random tokens, one document per row, no padding."""
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, vocab, (batch, seq + 1))
-    return {
-        "inputs": tokens[:, :-1].astype(np.int32),
-        "targets": tokens[:, 1:].astype(np.int32),
-        "positions": np.tile(np.arange(seq, dtype=np.int32), (batch, 1)),
-        "segment_ids": np.ones((batch, seq), np.int32),
-        "weights": np.ones((batch, seq), np.float32),
-    }
 
 
 class Arm:
