@@ -21,7 +21,6 @@ in `writer_processes` equal blocks, whatever the reader's process count.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -34,6 +33,7 @@ import numpy as np
 
 from kiln.data.prepare import pid_alive
 from kiln.errors import KilnError, write_error
+from kiln.util.atomic import write_whole
 from kiln.util.checksums import crc32_of
 from kiln.util.files import write_array
 
@@ -108,17 +108,7 @@ def read_manifest(directory: Path, what: str = FIELD) -> dict[str, Any]:
 
 def write_json(path: Path, obj: Any) -> None:
     """Write JSON atomically (temporary file, fsync, rename); a failed write leaves nothing."""
-    tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    write_whole(path, json.dumps(obj, indent=1, sort_keys=True))
 
 
 def first_difference(want: Any, got: Any, prefix: str = "") -> tuple[str, Any, Any] | None:

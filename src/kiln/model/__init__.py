@@ -84,17 +84,22 @@ def state_size(config: Any, sizes: dict[str, int]) -> tuple[int, int, int]:
     of `sizes`, from shapes only."""
     m = config.model
     state = abstract_state(m)
-    specs = state_specs(state, config.mesh.rules, sizes)
-    leaves = jax.tree.leaves(state)
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(state))
+    per_device = sum(n for n, _ in _shards(state, config, sizes))
+    return total, per_device, jnp.dtype(DTYPES[m.param_dtype]).itemsize
+
+
+def _shards(state: Any, config: Any, sizes: dict[str, int], derived: bool = False):
+    """(elements, bytes per element) one device holds of each array of `state` (shapes), as
+    `state_specs` shards it on a mesh of `sizes`."""
+    specs = state_specs(state, config.mesh.rules, sizes, derived=derived)
     spec_leaves = jax.tree.leaves(
         specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
     )
-    total = sum(math.prod(x.shape) for x in leaves)
-    per_device = sum(
-        math.prod(math.ceil(n / p) for n, p in zip(x.shape, shards_per_dim(spec, sizes)))
-        for x, spec in zip(leaves, spec_leaves)
-    )
-    return total, per_device, jnp.dtype(DTYPES[m.param_dtype]).itemsize
+    for x, spec in zip(jax.tree.leaves(state), spec_leaves, strict=True):
+        pieces = (*shards_per_dim(spec, sizes), *(1,) * len(x.shape))  # P(): every dim whole
+        elements = math.prod(math.ceil(n / p) for n, p in zip(x.shape, pieces))
+        yield elements, jnp.dtype(x.dtype).itemsize
 
 
 # How `summary` names each optimizer's state (`optim.name`).
@@ -141,17 +146,7 @@ def summary(
 
 def state_bytes_per_device(state: Any, config: Any, sizes: dict[str, int]) -> int:
     """Bytes one device holds of an optimizer's state (ShapeDtypeStructs), as it is sharded."""
-    specs = state_specs(state, config.mesh.rules, sizes, derived=True)
-    leaves = jax.tree.leaves(state)
-    spec_leaves = jax.tree.leaves(
-        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
-    )
-
-    def nbytes(x, spec) -> int:
-        pieces = (*shards_per_dim(spec, sizes), *(1,) * len(x.shape))  # P(): every dim whole
-        return math.prod(math.ceil(n / p) for n, p in zip(x.shape, pieces)) * x.dtype.itemsize
-
-    return sum(nbytes(x, spec) for x, spec in zip(leaves, spec_leaves))
+    return sum(n * itemsize for n, itemsize in _shards(state, config, sizes, derived=True))
 
 
 def optimizer_state_bytes(

@@ -17,6 +17,7 @@ from kiln.config import Config
 from kiln.errors import write_error
 from kiln.training.console import RunConsole, Summary
 from kiln.training.tracking import WandbMirror
+from kiln.util.atomic import write_whole
 from kiln.util.humanize import plural
 
 # Dense bf16 peak TFLOP/s per device, by the start of `jax.Device.device_kind`.
@@ -287,16 +288,7 @@ def drop_rows_after(path: Path, step: int) -> Trimmed:
             fh.writelines(line + b"\n" for line in aside)
             fh.flush()
             os.fsync(fh.fileno())
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.writelines(line + b"\n" for line in kept)
-            fh.flush()
-            os.fsync(fh.fileno())
-    except OSError:
-        tmp.unlink(missing_ok=True)  # metrics.jsonl itself is untouched
-        raise
-    os.replace(tmp, path)
+    write_whole(path, b"".join(line + b"\n" for line in kept))  # or metrics.jsonl untouched
     return done
 
 
