@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from kiln.config import config_from_dict
+from kiln.config import MESH_AXES, config_from_dict
 from kiln.config.schema import ModelConfig
 from kiln.model.llama import Transformer
 from kiln.training import train
@@ -84,9 +84,9 @@ def main():
     parser.add_argument("--steps", type=int, default=0, help="timed steps per policy; 0 = none")
     args = parser.parse_args()
     mesh = jax.make_mesh(
-        (1, 1, 1, 1),
-        ("data", "fsdp", "tensor", "sequence"),
-        axis_types=(jax.sharding.AxisType.Auto,) * 4,
+        (1,) * len(MESH_AXES),
+        MESH_AXES,
+        axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
         devices=jax.devices()[:1],
     )
     out = {

@@ -43,6 +43,15 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def with_expert(shape: Sequence[int]) -> tuple[int, ...]:
+    """Mesh sizes in kiln's axis order (data, fsdp, expert, tensor, sequence) from the sizes
+    of (data, fsdp, tensor, sequence): expert = 1."""
+    data, fsdp, tensor, sequence = shape
+    return (data, fsdp, 1, tensor, sequence)
+
+
 # Subprocesses import the kiln this process imported (e.g. a checkout's src/ on PYTHONPATH),
 # not whichever copy is installed.
 KILN_SRC = Path(importlib.import_module("kiln").__file__).resolve().parents[1]

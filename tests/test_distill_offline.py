@@ -11,15 +11,16 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conftest import blocked_and_whole, make_config
+from conftest import blocked_and_whole, make_config, with_expert
 from kiln import losses
+from kiln.config import MESH_AXES
 from kiln.distill import online as distill
 from kiln.errors import KilnError
 from kiln.losses import TopK
 from kiln.parallel.mesh import make_mesh
 from kiln.training import train
 
-AXES = ("data", "fsdp", "tensor", "sequence")
+AXES = ("data", "fsdp", "tensor", "sequence")  # meshes add expert=1
 TILINGS = {"untiled": (1, None), "tiled": (4, None), "vocab_chunked": (2, 32)}
 CAPS = {"student_softcap": 8.0, "teacher_softcap": 12.0}
 
@@ -169,7 +170,9 @@ def assert_same(got, want, keys):
 
 
 def mesh_of(devices):
-    return None if MESHES[devices] is None else jax.make_mesh(MESHES[devices], AXES)
+    return (
+        None if MESHES[devices] is None else jax.make_mesh(with_expert(MESHES[devices]), MESH_AXES)
+    )
 
 
 @pytest.mark.parametrize(
@@ -295,7 +298,7 @@ def test_top_k_loss_and_gradient_match_float64(big, renormalize):
 def test_tiled_top_k_sums_match_float64_on_8_devices(big, tiling, renormalize):
     _, top, hs, ws, y, w = big
     cap = CAPS["student_softcap"]
-    mesh = jax.make_mesh((1, 2, 4, 1), AXES)
+    mesh = jax.make_mesh(with_expert((1, 2, 4, 1)), MESH_AXES)
     tok = P(("data", "fsdp"), "sequence")
     put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
     args = (put(hs, P(*tok, None)), put(ws, P("fsdp", "tensor")))

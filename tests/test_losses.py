@@ -10,10 +10,12 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from conftest import with_expert
 from kiln import losses
+from kiln.config import MESH_AXES
 from kiln.losses import cross_entropy, lm_loss
 
-AXES = ("data", "fsdp", "tensor", "sequence")
+AXES = ("data", "fsdp", "tensor", "sequence")  # the mesh below adds expert=1
 # Mesh shapes (data, fsdp, tensor, sequence) on the 8 simulated devices.
 MESHES = {
     "none": None,
@@ -160,7 +162,7 @@ def make_mesh(shape, explicit=False):
     if shape is None:
         return None
     kind = AxisType.Explicit if explicit else AxisType.Auto
-    return jax.make_mesh(shape, AXES, axis_types=(kind,) * 4)
+    return jax.make_mesh(with_expert(shape), MESH_AXES, axis_types=(kind,) * len(MESH_AXES))
 
 
 def place(mesh, hidden, head, targets, weights):

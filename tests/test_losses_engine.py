@@ -10,13 +10,13 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conftest import blocked_and_whole
+from conftest import blocked_and_whole, with_expert
 from kiln import losses
-from kiln.config import config_from_dict
+from kiln.config import MESH_AXES, config_from_dict
 from kiln.errors import KilnError
 from kiln.losses import CpuBlocked, schedule
 
-AXES = ("data", "fsdp", "tensor", "sequence")
+AXES = ("data", "fsdp", "tensor", "sequence")  # make_mesh adds expert=1
 B, S, D, E, V = 8, 16, 16, 24, 128
 T = 1.7
 
@@ -154,7 +154,7 @@ def place(mesh, hs, ws, ht, wt, y, w):
 
 def make_mesh(name):
     shape = MESHES[name]
-    return None if shape is None else jax.make_mesh(shape, AXES)
+    return None if shape is None else jax.make_mesh(with_expert(shape), MESH_AXES)
 
 
 KEYS = ("loss_sum", "z_loss_sum", "soft_sum")
@@ -422,7 +422,7 @@ def test_out_of_range_targets(data):
 
 
 def test_vocabulary_not_dividing_the_shards_is_refused():
-    mesh = jax.make_mesh((1, 1, 8, 1), AXES)
+    mesh = jax.make_mesh(with_expert((1, 1, 8, 1)), MESH_AXES)
     hs, ws = jnp.zeros((8, 4, D)), jnp.zeros((D, 100))
     y, w = jnp.zeros((8, 4), jnp.int32), jnp.ones((8, 4))
     with pytest.raises(ValueError, match=r"head_DV: vocabulary 100 does not split into the 8"):

@@ -29,8 +29,8 @@ def _config(**mesh):
 
 def test_make_mesh_fills_minus_one_with_remaining_devices():
     mesh = make_mesh(_config(data=2, fsdp=-1, tensor=2, sequence=1))
-    assert mesh.axis_names == ("data", "fsdp", "tensor", "sequence")
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2, "sequence": 1}
+    assert mesh.axis_names == ("data", "fsdp", "expert", "tensor", "sequence")
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2, "sequence": 1}
     assert mesh.devices.size == jax.device_count() == 8
 
 
@@ -40,14 +40,18 @@ def test_make_mesh_rejects_sizes_that_do_not_match_the_devices():
 
 
 def test_default_rules_map_parameter_and_activation_names():
-    # Parameters' embed dimension: fsdp and sequence (sequence devices shard state too).
-    fs = ("fsdp", "sequence")
+    # Parameters' embed dimension: fsdp, sequence and expert (their devices shard state too).
+    fs = ("fsdp", "sequence", "expert")
     assert logical_spec(("vocab", "embed"), DEFAULT_AXIS_RULES) == P("tensor", fs)
     assert logical_spec(("layers", "embed", "heads", "head_dim"), DEFAULT_AXIS_RULES) == P(
         None, fs, "tensor", None
     )
     assert logical_spec(("batch", "length", "act_embed"), DEFAULT_AXIS_RULES) == P(
-        ("data", "fsdp"), "sequence", None
+        ("data", "fsdp", "expert"), "sequence", None
+    )
+    # An MoE layer's expert weights: experts over expert; embed then keeps fsdp and sequence.
+    assert logical_spec(("layers", "experts", "embed", "mlp"), DEFAULT_AXIS_RULES) == P(
+        None, "expert", ("fsdp", "sequence"), "tensor"
     )
     assert logical_spec((None, "mlp"), DEFAULT_AXIS_RULES) == P(None, "tensor")
 
@@ -60,14 +64,14 @@ def test_a_mesh_axis_is_used_once_per_array():
 
 
 def test_unknown_logical_name_is_a_user_error():
-    with pytest.raises(KilnError, match="no rule for logical axis 'experts'"):
-        logical_spec(("experts",), DEFAULT_AXIS_RULES)
+    with pytest.raises(KilnError, match="no rule for logical axis 'expertz'"):
+        logical_spec(("expertz",), DEFAULT_AXIS_RULES)
 
 
 def test_batch_sharding_splits_batch_and_length():
     mesh = make_mesh(_config(data=2, fsdp=2, tensor=1, sequence=2))
     sharding = batch_sharding(mesh, DEFAULT_AXIS_RULES)
-    assert sharding.spec == P(("data", "fsdp"), "sequence")
+    assert sharding.spec == P(("data", "fsdp", "expert"), "sequence")
     x = jax.device_put(jnp.zeros((8, 16), jnp.int32), sharding)
     assert {s.data.shape for s in x.addressable_shards} == {(2, 8)}
 
@@ -125,7 +129,7 @@ def test_sharded_init_places_each_variable_by_the_rules_with_the_unsharded_value
     mesh = make_mesh(_config(fsdp=4, tensor=2))
     sharded = sharded_init(lambda: Tiny(rngs=nnx.Rngs(3)), mesh, DEFAULT_AXIS_RULES)
     plain = sharded_init(lambda: Tiny(rngs=nnx.Rngs(3)), None, DEFAULT_AXIS_RULES)
-    assert sharded.w.get_value().sharding.spec == P(("fsdp", "sequence"), "tensor")
+    assert sharded.w.get_value().sharding.spec == P(("fsdp", "sequence", "expert"), "tensor")
     assert {s.data.shape for s in sharded.w.get_value().addressable_shards} == {(2, 2)}
     # Bitwise: threefry random bits do not depend on how the output is partitioned.
     np.testing.assert_array_equal(sharded.w.get_value(), plain.w.get_value())
@@ -141,7 +145,7 @@ def test_state_shardings_follow_variable_names_and_reject_uneven_splits():
     mesh = make_mesh(_config(fsdp=4, tensor=2))
     state = nnx.state(Tiny(8))
     shardings = state_shardings(state, mesh, DEFAULT_AXIS_RULES)
-    assert shardings["w"].get_value().spec == P(("fsdp", "sequence"), "tensor")
+    assert shardings["w"].get_value().spec == P(("fsdp", "sequence", "expert"), "tensor")
     with pytest.raises(KilnError, match=r"mesh\.rules\.embed: parameter w has size 6"):
         state_shardings(nnx.state(Tiny(6)), mesh, DEFAULT_AXIS_RULES)
 

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from conftest import run_process
-from kiln.config import config_from_dict, load_config
+from kiln.config import MESH_AXES, config_from_dict, load_config
 from kiln.errors import KilnError
 from kiln.model import (
     FAMILIES,
@@ -222,8 +222,9 @@ def test_sharded_init_equals_unsharded_init(fsdp8_model, unsharded):
 
 def test_parameters_are_sharded_by_the_rules(fsdp8_model):
     model, _, _ = fsdp8_model
-    # The default rules written out: embed -> fsdp, sequence; vocab, heads, kv_heads, mlp -> tensor.
-    E = ("fsdp", "sequence")
+    # The default rules written out: embed -> fsdp, sequence, expert; vocab, heads, kv_heads,
+    # mlp -> tensor.
+    E = ("fsdp", "sequence", "expert")
     expected = {
         "embedding": P("tensor", E),
         "lm_head": P(E, "tensor"),
@@ -379,7 +380,7 @@ def test_the_family_picks_the_implementation(unsharded):
     config = make_config()
     assert config.model.family == "llama" and FAMILIES["llama"] is Transformer
     assert type(unsharded["untied"][0]) is Transformer  # create_model went through the registry
-    with pytest.raises(KilnError, match=r"model\.family: got 'gpt'; Input should be 'llama'"):
+    with pytest.raises(KilnError, match=r"model\.family: got 'gpt'; allowed: llama, moe"):
         make_config({"family": "gpt"})
 
 
@@ -444,9 +445,10 @@ def bf16_config(num_vocab_tiling=1, **model):
 
 def one_device_mesh():
     """The config's 1x1x1x1 mesh on the first device (the dtypes do not depend on sharding)."""
-    axes = ("data", "fsdp", "tensor", "sequence")
-    auto = (jax.sharding.AxisType.Auto,) * 4
-    return jax.make_mesh((1, 1, 1, 1), axes, axis_types=auto, devices=jax.devices()[:1])
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    return jax.make_mesh(
+        (1,) * len(MESH_AXES), MESH_AXES, axis_types=auto, devices=jax.devices()[:1]
+    )
 
 
 def _dot_generals(jaxpr):

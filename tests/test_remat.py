@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
-from kiln.config import config_from_dict
+from kiln.config import MESH_AXES, config_from_dict
 from kiln.config.schema import ModelConfig
 from kiln.model.llama import REMAT_POLICIES, TAGS, Block, Transformer
 from kiln.training import train
@@ -122,9 +122,9 @@ LAYERS = 16
 @pytest.mark.slow
 def test_policies_are_ordered_by_compiled_temporary_memory():
     mesh = jax.make_mesh(
-        (1, 1, 1, 1),
-        ("data", "fsdp", "tensor", "sequence"),
-        axis_types=(jax.sharding.AxisType.Auto,) * 4,
+        (1,) * len(MESH_AXES),
+        MESH_AXES,
+        axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
         devices=jax.devices()[:1],
     )
     state = train.init_state(config("none", layers=LAYERS), mesh)  # the same for every policy

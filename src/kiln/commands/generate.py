@@ -29,7 +29,7 @@ from kiln.config import DEFAULT_AXIS_RULES, SEED_LIMIT, read_run_config
 from kiln.data.tokenizers import load_tokenizer
 from kiln.errors import KilnError
 from kiln.model import KVCache, LanguageModel, abstract_model
-from kiln.model.llama import CACHE_LBTKH
+from kiln.model.interface import CACHE_LBTKH
 from kiln.parallel.mesh import constrain, device_memory, in_mesh, mesh_axes
 from kiln.runs.runmodel import load_run_model
 from kiln.util.atomic import write_whole

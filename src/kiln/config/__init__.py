@@ -11,7 +11,8 @@ and the shards' tokenizer from the data). Imports no JAX.
 
 Public names: `Config`, `load_config`, `read_run_config`, `config_from_dict`, `yaml_layers`,
 `schema_rows`, `check_devices`, the section classes (`ModelConfig`, `DataConfig`, ...),
-`MESH_AXES`, `MeshAxis`, `DEFAULT_AXIS_RULES`, `INT32_MAX`, `SEED_LIMIT`,
+`MESH_AXES`, `MeshAxis`, `FAMILY_SECTIONS` and `ATTENTION_KERNELS` (the registries of
+`model.family` and `model.attention`), `DEFAULT_AXIS_RULES`, `INT32_MAX`, `SEED_LIMIT`,
 `DEFAULT_MAX_KD_SCALE`.
 """
 
@@ -26,7 +27,9 @@ from kiln.config.loader import (
     yaml_layers,
 )
 from kiln.config.schema import (
+    ATTENTION_KERNELS,
     DEFAULT_MAX_KD_SCALE,
+    FAMILY_SECTIONS,
     INT32_MAX,
     SEED_LIMIT,
     CheckpointConfig,
@@ -36,13 +39,16 @@ from kiln.config.schema import (
     LoggingConfig,
     LossConfig,
     ModelConfig,
+    MoeConfig,
     OptimConfig,
     TrainConfig,
 )
 
 __all__ = [
+    "ATTENTION_KERNELS",
     "DEFAULT_AXIS_RULES",
     "DEFAULT_MAX_KD_SCALE",
+    "FAMILY_SECTIONS",
     "INT32_MAX",
     "MESH_AXES",
     "SEED_LIMIT",
@@ -56,6 +62,7 @@ __all__ = [
     "MeshAxis",
     "MeshConfig",
     "ModelConfig",
+    "MoeConfig",
     "OptimConfig",
     "TrainConfig",
     "check_devices",

@@ -20,6 +20,10 @@ from kiln.errors import KilnError
 _MESH_AXES: dict[str, tuple[int, str]] = {
     "data": (1, "Data-parallel size (replicated params)"),
     "fsdp": (-1, "Fully-sharded data-parallel size (params sharded, batch split)"),
+    "expert": (
+        1,
+        "Expert-parallel size (a Mixture-of-Experts layer's experts split, tokens sent to them by all-to-all; elsewhere it splits the batch and shards params like fsdp)",
+    ),
     "tensor": (1, "Tensor-parallel size (heads, MLP and vocab split)"),
     "sequence": (1, "Sequence-parallel size (activations split along length)"),
 }
@@ -27,19 +31,22 @@ MESH_AXES: tuple[str, ...] = tuple(_MESH_AXES)
 MeshAxis = Literal[MESH_AXES]  # type: ignore[valid-type]
 
 DEFAULT_AXIS_RULES: dict[str, list[str]] = {
-    # Parameters. The embed dimension is split over sequence as well as fsdp: sequence-parallel
+    # Parameters. The embed dimension is split over sequence and expert as well as fsdp: their
     # devices hold different tokens, so they shard parameters and optimizer state like fsdp
-    # devices (replicating them over sequence would double the state per device).
+    # devices (replicating them would multiply the state per device).
     "vocab": ["tensor"],
-    "embed": ["fsdp", "sequence"],
+    "embed": ["fsdp", "sequence", "expert"],
     "heads": ["tensor"],
     "kv_heads": ["tensor"],
     "head_dim": [],
     "mlp": ["tensor"],
     "layers": [],
     "norm": [],
+    # A Mixture-of-Experts layer's expert dimension (its weights [experts, embed, mlp]: embed
+    # then takes only the axes experts left, as every later dimension does).
+    "experts": ["expert"],
     # Activations.
-    "batch": ["data", "fsdp"],
+    "batch": ["data", "fsdp", "expert"],
     "length": ["sequence"],
     # The residual stream's length (block boundaries, norm inputs): split over tensor as well,
     # so tensor-parallel devices hold different tokens between sub-layers (sequence

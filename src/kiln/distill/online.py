@@ -62,7 +62,15 @@ from kiln.parallel.mesh import sharded_init
 from kiln.runs.remote import local_run
 from kiln.training import train
 from kiln.training.runner import execute
-from kiln.training.train import Batch, Objective, TrainState, token_mean
+from kiln.training.train import (
+    Batch,
+    Objective,
+    TrainState,
+    aux_loss_keys,
+    aux_results,
+    token_mean,
+    with_aux_loss,
+)
 
 # Tags under distill/ that every step reports (besides the scheduled alpha, temperature, beta).
 METRICS = (
@@ -271,12 +279,14 @@ class DistillObjective(Objective):
             "soft_sum": fused["soft_sum"],
             "feature_sum": feature_sum,
             **{k: fused[k] for k in self.sum_keys if k.startswith("teacher_")},
+            **out.aux,
         }
         if coefficients is None:
             c = self.coefficients(sums)
             value = c[0] * sums["hard_sum"] + c[1] * sums["soft_sum"] + c[2] * feature_sum
         else:
             value = fused["objective_sum"] + coefficients[2] * feature_sum
+        value = with_aux_loss(value, sums)  # the student's own (an MoE router's), unbalanced
         return value, sums
 
     def _means(self, sums):
@@ -302,9 +312,12 @@ class DistillObjective(Objective):
     def finalize(self, sums):
         hard, soft, feature = self._means(sums)
         total, scales = self._total(hard, soft, feature)
+        for k in aux_loss_keys(sums):  # the student's own loss terms (an MoE router's)
+            total = total + token_mean(sums[k], sums)
         aux = {
-            "z_loss": token_mean(sums["z_loss_sum"], sums),
-            "total_weights": sums["weight_sum"],
+            "learning/z_loss": token_mean(sums["z_loss_sum"], sums),
+            "learning/total_weights": sums["weight_sum"],
+            **aux_results(self.config, sums),
             "distill/hard_loss": hard,
             "distill/soft_loss": soft,
             "distill/feature_loss": feature,

@@ -5,7 +5,7 @@ implements `LanguageModel`, so the trainer, the distillation objective, Hugging 
 and the size summary never name a concrete class.
 
 Modules: `interface` (`LanguageModel`, `ModelOutput`, `KVCache`), `llama` (the decoder-only
-Transformer), `attention` (XLA, cuDNN and Pallas attention kernels behind one call), `project`
+Transformer), `moe` (llama's blocks with routed experts), `attention` (XLA, cuDNN and Pallas attention kernels behind one call), `project`
 (projections with their gradient-reduction dtype), `student` (the distillation student's extra
 parameters). A new family is one module here and one line in `FAMILIES`.
 
@@ -32,6 +32,7 @@ from kiln.config import ModelConfig
 from kiln.errors import KilnError
 from kiln.model.interface import DTYPES, KVCache, LanguageModel, ModelOutput, logits_dtype
 from kiln.model.llama import Transformer
+from kiln.model.moe import MoeTransformer
 from kiln.parallel.mesh import (
     device_memory,
     mesh_sizes_for_summary,
@@ -44,6 +45,7 @@ from kiln.util.humanize import gigabytes, plural
 # model.family -> the class that implements it; built as cls(model_cfg, rngs=...).
 FAMILIES: dict[str, type[LanguageModel]] = {
     "llama": Transformer,
+    "moe": MoeTransformer,
 }
 
 
@@ -72,6 +74,11 @@ def abstract_state(model_cfg: ModelConfig) -> nnx.State:
 def param_count(model_cfg: ModelConfig) -> int:
     """Number of parameters, from shapes only (jax.eval_shape)."""
     return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_state(model_cfg)))
+
+
+def aux_metrics(model_cfg: ModelConfig, sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The configured family's scalars from a step's global aux sums (`ModelOutput.aux`)."""
+    return FAMILIES[model_cfg.family].aux_metrics(model_cfg, sums)
 
 
 def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
@@ -190,6 +197,7 @@ __all__ = [
     "ModelOutput",
     "abstract_model",
     "abstract_state",
+    "aux_metrics",
     "build_model",
     "check_state_memory",
     "create_model",

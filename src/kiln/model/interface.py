@@ -25,12 +25,21 @@ ROLES = {
     "head": "the LM head (when not tied to the embedding)",
     "norm": "a normalisation scale",
     "bias": "an additive bias",
+    "router": "a Mixture-of-Experts router's weight (AdamW under Muon; decayed like a matrix)",
+    "buffer": "a value moved outside the gradient (the aux_free routing bias); its gradient is 0",
     "projection": "a learned map outside the model proper (the distillation feature projection)",
 }
 
 
 class ModelOutput(NamedTuple):
-    """hidden [B,S,D] after the final norm (compute dtype); features [P,B,S,D] or None; aux terms."""
+    """hidden [B,S,D] after the final norm (compute dtype); features [P,B,S,D] or None; aux.
+
+    aux: float32 sums over the call's tokens, keyed by metric tag, which add across
+    micro-batches. A scalar is divided by the global token weight and logged under its tag;
+    one whose tag ends in `_loss` (e.g. `learning/router_z_loss`, already times its weight)
+    is also added to the loss, so it gets gradients. An array (e.g. per-layer counts) is a
+    statistic that the family's `aux_metrics` turns into scalars, and `update_balance` reads.
+    """
 
     hidden: jax.Array
     features: jax.Array | None
@@ -48,6 +57,11 @@ class KVCache(NamedTuple):
     v: jax.Array
     segment_ids: jax.Array
     index: jax.Array
+
+
+# The logical names of a KVCache's k and v [L,B,T,K,H], whichever family fills it: rows split
+# like the batch, heads like the keys'.
+CACHE_LBTKH = (None, "batch", None, "act_kv_heads", None)
 
 
 class LanguageModel(Protocol):
@@ -99,8 +113,22 @@ class LanguageModel(Protocol):
         """float32 scalars logged every step (`learning/lm_head_norm`, ...)."""
         ...
 
+    def update_balance(self, aux: dict[str, jax.Array]) -> None:
+        """After an applied step, move the parameters the optimizer leaves alone (role
+        `buffer`) from the step's global aux sums, in place."""
+        ...
+
+    @staticmethod
+    def aux_metrics(cfg: ModelConfig, sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """float32 scalars to log from the global aux sums that are arrays."""
+        ...
+
     def matmul_params(self) -> int:
-        """Parameters that multiply activations (what 6 N of the FLOPs counts)."""
+        """Parameters that multiply activations and that one token uses (the 6 N of FLOPs)."""
+        ...
+
+    def inactive_params(self) -> int:
+        """Parameters one token does not use (routed experts beyond its top-k; 0 if dense)."""
         ...
 
     def flops_per_token(self, seq_len: int) -> float:

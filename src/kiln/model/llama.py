@@ -18,7 +18,7 @@ from kiln.config import ModelConfig
 from kiln.errors import KilnError
 from kiln.losses import logits as head_logits
 from kiln.model.attention import attention, cached_attention, causal_attention
-from kiln.model.interface import DTYPES, KVCache, ModelOutput, logits_dtype
+from kiln.model.interface import CACHE_LBTKH, DTYPES, KVCache, ModelOutput, logits_dtype
 from kiln.model.project import project
 from kiln.parallel.mesh import constrain
 
@@ -30,8 +30,6 @@ _HEADS = ("batch", "length", "act_heads", None)
 # attention implementation gathers them along length as it needs (kiln.model.attention).
 _KV_HEADS = ("batch", "length", "act_kv_heads", None)
 _MLP = ("batch", "length", "act_mlp")
-# A generation's key/value cache [L,B,T,K,H]: rows split like the batch, heads like the keys'.
-CACHE_LBTKH = (None, "batch", None, "act_kv_heads", None)
 # The block's named intermediates (jax.ad_checkpoint.checkpoint_name; identity ops that the
 # remat policies below select by name): projections before qk-norm and rope, attention's
 # per-head output before wo, and the sub-layers' outputs before the residual adds.
@@ -226,32 +224,70 @@ class Mlp(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm Transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm Transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    Returns (x, aux): aux holds the block's auxiliary sums (`ModelOutput.aux`), none for the
+    dense MLP; a family with another MLP overrides `_mlp`.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, "norm", cfg)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, "norm", cfg)
-        self.mlp = Mlp(cfg, rngs=rngs)
+        self.mlp = self._make_mlp(cfg, rngs)
+
+    def _make_mlp(self, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+        return Mlp(cfg, rngs=rngs)
+
+    def _mlp(self, h_BSD, segment_ids_BS) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The MLP sub-layer's output and its auxiliary sums."""
+        return self.mlp(h_BSD), {}
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS):
         # Norms and residual adds run on the residual's sharding (ACT_BSD); each sub-layer's
         # output is pinned to it too, so its partial sums over tensor are reduce-scattered.
         h_BSD = constrain(self.attn_norm(x_BSD), ACT_BSD)
-        return self._rest(x_BSD, self.attn(h_BSD, positions_BS, segment_ids_BS))
+        return self._rest(x_BSD, self.attn(h_BSD, positions_BS, segment_ids_BS), segment_ids_BS)
 
     def cached(self, x_BSD, positions_BS, segment_ids_BS, layer):
         """The block on new tokens over a layer's cache: (output, new keys, new values)."""
         h_BSD = constrain(self.attn_norm(x_BSD), ACT_BSD)
         attn_BSD, k_BSKH, v_BSKH = self.attn.cached(h_BSD, positions_BS, segment_ids_BS, layer)
-        return self._rest(x_BSD, attn_BSD), k_BSKH, v_BSKH
+        x_BSD, _ = self._rest(x_BSD, attn_BSD, segment_ids_BS)
+        return x_BSD, k_BSKH, v_BSKH
 
-    def _rest(self, x_BSD, attn_BSD):
-        """The attention's residual add, then the MLP sub-layer."""
+    def _rest(self, x_BSD, attn_BSD, segment_ids_BS):
+        """The attention's residual add, then the MLP sub-layer: (output, aux)."""
         x_BSD = x_BSD + constrain(attn_BSD, ACT_BSD)
         h_BSD = constrain(self.mlp_norm(x_BSD), ACT_BSD)
-        x_BSD = x_BSD + constrain(self.mlp(h_BSD), ACT_BSD)
-        return constrain(x_BSD, ACT_BSD)
+        y_BSD, aux = self._mlp(h_BSD, segment_ids_BS)
+        x_BSD = x_BSD + constrain(y_BSD, ACT_BSD)
+        return constrain(x_BSD, ACT_BSD), aux
+
+
+def stack_size(blocks: nnx.Module) -> int:
+    """Number of layers of a stack of blocks (the leading `layers` axis of its parameters)."""
+    return jax.tree.leaves(nnx.state(blocks))[0].shape[0]
+
+
+def scan_blocks(blocks, x_BSD, positions_BS, segment_ids_BS, *, remat: str, collect: bool):
+    """Run a stack of blocks over x: (x after the stack, the residual stream after each block
+    [L,B,S,D] if `collect` else None, each block's aux stacked along a leading [L] axis)."""
+    graphdef, params = nnx.split(blocks)
+
+    def body(x_BSD, layer_params):
+        y_BSD, aux = nnx.merge(graphdef, layer_params)(x_BSD, positions_BS, segment_ids_BS)
+        return y_BSD, ((y_BSD if collect else None), aux)
+
+    if remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    x_BSD, (all_LBSD, aux) = jax.lax.scan(body, x_BSD, params)
+    return x_BSD, all_LBSD, aux
+
+
+def _join(parts: list[jax.Array]) -> jax.Array:
+    """Per-layer arrays of consecutive stacks as one [L, ...] array."""
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
 class Transformer(nnx.Module):
@@ -265,7 +301,7 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         shape = (cfg.vocab_size, cfg.d_model)
         self.embedding = _param(rngs, cfg, shape, ("vocab", "embed"), "embedding")
-        self.blocks = _stacked_blocks(cfg, rngs)
+        self.blocks = stacked_blocks(cfg, rngs)
         self.final_norm = RMSNorm(cfg.d_model, "norm", cfg)
         self.lm_head = (
             None
@@ -284,7 +320,8 @@ class Transformer(nnx.Module):
         """Hidden states [B,S,D] after the final norm, in the compute dtype.
 
         With `collect`, features [len(collect),B,S,D]: the residual stream after each listed
-        block (0-based), before the final norm; otherwise features is None. No aux terms.
+        block (0-based), before the final norm; otherwise features is None. aux: the blocks'
+        auxiliary sums, combined by `_aux` (none for this family).
         """
         cfg = self.cfg
         collect = tuple(int(i) for i in collect)
@@ -295,17 +332,23 @@ class Transformer(nnx.Module):
                     f"model.num_layers={cfg.num_layers} (allowed: 0..{cfg.num_layers - 1})"
                 )
         x_BSD = self._embed(inputs_BS)
-        graphdef, params = nnx.split(self.blocks)
+        all_LBSD, aux = [], []
+        for blocks in self._stacks():
+            x_BSD, all_BSD, stack_aux = scan_blocks(
+                blocks, x_BSD, positions_BS, segment_ids_BS, remat=cfg.remat, collect=bool(collect)
+            )
+            all_LBSD.append(all_BSD)
+            aux.append(stack_aux)
+        features = _join(all_LBSD)[jnp.asarray(collect)] if collect else None
+        return ModelOutput(self.final_norm(x_BSD), features, self._aux(aux))
 
-        def body(x_BSD, layer_params):
-            y_BSD = nnx.merge(graphdef, layer_params)(x_BSD, positions_BS, segment_ids_BS)
-            return y_BSD, (y_BSD if collect else None)
+    def _stacks(self) -> list[nnx.Module]:
+        """The scanned stacks of blocks, in order (each with a leading `layers` axis)."""
+        return [self.blocks]
 
-        if cfg.remat != "none":
-            body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
-        x_BSD, all_LBSD = jax.lax.scan(body, x_BSD, params)
-        features = all_LBSD[jnp.asarray(collect)] if collect else None
-        return ModelOutput(self.final_norm(x_BSD), features, {})
+    def _aux(self, per_stack: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
+        """`ModelOutput.aux` from each stack's per-layer aux (none for the dense blocks)."""
+        return {}
 
     def _embed(self, inputs_BS):
         # The table's embed dimension is gathered first (as every weight is, just in time): a
@@ -326,29 +369,42 @@ class Transformer(nnx.Module):
     def extend(self, inputs_BS, positions_BS, segment_ids_BS, cache: KVCache, *, fresh=False):
         """Hidden states [B,S,D] of new tokens written at `cache.index`, and the cache after.
 
-        See `kiln.model.LanguageModel.extend`; the blocks are scanned as in `hidden_states`,
-        each reading its layer of the cache and returning its new keys and values, which are
-        written into the whole cache once after the scan (in place when the cache is donated).
+        See `kiln.model.LanguageModel.extend`; each stack of blocks is scanned as in
+        `hidden_states`, each block reading its layer of the cache and returning its new keys
+        and values, which are written into the whole cache once after the scans (in place when
+        the cache is donated).
         """
         x_BSD = self._embed(inputs_BS)
         at = (0, cache.index)
         segment_ids_BT = jax.lax.dynamic_update_slice(
             cache.segment_ids, segment_ids_BS.astype(jnp.int32), at
         )
-        graphdef, params = nnx.split(self.blocks)
+        new_k, new_v, first = [], [], 0
+        for blocks in self._stacks():
+            graphdef, params = nnx.split(blocks)
+            n = stack_size(blocks)
 
-        def body(x_BSD, xs):
-            layer_params, *kv = xs
-            layer = None if fresh else (*kv, segment_ids_BT, cache.index)
-            block = nnx.merge(graphdef, layer_params)
-            x_BSD, k_BSKH, v_BSKH = block.cached(x_BSD, positions_BS, segment_ids_BS, layer)
-            return x_BSD, (k_BSKH, v_BSKH)
+            def body(x_BSD, xs, graphdef=graphdef):
+                layer_params, *kv = xs
+                layer = None if fresh else (*kv, segment_ids_BT, cache.index)
+                block = nnx.merge(graphdef, layer_params)
+                x_BSD, k_BSKH, v_BSKH = block.cached(x_BSD, positions_BS, segment_ids_BS, layer)
+                return x_BSD, (k_BSKH, v_BSKH)
 
-        xs = (params,) if fresh else (params, cache.k, cache.v)
-        x_BSD, (k_LBSKH, v_LBSKH) = jax.lax.scan(body, x_BSD, xs)
+            layers = slice(first, first + n)
+            whole = n == cache.k.shape[0]
+            xs = (
+                (params,)
+                if fresh
+                else (params, *(c if whole else c[layers] for c in (cache.k, cache.v)))
+            )
+            x_BSD, (k_LBSKH, v_LBSKH) = jax.lax.scan(body, x_BSD, xs)
+            new_k.append(k_LBSKH)
+            new_v.append(v_LBSKH)
+            first += n
         at = (0, 0, cache.index, 0, 0)
-        k = jax.lax.dynamic_update_slice(cache.k, k_LBSKH.astype(cache.k.dtype), at)
-        v = jax.lax.dynamic_update_slice(cache.v, v_LBSKH.astype(cache.v.dtype), at)
+        k = jax.lax.dynamic_update_slice(cache.k, _join(new_k).astype(cache.k.dtype), at)
+        v = jax.lax.dynamic_update_slice(cache.v, _join(new_v).astype(cache.v.dtype), at)
         index = cache.index + inputs_BS.shape[1]
         cache = KVCache(constrain(k, CACHE_LBTKH), constrain(v, CACHE_LBTKH), segment_ids_BT, index)
         return self.final_norm(x_BSD), cache
@@ -372,6 +428,18 @@ class Transformer(nnx.Module):
             "learning/final_norm_scale": jnp.mean(self.final_norm.scale[...].astype(jnp.float32)),
         }
 
+    def update_balance(self, aux: dict[str, jax.Array]) -> None:
+        """Nothing: this family has no parameters moved outside the gradient."""
+
+    @staticmethod
+    def aux_metrics(cfg: ModelConfig, sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """No statistics beyond the scalar aux sums (this family has none)."""
+        return {}
+
+    def inactive_params(self) -> int:
+        """Parameters a token does not use (none in a dense model)."""
+        return 0
+
     def matmul_params(self) -> int:
         """Parameters that multiply activations: all blocks' projections plus the LM head."""
         m = self.cfg
@@ -391,12 +459,15 @@ class Transformer(nnx.Module):
         return 6.0 * self.matmul_params() + attention
 
 
-def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
-    """One Block whose parameters have a leading `layers` axis of size num_layers."""
+def stacked_blocks(
+    cfg: ModelConfig, rngs: nnx.Rngs, block: type[Block] = Block, num_layers: int | None = None
+) -> Block:
+    """One `block` whose parameters have a leading `layers` axis of size `num_layers`
+    (default: model.num_layers)."""
 
-    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.split_rngs(splits=cfg.num_layers if num_layers is None else num_layers)
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make(layer_rngs: nnx.Rngs) -> Block:
-        return Block(cfg, rngs=layer_rngs)
+        return block(cfg, rngs=layer_rngs)
 
     return make(rngs)

@@ -24,9 +24,10 @@ from kiln.model.interface import ROLES
 Schedule = Callable[[jax.Array], jax.Array]
 
 # Roles that get weight decay; the embedding's follows `optim.decay_embeddings`.
-DECAYED_ROLES = ("matrix", "head", "projection")
-# The stacked-layers axis of scanned blocks: one matrix per layer, never an input or output axis.
-LAYERS = "layers"
+DECAYED_ROLES = ("matrix", "head", "projection", "router")
+# Batch axes of a matrix parameter, never its input or output: the stacked-layers axis of
+# scanned blocks (one matrix per layer) and the experts of an MoE layer (one per expert).
+BATCH_AXES = ("layers", "experts")
 
 
 def make_schedule(cfg: OptimConfig, total_steps: int) -> Schedule:
@@ -89,7 +90,7 @@ def decay_mask(params: Any, cfg: OptimConfig) -> Any:
 
 def muon_dimensions(var: nnx.Variable) -> MuonDimensionNumbers:
     """The axes a matrix contracts with its input (its declared `fan_in`) and its output axes;
-    the stacked `layers` axis is a batch axis (one matrix per layer)."""
+    the stacked `layers` axis and an MoE layer's `experts` axis are batch axes."""
     names = tuple(var.get_metadata().get("out_sharding") or ())
     fan_in = tuple(var.get_metadata().get("fan_in") or ())
     if len(names) != var.get_value().ndim or not fan_in or not set(fan_in) <= set(names):
@@ -98,7 +99,7 @@ def muon_dimensions(var: nnx.Variable) -> MuonDimensionNumbers:
             "allowed: a non-empty subset of its axes' logical names"
         )
     into = tuple(i for i, n in enumerate(names) if n in fan_in)
-    out = tuple(i for i, n in enumerate(names) if n not in fan_in and n != LAYERS)
+    out = tuple(i for i, n in enumerate(names) if n not in fan_in and n not in BATCH_AXES)
     return MuonDimensionNumbers(reduction_axis=into, output_axis=out)
 
 

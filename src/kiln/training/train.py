@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from kiln import losses
 from kiln.config import Config
 from kiln.errors import KilnError
-from kiln.model import build_model, create_model, flops_per_token
+from kiln.model import aux_metrics, build_model, create_model, flops_per_token
 from kiln.model.project import grad_reduce_dtype
 from kiln.parallel.mesh import (
     InMesh,
@@ -153,6 +153,28 @@ def token_mean(total: jax.Array, sums: Sums) -> jax.Array:
     return total / jnp.where(weight > 0, weight, 1.0)
 
 
+def aux_loss_keys(sums: Sums) -> list[str]:
+    """The model's loss terms among the sums: `ModelOutput.aux` scalars whose tag ends in `_loss`."""
+    return [k for k, v in sums.items() if "/" in k and k.endswith("_loss") and jnp.ndim(v) == 0]
+
+
+def with_aux_loss(total: jax.Array, sums: Sums) -> jax.Array:
+    """`total` plus the model's loss terms among the sums; `total` itself when it has none."""
+    for k in aux_loss_keys(sums):
+        total = total + sums[k]
+    return total
+
+
+def aux_results(config: Config, sums: Sums) -> dict[str, jax.Array]:
+    """What `finalize` reports of the model's aux sums (`ModelOutput.aux`): each scalar per
+    token under its tag, the family's `aux_metrics` of the arrays, and the arrays themselves
+    (global sums, for `update_balance`)."""
+    model_sums = {k: v for k, v in sums.items() if "/" in k}
+    scalars = {k: token_mean(v, sums) for k, v in model_sums.items() if jnp.ndim(v) == 0}
+    arrays = {k: v for k, v in model_sums.items() if jnp.ndim(v) > 0}
+    return {**scalars, **(aux_metrics(config.model, arrays) if arrays else {}), **arrays}
+
+
 def lm_loss_sums(config: Config, hidden_BSD, head_DV, batch: Batch, mesh) -> Sums:
     """LM loss sums (loss_sum, z_loss_sum, weight_sum) of final hidden states, as configured."""
     return losses.lm_loss(
@@ -172,18 +194,24 @@ def lm_loss_sums(config: Config, hidden_BSD, head_DV, batch: Batch, mesh) -> Sum
 
 
 class LMObjective(Objective):
-    """Pre-training: the language-model loss (cross-entropy with z-loss) per token."""
+    """Pre-training: the language-model loss (cross-entropy with z-loss) per token, plus the
+    model's own loss terms (`ModelOutput.aux`, e.g. an MoE router's z-loss)."""
 
     sum_keys: ClassVar[tuple[str, ...]] = ("loss_sum", "z_loss_sum", "weight_sum")
 
     def loss_sums(self, model, batch: Batch, coefficients: Any = None):
         out = model.hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"])
         sums = lm_loss_sums(self.config, out.hidden, model.head_weight(), batch, self.mesh)
-        return sums["loss_sum"], sums
+        sums = {**sums, **out.aux}
+        return with_aux_loss(sums["loss_sum"], sums), sums
 
     def finalize(self, sums: Sums):
-        aux = {"z_loss": token_mean(sums["z_loss_sum"], sums), "total_weights": sums["weight_sum"]}
-        return token_mean(sums["loss_sum"], sums), aux
+        aux = {
+            "learning/z_loss": token_mean(sums["z_loss_sum"], sums),
+            "learning/total_weights": sums["weight_sum"],
+            **aux_results(self.config, sums),
+        }
+        return token_mean(with_aux_loss(sums["loss_sum"], sums), sums), aux
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,6 +254,10 @@ def objective_loss_and_grads(objective: Objective, state: TrainState, batch: Bat
         sums, grads = sums_and_grads(batch, None)
     else:
         micro = micro_batches(batch, accum, mesh, config.mesh.rules)
+        first = jax.tree.map(lambda x: x[0], micro)
+        # The sums' shapes (the model's aux may add its own), from an abstract trace.
+        shapes = jax.eval_shape(lambda: loss_sums(state.params, first, None)[1])
+        zero_sums = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
         coefficients = None
         if objective.needs_global_sums:
             # A forward pass over the micro-batches for the sums the coefficients depend on.
@@ -233,7 +265,7 @@ def objective_loss_and_grads(objective: Objective, state: TrainState, batch: Bat
                 sums = loss_sums(state.params, mb, None)[1]
                 return jax.tree.map(jnp.add, total, sums), None
 
-            global_sums, _ = jax.lax.scan(add_sums, _zero_sums(objective), micro)
+            global_sums, _ = jax.lax.scan(add_sums, zero_sums, micro)
             coefficients = objective.coefficients(global_sums)
         shardings = state_shardings(state.params, mesh, config.mesh.rules)
         zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
@@ -242,14 +274,10 @@ def objective_loss_and_grads(objective: Objective, state: TrainState, batch: Bat
         def add(carry, mb):
             return jax.tree.map(jnp.add, carry, sums_and_grads(mb, coefficients)), None
 
-        (sums, grads), _ = jax.lax.scan(add, (_zero_sums(objective), zero_grads), micro)
+        (sums, grads), _ = jax.lax.scan(add, (zero_sums, zero_grads), micro)
     grads = jax.tree.map(lambda g: token_mean(g, sums), grads)
     loss, aux = objective.finalize(sums)
     return loss, aux, grads
-
-
-def _zero_sums(objective: Objective) -> Sums:
-    return {k: jnp.zeros((), jnp.float32) for k in objective.sum_keys}
 
 
 # Compiled once per objective (its static config and mesh are part of jit's cache key).
@@ -329,8 +357,7 @@ def make_step(objective: Objective, shardings: TrainState) -> InMesh:
 
     def step(objective: Objective, state: TrainState, batch: Batch):
         loss, aux, grads = objective_loss_and_grads(objective, state, batch)
-        state, metrics = update(state, loss, aux, grads)
-        return state, {**metrics, **{k: v for k, v in aux.items() if "/" in k}}
+        return update(state, loss, aux, grads)
 
     data = batch_sharding(mesh, config.mesh.rules)
     jitted = jax.jit(
@@ -348,7 +375,12 @@ def make_train_step(config: Config, mesh: Mesh, shardings: TrainState) -> InMesh
 
 
 def make_update(config: Config) -> Callable:
-    """`update(state, loss, aux, grads) -> (state, metrics)`; skipped if any is non-finite."""
+    """`update(state, loss, aux, grads) -> (state, metrics)`; skipped if any is non-finite.
+
+    The metrics are the loss, every scalar of `aux` whose key is a tag (contains "/"), in the
+    order `finalize` gives them, and the update's own (norms, learning rate, ...). After the
+    optimizer, the model moves what it keeps outside the gradient (`update_balance`).
+    """
     tx = make_optimizer(config.optim)
     schedule = make_schedule(config.optim, config.train.steps)
     clip = config.optim.grad_clip
@@ -362,7 +394,9 @@ def make_update(config: Config) -> Callable:
             params, opt_state = operand
             updates, opt_state = tx.update(grads, opt_state, params)
             updates = jax.tree.map(lambda u: -lr * u, updates)
-            return optax.apply_updates(params, updates), opt_state
+            model = state.model(optax.apply_updates(params, updates))
+            model.update_balance(aux)
+            return nnx.state(model, nnx.Param), opt_state
 
         params, opt_state = jax.lax.cond(
             finite, apply, lambda operand: operand, (state.params, state.opt_state)
@@ -370,8 +404,7 @@ def make_update(config: Config) -> Callable:
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         metrics = {
             "learning/loss": loss,
-            "learning/z_loss": aux["z_loss"],
-            "learning/total_weights": aux["total_weights"],
+            **{k: v for k, v in aux.items() if "/" in k and jnp.ndim(v) == 0},
             "learning/raw_grad_norm": raw_norm,
             "learning/grad_norm": raw_norm if clip is None else jnp.minimum(raw_norm, clip),
             "learning/param_norm": optax.tree.norm(params),

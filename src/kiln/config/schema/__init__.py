@@ -16,12 +16,14 @@ from kiln.config.schema.base import (
 )
 from kiln.config.schema.data import PER_SOURCE, DataConfig
 from kiln.config.schema.distillation import DistillationConfig
-from kiln.config.schema.model import ModelConfig
+from kiln.config.schema.model import ATTENTION_KERNELS, FAMILY_SECTIONS, ModelConfig, MoeConfig
 from kiln.config.schema.runtime import DistributedConfig, LoggingConfig
 from kiln.config.schema.training import CheckpointConfig, LossConfig, OptimConfig, TrainConfig
 
 __all__ = [
+    "ATTENTION_KERNELS",
     "DEFAULT_MAX_KD_SCALE",
+    "FAMILY_SECTIONS",
     "INT32_MAX",
     "PER_SOURCE",
     "SEED_LIMIT",
@@ -34,6 +36,7 @@ __all__ = [
     "LoggingConfig",
     "LossConfig",
     "ModelConfig",
+    "MoeConfig",
     "OptimConfig",
     "PositiveInt",
     "Section",

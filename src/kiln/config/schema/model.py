@@ -7,7 +7,7 @@ from typing import Literal
 import pydantic
 from pydantic import Field, model_validator
 
-from kiln.config.schema.base import INT32_MAX, PositiveInt, Section
+from kiln.config.schema.base import INT32_MAX, Z_LOSS_MAX, Count, PositiveInt, Section
 
 
 class RopeScalingConfig(Section):
@@ -46,12 +46,109 @@ class RopeScalingConfig(Section):
         return self
 
 
+class MoeConfig(Section):
+    """The `moe` family's routed experts (docs/moe.md)."""
+
+    num_experts: PositiveInt = Field(8, description="Routed experts per MoE layer (E).")
+    experts_per_token: PositiveInt = Field(
+        2, description="Experts each token is sent to (top-k); at most num_experts."
+    )
+    d_ff_expert: PositiveInt = Field(
+        256, description="Hidden width of one expert's SwiGLU MLP (and of each shared expert)."
+    )
+    num_shared_experts: Count = Field(
+        0,
+        description="Experts every token passes through, ungated (DeepSeek style): one SwiGLU MLP of width num_shared_experts * d_ff_expert added to the routed experts' output.",
+    )
+    first_dense_layers: Count = Field(
+        0,
+        description="The first blocks keep a dense SwiGLU MLP of width model.d_ff (DeepSeek style); the rest route to experts. Less than model.num_layers.",
+    )
+    norm_topk_prob: bool = Field(
+        True,
+        description="Divide each token's top-k router probabilities by their sum (Qwen3-MoE's norm_topk_prob; Mixtral's softmax over the top-k logits is the same); false = the raw softmax probabilities.",
+    )
+    router_z_loss: float = Field(
+        0.0,
+        ge=0,
+        le=Z_LOSS_MAX,
+        allow_inf_nan=False,
+        description="Weight of the router z-loss (ST-MoE): per token logsumexp(router logits)^2, summed over MoE layers; 0 = not computed. ST-MoE uses 1e-3.",
+    )
+    load_balance_loss: float = Field(
+        0.0,
+        ge=0,
+        le=1e3,
+        allow_inf_nan=False,
+        description="Weight of the load-balance loss (Switch/GShard): E * sum_e f_e P_e per MoE layer (f_e: fraction of assignments to expert e, P_e: its mean router probability), summed over layers; 0 = not computed. Switch uses 1e-2.",
+    )
+    balance: Literal["aux_loss", "aux_free"] = Field(
+        "aux_loss",
+        description="aux_loss = only the losses above balance the experts; aux_free = DeepSeek-V3's per-expert routing bias as well: added to the router scores when choosing experts (never to the weights), moved by bias_update_rate towards equal load after every step, outside the gradient, and saved in checkpoints.",
+    )
+    bias_update_rate: float = Field(
+        1e-3,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        description="balance: aux_free: each step an expert's bias moves by this much, up if it got fewer tokens than the mean, down if more (DeepSeek-V3's gamma).",
+    )
+    capacity_factor: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="null = dropless (every token reaches its experts; grouped matmuls over exactly the routed tokens). A number = each expert takes at most capacity_factor * tokens * experts_per_token / num_experts tokens per device and group of tokens; the rest are dropped (their expert output is 0), reported as moe/dropped_fraction.",
+    )
+
+    grouped_matmul: Literal["auto", "ragged_dot", "blocked"] = Field(
+        "auto",
+        description="How the experts' grouped matmuls run: ragged_dot (jax.lax.ragged_dot, native on TPU and GPU), blocked (each expert's tokens padded to blocks of up to 128 rows, a batched matmul per block; for CPU, where ragged_dot runs every expert over every row), auto = ragged_dot on TPU/GPU, blocked on CPU. Both are exact.",
+    )
+
+    @model_validator(mode="after")
+    def _top_k(self) -> MoeConfig:
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(
+                f"experts_per_token ({self.experts_per_token}) exceeds num_experts "
+                f"({self.num_experts}); allowed: 1..num_experts"
+            )
+        return self
+
+
+# model.family -> the name of its own section of ModelConfig (None: the shared fields are all
+# it has). kiln.model.FAMILIES holds the implementations under the same names.
+FAMILY_SECTIONS: dict[str, str | None] = {"llama": None, "moe": "moe"}
+FAMILY_HELP = {
+    "llama": "pre-norm RMSNorm blocks, grouped-query attention with rotary embeddings, SwiGLU MLP",
+    "moe": "llama's blocks with the MLP replaced by routed experts (model.moe)",
+}
+# model.attention -> what the kernel is; kiln.model.attention.IMPLEMENTATIONS holds the kernels
+# under the same names, and `auto` chooses among them per platform.
+ATTENTION_KERNELS: dict[str, str] = {
+    "xla": "blocked; key blocks above the causal diagonal skipped",
+    "cudnn": "cuDNN fused attention via jax.nn.dot_product_attention; NVIDIA GPU, bf16/fp16",
+    "splash": "Pallas splash-attention kernel; TPU",
+}
+
+
+def _one_of(value: str, allowed) -> str:
+    if value not in allowed:
+        raise ValueError(f"allowed: {', '.join(allowed)}")
+    return value
+
+
 class ModelConfig(Section):
     """Shape and numerics of the decoder-only Transformer."""
 
-    family: Literal["llama"] = Field(
+    family: str = Field(
         "llama",
-        description="Model family (the implementation in kiln.model.FAMILIES): llama = pre-norm RMSNorm blocks, grouped-query attention with rotary embeddings, SwiGLU MLP.",
+        description="Model family (the implementation in kiln.model.FAMILIES): "
+        + "; ".join(f"{k} = {v}" for k, v in FAMILY_HELP.items())
+        + ".",
+    )
+    moe: MoeConfig | None = Field(
+        None,
+        description="family: moe only: the routed experts (num_experts, experts_per_token, d_ff_expert, ...; see docs/moe.md); null with family moe = the defaults.",
     )
     vocab_size: PositiveInt | Literal["auto"] = Field(
         384,
@@ -96,9 +193,11 @@ class ModelConfig(Section):
     qk_norm: bool = Field(
         False, description="RMS-normalise queries and keys per head before attention."
     )
-    attention: Literal["auto", "xla", "cudnn", "splash"] = Field(
+    attention: str = Field(
         "auto",
-        description="Attention implementation: xla (blocked; key blocks above the causal diagonal skipped), cudnn (cuDNN fused attention via jax.nn.dot_product_attention; NVIDIA GPU, bf16/fp16), splash (Pallas splash-attention kernel; TPU), auto = splash on TPU, cudnn on GPU with a bf16/fp16 dtype, else xla. See docs/attention.md.",
+        description="Attention implementation: "
+        + ", ".join(f"{k} ({v})" for k, v in ATTENTION_KERNELS.items())
+        + ", auto = splash on TPU, cudnn on GPU with a bf16/fp16 dtype, else xla. See docs/attention.md.",
     )
     logit_softcap: float | None = Field(
         None, gt=0, allow_inf_nan=False, description="If set, logits = cap * tanh(logits / cap)."
@@ -126,6 +225,38 @@ class ModelConfig(Section):
         allow_inf_nan=False,
         description="Standard deviation of the normal initialiser of embeddings and projections.",
     )
+
+    @pydantic.field_validator("family")
+    @classmethod
+    def _family(cls, value: str) -> str:
+        return _one_of(value, FAMILY_SECTIONS)
+
+    @pydantic.field_validator("attention")
+    @classmethod
+    def _attention(cls, value: str) -> str:
+        return _one_of(value, ("auto", *ATTENTION_KERNELS))
+
+    @model_validator(mode="after")
+    def _family_section(self) -> ModelConfig:
+        own = FAMILY_SECTIONS[self.family]
+        for family, section in FAMILY_SECTIONS.items():
+            if section is not None and section != own and getattr(self, section) is not None:
+                raise ValueError(
+                    f"model.{section} is set but model.family is {self.family}; allowed: "
+                    f"model.family: {family} with model.{section}, or no model.{section}"
+                )
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_section(cls, data):
+        # The family's own section with its defaults when not given, so config.yaml records
+        # every value the run used.
+        if isinstance(data, dict):
+            own = FAMILY_SECTIONS.get(data.get("family", "llama"))
+            if own is not None and data.get(own) is None:
+                data = {**data, own: {}}
+        return data
 
     @pydantic.field_validator("vocab_size", mode="plain")
     @classmethod
