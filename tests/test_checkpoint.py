@@ -201,6 +201,22 @@ def test_kill_9_resumes_bitwise_with_each_optimizers_state(tmp_path, corpus, opt
     resume_to_step_12(config, run_dir, complete, want_losses, want_state)  # params and optimizer
 
 
+def test_kill_9_resumes_an_moe_run_bitwise_with_its_routing_biases(tmp_path, corpus):
+    """An moe run with balance: aux_free: the routing biases, moved outside the gradient after
+    every step, are saved with the parameters and restored exactly."""
+    moe = {"num_experts": 4, "experts_per_token": 2, "d_ff_expert": 16, "balance": "aux_free"}
+    model = {"family": "moe", "moe": {**moe, "router_z_loss": 1e-3, "load_balance_loss": 1e-2}}
+    (tmp_path / "straight").mkdir()
+    straight = write_run_config(tmp_path / "straight", corpus, model=model)
+    kiln_train(straight)
+    want_losses, want_state = losses(tmp_path / "straight" / "runs" / "r"), final_params(straight)
+    assert np.abs(want_state["params"]["blocks"]["mlp"]["bias"]).max() > 0
+    config = write_run_config(tmp_path, corpus, model=model, checkpoint={"every_steps": 1})
+    run_dir = tmp_path / "runs" / "r"
+    complete = kill_9_after_step_5(config, run_dir)
+    resume_to_step_12(config, run_dir, complete, want_losses, want_state)
+
+
 def test_restore_onto_a_different_mesh(tmp_path, corpus, straight):
     _, want_losses, _ = straight
     config = write_run_config(tmp_path, corpus)

@@ -1,0 +1,442 @@
+"""The moe family: the layer against a float64 per-token reference, its balance terms against
+their formulas, expert parallelism against one device, and the seam that carries a family's
+aux terms to the loss and the metrics."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import make_config
+from kiln.config import FAMILY_SECTIONS, MESH_AXES
+from kiln.model import FAMILIES, ModelOutput
+from kiln.model.llama import Transformer
+from kiln.model.moe import MoeMlp, blocked_rows, ragged_rows
+from kiln.parallel.mesh import make_mesh, use_mesh
+from kiln.training import train
+
+D, F, B, S = 32, 16, 8, 16
+
+
+def rel_err(a, b) -> float:
+    """max |a - b| / max |b|: a relative error that near-zero entries cannot blow up."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def moe_config(mesh=None, layers=2, **moe):
+    model = {"family": "moe", "d_model": D, "num_heads": 2, "num_layers": layers, "d_ff": 48}
+    model["vocab_size"], model["max_seq_len"] = 128, S
+    moe = {"num_experts": 8, "experts_per_token": 2, "d_ff_expert": F, **moe}
+    return make_config(
+        model={**model, "moe": moe},
+        data={"seq_len": S},
+        mesh=mesh or {"fsdp": -1},
+        train={"global_batch_size": 8},
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# float64 reference: every token through its top-k experts, weighted, and its backward pass
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def reference(p, x, moe, g):
+    """(y, dL/dx, dL/dparams) in float64 for L = sum(g * y), token by token."""
+    x, g = np.asarray(x, np.float64).reshape(-1, D), np.asarray(g, np.float64).reshape(-1, D)
+    p = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    grads = {k: np.zeros_like(v) for k, v in p.items()}
+    y, dx = np.zeros_like(x), np.zeros_like(x)
+    for t in range(x.shape[0]):
+        logits = x[t] @ p["router"]
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        top = np.argsort(-probs, kind="stable")[: moe.experts_per_token]
+        total = probs[top].sum() if moe.norm_topk_prob else 1.0
+        dw = np.zeros(len(top))
+        for j, e in enumerate(top):
+            gate, up = x[t] @ p["w_gate"][e], x[t] @ p["w_up"][e]
+            h = _silu(gate) * up
+            out = h @ p["w_down"][e]
+            w = probs[e] / total
+            y[t] += w * out
+            dw[j] = g[t] @ out
+            # Through the expert, scaled by its weight.
+            dout = w * g[t]
+            grads["w_down"][e] += np.outer(h, dout)
+            dh = p["w_down"][e] @ dout
+            sig = 1 / (1 + np.exp(-gate))
+            dgate = dh * up * (sig + gate * sig * (1 - sig))
+            dup = dh * _silu(gate)
+            grads["w_gate"][e] += np.outer(x[t], dgate)
+            grads["w_up"][e] += np.outer(x[t], dup)
+            dx[t] += p["w_gate"][e] @ dgate + p["w_up"][e] @ dup
+        if "shared_gate" in p:
+            gate, up = x[t] @ p["shared_gate"], x[t] @ p["shared_up"]
+            h = _silu(gate) * up
+            y[t] += h @ p["shared_down"]
+            grads["shared_down"] += np.outer(h, g[t])
+            dh = p["shared_down"] @ g[t]
+            sig = 1 / (1 + np.exp(-gate))
+            dgate, dup = dh * up * (sig + gate * sig * (1 - sig)), dh * _silu(gate)
+            grads["shared_gate"] += np.outer(x[t], dgate)
+            grads["shared_up"] += np.outer(x[t], dup)
+            dx[t] += p["shared_gate"] @ dgate + p["shared_up"] @ dup
+        # Through the weights: w_j = p_j / total (renormalised) or p_j, p = softmax(logits).
+        dp = np.zeros_like(probs)
+        if moe.norm_topk_prob:
+            dp[top] = (dw - np.sum(dw * probs[top]) / total) / total
+        else:
+            dp[top] = dw
+        dlogits = probs * (dp - np.sum(dp * probs))
+        grads["router"] += np.outer(x[t], dlogits)
+        dx[t] += p["router"] @ dlogits
+    return y, dx, grads
+
+
+def layer_params(layer: MoeMlp) -> dict[str, np.ndarray]:
+    p = {k: getattr(layer, k)[...] for k in ("router", "w_gate", "w_up", "w_down")}
+    if layer.shared is not None:
+        s = layer.shared
+        p |= {"shared_gate": s.w_gate[...], "shared_up": s.w_up[...], "shared_down": s.w_down[...]}
+    return p
+
+
+def kiln_grads(grads_state) -> dict[str, np.ndarray]:
+    flat = {"/".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(grads_state)}
+    out = {k: flat[k] for k in ("router", "w_gate", "w_up", "w_down")}
+    if "shared/w_gate" in flat:
+        out |= {f"shared_{k[2:]}": flat[f"shared/{k}"] for k in ("w_gate", "w_up", "w_down")}
+    return out
+
+
+def run_layer(layer, x, g, segment_ids, mesh=None, rules=None):
+    """(y, dL/dx, dL/dparams) of the kiln layer for L = sum(g * y), on `mesh` or unsharded."""
+    graphdef, state = nnx.split(layer)
+
+    def loss(state, x):
+        y, _ = nnx.merge(graphdef, state)(x, segment_ids)
+        return jnp.sum(y * g), y
+
+    with use_mesh(mesh, rules):
+        (_, y), (d_state, dx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+            state, x
+        )
+    return y, dx, kiln_grads(d_state)
+
+
+SETTINGS = {
+    "E8 k2": {},
+    # Switch: one expert weighted by its probability (renormalised, every weight would be 1).
+    "E4 k1": {"num_experts": 4, "experts_per_token": 1, "norm_topk_prob": False},
+    "E8 k2 shared 1": {"num_shared_experts": 1},
+    "E8 k3 raw probs": {"experts_per_token": 3, "norm_topk_prob": False},
+    "E8 k2 ragged_dot": {"grouped_matmul": "ragged_dot"},
+}
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((B, S, D)).astype(np.float32)
+    g = rng.standard_normal((B, S, D)).astype(np.float32)
+    return x, g, np.ones((B, S), np.int32)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_layer_and_its_gradients_equal_the_float64_per_token_reference(inputs, setting):
+    x, g, segments = inputs
+    cfg = moe_config(**SETTINGS[setting]).model
+    layer = MoeMlp(cfg, rngs=nnx.Rngs(1))
+    want_y, want_dx, want_grads = reference(layer_params(layer), x, cfg.moe, g)
+    y, dx, grads = run_layer(layer, x, g, segments)
+    assert rel_err(y.reshape(-1, D), want_y) <= 1e-5  # tolerance: 1e-5 relative (float32)
+    assert rel_err(dx.reshape(-1, D), want_dx) <= 1e-5  # tolerance: 1e-5 relative (float32)
+    for name, want in want_grads.items():
+        assert rel_err(grads[name], want) <= 1e-5, name  # tolerance: 1e-5 relative (float32)
+
+
+@pytest.mark.parametrize("setting", ["E8 k2", "E8 k2 shared 1", "E8 k2 ragged_dot"])
+def test_expert_parallel_layer_equals_one_device(inputs, setting):
+    """Experts split 4 ways (all-to-all inside shard_map) and fsdp 2: the same outputs and
+    gradients as the unsharded layer."""
+    x, g, segments = inputs
+    config = moe_config(mesh={"expert": 4, "fsdp": 2}, **SETTINGS[setting])
+    layer = MoeMlp(config.model, rngs=nnx.Rngs(1))
+    want = run_layer(layer, x, g, segments)
+    mesh = make_mesh(config)
+    got = run_layer(layer, x, g, segments, mesh, config.mesh.rules)
+    assert rel_err(got[0], want[0]) <= 1e-5  # tolerance: 1e-5 relative (float32)
+    assert rel_err(got[1], want[1]) <= 1e-5  # tolerance: 1e-5 relative (float32)
+    for name in want[2]:
+        assert rel_err(got[2][name], want[2][name]) <= 1e-5, name  # 1e-5 relative (float32)
+
+
+def test_expert_parallelism_moves_tokens_by_all_to_all(inputs):
+    x, _, segments = inputs
+    config = moe_config(mesh={"expert": 4, "fsdp": 2})
+    graphdef, state = nnx.split(MoeMlp(config.model, rngs=nnx.Rngs(1)))
+    with use_mesh(make_mesh(config), config.mesh.rules):
+        hlo = (
+            jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, segments)[0])
+            .lower(state, x)
+            .compile()
+            .as_text()
+        )
+    # Tokens there and outputs back, plus the counts per expert.
+    assert hlo.count("all-to-all(") >= 3
+
+
+def test_grouped_matmuls_agree_on_uneven_and_empty_groups():
+    """Experts with no rows, one expert with most of them, rows marked invalid: both grouped
+    matmuls give each valid row its expert's output and 0 elsewhere."""
+    rng = np.random.default_rng(3)
+    rows, e = 200, 6
+    x = rng.standard_normal((rows, D)).astype(np.float32)
+    experts = np.where(rng.uniform(size=rows) < 0.7, 2, rng.integers(0, e, rows)).astype(np.int32)
+    experts[experts == 4] = 5  # expert 4 gets no rows
+    valid = rng.uniform(size=rows) > 0.1
+    w = [rng.standard_normal(s).astype(np.float32) * 0.2 for s in [(e, D, F), (e, D, F), (e, F, D)]]
+    want = np.zeros((rows, D))
+    for r in np.flatnonzero(valid):
+        k = experts[r]
+        x64 = x[r].astype(np.float64)
+        h = _silu(x64 @ w[0][k]) * (x64 @ w[1][k])
+        want[r] = h @ w[2][k]
+    for rows_fn in (blocked_rows, ragged_rows):
+        got = rows_fn(
+            jnp.asarray(x), jnp.asarray(experts), jnp.asarray(valid), *map(jnp.asarray, w)
+        )
+        assert rel_err(got, want) <= 1e-5, rows_fn.__name__  # tolerance: 1e-5 relative (float32)
+    for block in (8, 16, 64):  # any block size is exact
+        got = blocked_rows(
+            jnp.asarray(x), jnp.asarray(experts), jnp.asarray(valid), *map(jnp.asarray, w), block
+        )
+        assert rel_err(got, want) <= 1e-5, block  # tolerance: 1e-5 relative (float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The balance and stability terms
+
+
+def test_router_z_loss_and_load_balance_equal_their_float64_formulas(inputs):
+    x, _, _ = inputs
+    segments = np.ones((B, S), np.int32)
+    segments[:, -5:] = 0  # padding: routed, but never counted
+    cfg = moe_config(router_z_loss=1e-3, load_balance_loss=1e-2).model
+    layer = MoeMlp(cfg, rngs=nnx.Rngs(1))
+    _, aux = layer(jnp.asarray(x), jnp.asarray(segments))
+    x64 = x.astype(np.float64).reshape(-1, D)
+    real = segments.reshape(-1) > 0
+    logits = x64 @ np.asarray(layer.router[...], np.float64)
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    probs = np.exp(logits - lse[:, None])
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, :2]
+    chosen = np.zeros_like(probs)
+    np.put_along_axis(chosen, top, 1.0, axis=-1)
+    n, e, k = real.sum(), 8, 2
+    f = chosen[real].sum(0) / (k * n)  # fraction of the assignments each expert got
+    p_mean = probs[real].mean(0)  # mean router probability of each expert
+    # ST-MoE's router z-loss and Switch's balance loss, as sums over the real tokens.
+    z_want = 1e-3 * np.sum(lse[real] ** 2)
+    lb_want = 1e-2 * e * np.sum(f * p_mean) * n
+    assert rel_err(aux["learning/router_z_loss"], z_want) <= 1e-5  # 1e-5 relative (float32)
+    assert rel_err(aux["learning/moe_lb_loss"], lb_want) <= 1e-5  # 1e-5 relative (float32)
+    assert np.array_equal(aux["moe/expert_tokens"], chosen[real].sum(0))  # exact counts
+
+
+def test_zero_weights_give_the_step_that_never_computes_them(monkeypatch):
+    """router_z_loss: 0 and load_balance_loss: 0 add nothing: the step is bitwise the one of a
+    layer that computes no aux at all."""
+    config = one_device(moe_config(layers=1))
+    batch = lm_batch(config)
+    want = run_steps(config, batch, steps=2)
+    monkeypatch.setattr(MoeMlp, "_aux", lambda self, *args: {})
+    got = run_steps(config, batch, steps=2)
+    assert got[0] == want[0]  # bitwise: the losses of both steps
+    assert all(np.array_equal(a, b) for a, b in zip(got[1], want[1], strict=True))
+
+
+def test_capacity_drops_the_assignments_past_each_experts_capacity(inputs):
+    """capacity_factor 0.5: each expert keeps its first C = ceil(0.5 * T * K / E) assignments,
+    first choices before second ones, then in token order; moe/dropped_tokens counts the rest
+    and the kept ones equal the dropless layer's."""
+    x, _, segments = inputs
+    cfg = moe_config(capacity_factor=0.5).model
+    layer = MoeMlp(cfg, rngs=nnx.Rngs(1))
+    y, aux = layer(jnp.asarray(x), jnp.asarray(segments))
+    t, k, e = B * S, 2, 8
+    cap = int(np.ceil(0.5 * t * k / e))
+    x64 = x.astype(np.float64).reshape(-1, D)
+    p = {kk: np.asarray(v, np.float64) for kk, v in layer_params(layer).items()}
+    logits = x64 @ p["router"]
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    taken = np.zeros(e, int)
+    keep = np.zeros((t, k), bool)
+    for j in range(k):
+        for tok in range(t):
+            if taken[top[tok, j]] < cap:
+                taken[top[tok, j]] += 1
+                keep[tok, j] = True
+    want = np.zeros_like(x64)
+    for tok in range(t):
+        w = probs[tok, top[tok]] / probs[tok, top[tok]].sum()
+        for j in np.flatnonzero(keep[tok]):
+            ex = top[tok, j]
+            h = _silu(x64[tok] @ p["w_gate"][ex]) * (x64[tok] @ p["w_up"][ex])
+            want[tok] += w[j] * (h @ p["w_down"][ex])
+    assert float(aux["moe/dropped_tokens"]) == (~keep).sum() > 0
+    assert rel_err(y.reshape(-1, D), want) <= 1e-5  # tolerance: 1e-5 relative (float32)
+
+
+def test_aux_free_bias_moves_towards_equal_load_outside_the_gradient():
+    config = one_device(moe_config(balance="aux_free", bias_update_rate=0.01))
+    batch = lm_batch(config)
+    mesh = make_mesh(config, jax.devices()[:1])
+    state = train.init_state(config, mesh)
+    out = state.model().hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"])
+    loads = np.asarray(out.aux["moe/expert_tokens"])  # [layers, experts] of the step's batch
+    step = train.make_train_step(config, mesh, train.shardings_of(state))
+    state, metrics = step(state, batch)
+    bias = np.asarray(state.params["blocks"]["mlp"]["bias"].get_value())
+    want = 0.01 * np.sign(loads.mean(-1, keepdims=True) - loads)
+    assert np.array_equal(bias, want.astype(np.float32))  # exact: one step from zero
+    ratio = loads.max(-1) / loads.mean(-1)
+    assert float(metrics["moe/expert_load_max_over_mean"]) == pytest.approx(ratio.max(), rel=1e-6)
+    assert "moe/expert_tokens" not in metrics  # arrays feed update_balance, not the logs
+
+
+# ---------------------------------------------------------------------------------------------
+# Training steps: expert parallelism and gradient accumulation against one device
+
+
+def lm_batch(config, seed=0):
+    rng = np.random.default_rng(seed)
+    shape = (config.train.global_batch_size, S)
+    tokens = rng.integers(1, 128, shape).astype(np.int32)
+    segments = np.ones(shape, np.int32)
+    segments[:, -3:] = 0  # a little padding
+    return {
+        "inputs": tokens,
+        "targets": np.roll(tokens, -1, axis=1),
+        "positions": np.broadcast_to(np.arange(S, dtype=np.int32), shape).copy(),
+        "segment_ids": segments,
+        "weights": (segments > 0).astype(np.float32),
+    }
+
+
+def run_steps(config, batch, steps=3):
+    """(losses of `steps` train steps, gradients of the first step) on `config`'s mesh."""
+    sizes = [getattr(config.mesh, a) for a in MESH_AXES]
+    mesh = make_mesh(config, jax.devices()[: 8 if -1 in sizes else int(np.prod(sizes))])
+    state = train.init_state(config, mesh)
+    _, _, grads = train.loss_and_grads(config, state, batch)
+    grads = [np.asarray(g) for g in jax.tree.leaves(grads)]
+    step = train.make_train_step(config, mesh, train.shardings_of(state))
+    losses = []
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["learning/loss"]))
+    return losses, grads
+
+
+def one_device(config):
+    sizes = dict.fromkeys(MESH_AXES, 1)
+    return config.model_copy(update={"mesh": config.mesh.model_copy(update=sizes)})
+
+
+@pytest.mark.parametrize("accumulation", [1, 2], ids=["no GA", "GA 2"])
+def test_expert_parallel_training_equals_one_device(accumulation):
+    """3 steps with mesh.expert=4 mesh.fsdp=2 (8 devices) and the router losses on equal the
+    same steps on one device within 1e-5 relative: the losses, and the first step's gradients
+    (parameters after AdamW are not compared: its division by sqrt(v) magnifies the rounding
+    of near-zero gradients)."""
+    base = moe_config(
+        mesh={"expert": 4, "fsdp": 2},
+        first_dense_layers=1,
+        router_z_loss=1e-3,
+        load_balance_loss=1e-2,
+        balance="aux_free",
+    )
+    train_cfg = base.train.model_copy(
+        update={"gradient_accumulation_steps": accumulation, "global_batch_size": 8 * accumulation}
+    )
+    config = base.model_copy(update={"train": train_cfg})
+    batch = lm_batch(config)
+    want_losses, want = run_steps(one_device(config), batch)
+    got_losses, got = run_steps(config, batch)
+    assert rel_err(got_losses, want_losses) <= 1e-5  # tolerance: 1e-5 relative (float32)
+    for a, b in zip(got, want, strict=True):
+        # tolerance: 1e-5 relative (float32); the aux_free biases' gradients are exactly 0.
+        assert np.array_equal(a, b) or rel_err(a, b) <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# The seam: a family's aux term reaches the loss and the metrics without edits to the trainer
+
+
+class ToyFamily(Transformer):
+    """llama with one extra loss term: 0.5 * the mean squared final hidden state per token."""
+
+    def hidden_states(self, inputs_BS, positions_BS, segment_ids_BS, *, collect=()):
+        out = super().hidden_states(inputs_BS, positions_BS, segment_ids_BS, collect=collect)
+        real_BS = (segment_ids_BS > 0).astype(jnp.float32)
+        per_token = jnp.mean(out.hidden.astype(jnp.float32) ** 2, axis=-1)
+        aux = {"learning/toy_loss": 0.5 * jnp.sum(per_token * real_BS)}
+        return ModelOutput(out.hidden, out.features, {**out.aux, **aux})
+
+
+@pytest.fixture
+def toy_family(monkeypatch):
+    monkeypatch.setitem(FAMILY_SECTIONS, "toy", None)
+    monkeypatch.setitem(FAMILIES, "toy", ToyFamily)
+
+
+def test_a_toy_familys_aux_term_reaches_the_loss_and_the_metrics(toy_family):
+    llama = make_config(
+        model={"d_model": D, "num_heads": 2, "num_layers": 1, "d_ff": 48, "vocab_size": 128},
+        data={"seq_len": S},
+        mesh={"fsdp": 1},
+        train={"global_batch_size": 8},
+    )
+    toy = llama.model_copy(update={"model": llama.model.model_copy(update={"family": "toy"})})
+    batch = lm_batch(llama)
+    mesh = make_mesh(toy, jax.devices()[:1])
+    state = train.init_state(toy, mesh)
+    loss, aux, grads = train.loss_and_grads(toy, state, batch)
+    # The same parameters in the plain llama model: the loss without the term.
+    plain = nnx.eval_shape(lambda: Transformer(llama.model, rngs=nnx.Rngs(0)))
+    lm_state = state.replace(graphdef=nnx.split(plain, nnx.Param, ...)[0])
+    lm_loss, _, lm_grads = train.loss_and_grads(llama, lm_state, batch)
+    model = state.model()
+    out = model.hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"])
+    hidden = np.asarray(out.hidden, np.float64)
+    real = batch["segment_ids"] > 0
+    toy_want = 0.5 * np.sum(np.mean(hidden**2, -1) * real) / batch["weights"].sum()
+    assert rel_err(aux["learning/toy_loss"], toy_want) <= 1e-5  # 1e-5 relative (float32)
+    assert rel_err(loss, float(lm_loss) + toy_want) <= 1e-5  # 1e-5 relative (float32)
+    # The term has gradients: the final norm's scale moves differently.
+    diff = [
+        float(jnp.abs(a - b).max())
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(lm_grads))
+    ]
+    assert max(diff) > 1e-4
+    step = train.make_train_step(toy, mesh, train.shardings_of(state))
+    _, metrics = step(state, batch)
+    assert rel_err(metrics["learning/toy_loss"], toy_want) <= 1e-5  # 1e-5 relative (float32)
+
+
+def test_registries_name_every_implementation():
+    from kiln.config import ATTENTION_KERNELS
+    from kiln.model.attention import IMPLEMENTATIONS
+
+    assert set(FAMILY_SECTIONS) == set(FAMILIES)
+    assert set(ATTENTION_KERNELS) == set(IMPLEMENTATIONS)
