@@ -146,10 +146,6 @@ class ModelConfig(Section):
         + "; ".join(f"{k} = {v}" for k, v in FAMILY_HELP.items())
         + ".",
     )
-    moe: MoeConfig | None = Field(
-        None,
-        description="family: moe only: the routed experts (num_experts, experts_per_token, d_ff_expert, ...; see docs/moe.md); null with family moe = the defaults.",
-    )
     vocab_size: PositiveInt | Literal["auto"] = Field(
         384,
         description="Vocabulary size of the embedding and LM head; >= the tokenizer's vocabulary (a multiple of 128 is fastest). auto = the tokenizer's size rounded up to a multiple of 128, set when the config is loaded (config.yaml of the run records the number).",
@@ -224,6 +220,10 @@ class ModelConfig(Section):
         gt=0,
         allow_inf_nan=False,
         description="Standard deviation of the normal initialiser of embeddings and projections.",
+    )
+    moe: MoeConfig | None = Field(
+        None,
+        description="family: moe only: the routed experts (num_experts, experts_per_token, d_ff_expert, ...; see docs/moe.md); null with family moe = the defaults.",
     )
 
     @pydantic.field_validator("family")
