@@ -264,13 +264,16 @@ def test_zero_weights_give_the_step_that_never_computes_them(monkeypatch):
 
 
 def test_capacity_drops_the_assignments_past_each_experts_capacity(inputs):
-    """capacity_factor 0.5: each expert keeps its first C = ceil(0.5 * T * K / E) assignments,
-    first choices before second ones, then in token order; moe/dropped_tokens counts the rest
-    and the kept ones equal the dropless layer's."""
+    """capacity_factor 0.5: each expert keeps its first C = ceil(0.5 * T * K / E) assignments
+    of real tokens, first choices before second ones, then in token order; moe/dropped_tokens
+    counts the rest, and the output is the sum over the kept assignments (0 for padding)."""
     x, _, segments = inputs
+    segments = segments.copy()
+    segments[:, -3:] = 0  # padding: not routed, takes no capacity, never counted as dropped
     cfg = moe_config(capacity_factor=0.5).model
     layer = MoeMlp(cfg, rngs=nnx.Rngs(1))
     y, aux = layer(jnp.asarray(x), jnp.asarray(segments))
+    real = segments.reshape(-1) > 0
     t, k, e = B * S, 2, 8
     cap = int(np.ceil(0.5 * t * k / e))
     x64 = x.astype(np.float64).reshape(-1, D)
@@ -282,7 +285,7 @@ def test_capacity_drops_the_assignments_past_each_experts_capacity(inputs):
     taken = np.zeros(e, int)
     keep = np.zeros((t, k), bool)
     for j in range(k):
-        for tok in range(t):
+        for tok in np.flatnonzero(real):
             if taken[top[tok, j]] < cap:
                 taken[top[tok, j]] += 1
                 keep[tok, j] = True
@@ -293,7 +296,7 @@ def test_capacity_drops_the_assignments_past_each_experts_capacity(inputs):
             ex = top[tok, j]
             h = _silu(x64[tok] @ p["w_gate"][ex]) * (x64[tok] @ p["w_up"][ex])
             want[tok] += w[j] * (h @ p["w_down"][ex])
-    assert float(aux["moe/dropped_tokens"]) == (~keep).sum() > 0
+    assert float(aux["moe/dropped_tokens"]) == (~keep[real]).sum() > 0
     assert rel_err(y.reshape(-1, D), want) <= 1e-5  # tolerance: 1e-5 relative (float32)
 
 

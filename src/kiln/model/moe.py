@@ -27,6 +27,7 @@ from kiln.config import ModelConfig
 from kiln.errors import KilnError
 from kiln.model.interface import DTYPES
 from kiln.model.llama import Block, Mlp, Transformer, _param, stacked_blocks
+from kiln.model.project import current_reduce_dtype
 from kiln.parallel.mesh import current_rules, logical_spec, traced_platform
 
 # Largest block of rows the blocked grouped matmul multiplies by one expert's weights.
@@ -228,8 +229,9 @@ class MoeMlp(nnx.Module):
         experts_BSK, weights_BSK, probs_BSE, logits_BSE = route(
             h_BSD, self.router[...], bias, moe.experts_per_token, moe.norm_topk_prob
         )
-        weights = tuple(w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
-        y_BSD, dropped = routed(h_BSD, experts_BSK, weights_BSK, weights, moe)
+        weights = tuple(w[...] for w in (self.w_gate, self.w_up, self.w_down))
+        real_BS = segment_ids_BS > 0
+        y_BSD, dropped = routed(h_BSD, experts_BSK, weights_BSK, real_BS, weights, moe, dt)
         if self.shared is not None:
             y_BSD = y_BSD + self.shared(h_BSD)
         y_BSD = checkpoint_name(y_BSD, "mlp_out")
@@ -257,23 +259,37 @@ class MoeMlp(nnx.Module):
         return aux
 
 
-def routed(h_BSD, experts_BSK, weights_BSK, weights, moe):
-    """(sum over each token's experts of weight * expert(token) [B,S,D], assignments dropped
-    for capacity or None when dropless), on this device or in `shard_map` over the mesh."""
-    rows = GROUPED_MATMULS[grouped_matmul(moe.grouped_matmul)]
+def routed(h_BSD, experts_BSK, weights_BSK, real_BS, weights, moe, dtype):
+    """(sum over each token's experts of weight * expert(token) [B,S,D], real tokens'
+    assignments dropped for capacity or None when dropless), on this device or in `shard_map`
+    over the mesh. Padding (`real_BS` False) is not routed: its output is 0 and it takes no
+    capacity.
 
-    def local(h_BSD, experts_BSK, weights_BSK, w_gate, w_up, w_down, *, axis, token_axes):
+    `weights` (gate, up, down) are cast to the compute `dtype` before they are gathered for
+    `shard_map`, unless `train.grad_reduce_dtype` asks for weight gradients in another dtype:
+    then they are cast inside, so their gradients leave `shard_map`, and are summed across
+    devices, in the parameters' dtype.
+    """
+    rows = GROUPED_MATMULS[grouped_matmul(moe.grouped_matmul)]
+    reduce = current_reduce_dtype()
+    inside = reduce is not None and reduce != jnp.dtype(dtype)
+    if not inside:
+        weights = tuple(w.astype(dtype) for w in weights)
+
+    def local(h_BSD, experts_BSK, weights_BSK, real_BS, w_gate, w_up, w_down, *, axis, token_axes):
+        w_gate, w_up, w_down = (w.astype(dtype) for w in (w_gate, w_up, w_down))
         b, s, d = h_BSD.shape
         k = experts_BSK.shape[-1]
         local_experts = w_gate.shape[0]
         e_TK = experts_BSK.reshape(b * s, k)
         cap = capacity(b * s, k, moe.num_experts, moe.capacity_factor)
-        if cap is None:
-            keep_TK = jnp.ones(e_TK.shape, bool)
-        else:
+        real_TK = jnp.broadcast_to(real_BS.reshape(b * s, 1), e_TK.shape)
+        keep_TK = real_TK
+        if cap is not None:
             # First choices before second ones, then in token order (GShard's priority).
-            rank_KT, _ = ranks(e_TK.T.reshape(-1), moe.num_experts)
-            keep_TK = (rank_KT < cap).reshape(k, b * s).T
+            e_KT = jnp.where(real_TK, e_TK, moe.num_experts).T.reshape(-1)
+            rank_KT, _ = ranks(e_KT, moe.num_experts)
+            keep_TK = real_TK & (rank_KT < cap).reshape(k, b * s).T
         y_TKD = dispatch(
             h_BSD.reshape(b * s, d),
             e_TK,
@@ -290,14 +306,14 @@ def routed(h_BSD, experts_BSK, weights_BSK, weights, moe):
         y_TD = jnp.einsum("TKD,TK->TD", y_TKD.astype(jnp.float32), w_TK)
         dropped = None
         if cap is not None:
-            dropped = jnp.sum(~keep_TK).astype(jnp.float32)
+            dropped = jnp.sum(real_TK & ~keep_TK).astype(jnp.float32)
             if token_axes:
                 dropped = jax.lax.psum(dropped, token_axes)
         return y_TD.astype(h_BSD.dtype).reshape(b, s, d), dropped
 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return local(h_BSD, experts_BSK, weights_BSK, *weights, axis=None, token_axes=())
+        return local(h_BSD, experts_BSK, weights_BSK, real_BS, *weights, axis=None, token_axes=())
     rules = current_rules()
     tokens = logical_spec(("batch", "act_length", None), rules)
     token_axes = tuple(a for entry in tokens for a in _axes(entry))
@@ -317,11 +333,12 @@ def routed(h_BSD, experts_BSK, weights_BSK, weights, moe):
     w_spec = PartitionSpec(axis, None, None)
     dropped_spec = PartitionSpec() if moe.capacity_factor is not None else None
 
-    def per_device(h_BSD, experts_BSK, weights_BSK, w_gate, w_up, w_down):
+    def per_device(h_BSD, experts_BSK, weights_BSK, real_BS, w_gate, w_up, w_down):
         return local(
             h_BSD,
             experts_BSK,
             weights_BSK,
+            real_BS,
             w_gate,
             w_up,
             w_down,
@@ -332,10 +349,10 @@ def routed(h_BSD, experts_BSK, weights_BSK, weights, moe):
     return jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(tokens, tokens, tokens, w_spec, w_spec, w_spec),
+        in_specs=(tokens, tokens, tokens, PartitionSpec(*tokens[:2]), w_spec, w_spec, w_spec),
         out_specs=(tokens, dropped_spec),
         check_vma=False,
-    )(h_BSD, experts_BSK, weights_BSK, *weights)
+    )(h_BSD, experts_BSK, weights_BSK, real_BS, *weights)
 
 
 def _axes(entry) -> tuple[str, ...]:

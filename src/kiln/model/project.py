@@ -32,6 +32,11 @@ def grad_reduce_dtype(dtype) -> Iterator[None]:
         _REDUCE_DTYPE.reset(token)
 
 
+def current_reduce_dtype():
+    """The weight-gradient dtype of the `grad_reduce_dtype` being traced (None: compute dtype)."""
+    return _REDUCE_DTYPE.get()
+
+
 def project(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """`jnp.einsum(spec, x, w)` ("inputs,weight->output"); its weight gradient in the reduce dtype."""
     dtype = _REDUCE_DTYPE.get()
