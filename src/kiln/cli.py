@@ -277,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser(
-        "export-hf", help="write a run's checkpoint as a Hugging Face Llama model directory"
+        "export-hf",
+        help="write a run's checkpoint as a Hugging Face model directory (Llama, Qwen3, Qwen3-MoE, Mixtral)",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="run directory ({output_dir}/{run_name})")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
@@ -336,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser(
-        "import-hf", help="turn a local Hugging Face Llama model directory into a kiln run"
+        "import-hf",
+        help="turn a local Hugging Face model directory (Llama, Qwen3, Qwen3-MoE, Mixtral) into a kiln run",
     )
     p.add_argument("hf_dir", metavar="DIR", help="config.json + model.safetensors (or shards)")
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="new run directory to write")

@@ -1,27 +1,14 @@
-"""Hugging Face Llama (and, with qk_norm, Qwen3) checkpoints <-> kiln run directories, from and
-to local files only.
-
-kiln's `llama` family is the Llama architecture: pre-norm RMSNorm blocks, grouped-query
-attention, SwiGLU, rotary embeddings. Both use the rotate-half rotary layout (HF's
-`rotate_half`, same frequencies), so q/k projections map without the head-dim permutation
-that HF's conversion script applies to Meta's interleaved checkpoints; tests/test_hf.py
-checks this on logits.
-
-Layouts (kiln -> HF, where HF's Linear weight is [out, in]): wq [D,N,H] -> q_proj [N*H, D],
-wk/wv [D,K,H] -> [K*H, D], wo [N,H,D] -> o_proj [D, N*H], w_gate/w_up [D,F] -> [F, D],
-w_down [F,D] -> [D, F], lm_head [D,V] -> [V, D]; embedding [V,D] and norm scales as they are.
-Conversion is a reshape and a transpose, so values are copied bit for bit.
+"""Hugging Face checkpoints (Llama, Qwen3, Qwen3-MoE, Mixtral) <-> kiln run directories, from
+and to local files only; the architectures in `hf_config`, the tensor layouts in `hf_layout`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
@@ -29,7 +16,8 @@ from flax import nnx
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from kiln.commands.hf_config import hf_config, model_section
+from kiln.commands.hf_config import export_notes, hf_config, model_section
+from kiln.commands.hf_layout import hf_to_kiln, kiln_to_hf
 from kiln.config import config_from_dict, read_run_config
 from kiln.data.tokenizers import load_tokenizer
 from kiln.errors import KilnError
@@ -41,130 +29,7 @@ from kiln.training.train import state_from_model
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-# (HF name inside layer i, kiln path inside `blocks`, how many leading kiln dims are HF's input
-# dims; None = a vector, same layout).
-LAYER_TENSORS = (
-    ("self_attn.q_proj.weight", ("attn", "wq"), 1),
-    ("self_attn.k_proj.weight", ("attn", "wk"), 1),
-    ("self_attn.v_proj.weight", ("attn", "wv"), 1),
-    ("self_attn.o_proj.weight", ("attn", "wo"), 2),
-    ("mlp.gate_proj.weight", ("mlp", "w_gate"), 1),
-    ("mlp.up_proj.weight", ("mlp", "w_up"), 1),
-    ("mlp.down_proj.weight", ("mlp", "w_down"), 1),
-    ("input_layernorm.weight", ("attn_norm", "scale"), None),
-    ("post_attention_layernorm.weight", ("mlp_norm", "scale"), None),
-)
-# Qwen3's per-head query/key RMSNorm weights [H], for models with model.qk_norm.
-QK_NORM_TENSORS = (
-    ("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), None),
-    ("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), None),
-)
-TOP_TENSORS = (
-    ("model.embed_tokens.weight", ("embedding",), None),
-    ("model.norm.weight", ("final_norm", "scale"), None),
-    ("lm_head.weight", ("lm_head",), 1),
-)
-# Buffers some older checkpoints store next to the weights; recomputed by every loader.
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-# ---------------------------------------------------------------------------------------------
-# Tensor layouts
-
-
-def _hf_shape(kiln_shape: tuple[int, ...], n_in: int | None) -> tuple[int, ...]:
-    if n_in is None:
-        return kiln_shape
-    return (math.prod(kiln_shape[n_in:]), math.prod(kiln_shape[:n_in]))
-
-
-def _to_hf(x: np.ndarray, n_in: int | None) -> np.ndarray:
-    if n_in is None:
-        return np.ascontiguousarray(x)
-    return np.ascontiguousarray(x.reshape(math.prod(x.shape[:n_in]), -1).T)
-
-
-def _from_hf(w: np.ndarray, kiln_shape: tuple[int, ...], n_in: int | None) -> np.ndarray:
-    return w if n_in is None else np.ascontiguousarray(w.T.reshape(kiln_shape))
-
-
-def _get(tree: Mapping[str, Any], path: tuple[str, ...]):
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def _set(tree: dict[str, Any], path: tuple[str, ...], value) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
-
-
-def _tensor_specs(model_cfg, kiln_shapes: Mapping[str, Any]):
-    """(HF name, kiln path, layer index or None, n_in, kiln shape) of every tensor of the model."""
-    specs = []
-    for name, path, n_in in TOP_TENSORS:
-        if path == ("lm_head",) and model_cfg.tie_embeddings:
-            continue
-        specs.append((name, path, None, n_in, tuple(_get(kiln_shapes, path))))
-    for i in range(model_cfg.num_layers):
-        for name, path, n_in in LAYER_TENSORS + (QK_NORM_TENSORS if model_cfg.qk_norm else ()):
-            shape = tuple(_get(kiln_shapes["blocks"], path))[1:]
-            specs.append((f"model.layers.{i}.{name}", ("blocks", *path), i, n_in, shape))
-    return specs
-
-
-def kiln_to_hf(model_cfg, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """HF Llama state dict (numpy) from kiln's pure parameter dict (stacked blocks)."""
-    shapes = _shapes(params)
-    out = {}
-    for name, path, layer, n_in, _ in _tensor_specs(model_cfg, shapes):
-        x = np.asarray(_get(params, path))
-        out[name] = _to_hf(x if layer is None else x[layer], n_in)
-    return out
-
-
-def hf_to_kiln(model_cfg, tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
-    """kiln's pure parameter dict from an HF Llama state dict; KilnError naming a bad tensor."""
-    shapes = _shapes(nnx.to_pure_dict(abstract_state(model_cfg)))
-    expected = _tensor_specs(model_cfg, shapes)
-    names = {name for name, *_ in expected}
-    if model_cfg.tie_embeddings:
-        names.add("lm_head.weight")  # stored by some tied checkpoints; HF ignores it too
-    unexpected = sorted(n for n in tensors if n not in names and not n.endswith(IGNORED_SUFFIXES))
-    if unexpected:
-        raise KilnError(
-            f"unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all); a Llama model "
-            "without biases has only embed_tokens, q/k/v/o_proj, gate/up/down_proj, the norms "
-            "(q_norm/k_norm for Qwen3) and lm_head"
-        )
-    layers: dict[tuple[str, ...], list[np.ndarray]] = {}
-    out: dict[str, Any] = {}
-    for name, path, layer, n_in, shape in expected:
-        if name not in tensors:
-            raise KilnError(
-                f"missing tensor {name!r} (expected shape {list(_hf_shape(shape, n_in))})"
-            )
-        w = tensors[name]
-        if tuple(w.shape) != _hf_shape(shape, n_in):
-            raise KilnError(
-                f"tensor {name!r} has shape {list(w.shape)}, but config.json implies "
-                f"{list(_hf_shape(shape, n_in))}"
-            )
-        if layer is None:
-            _set(out, path, _from_hf(w, shape, n_in))
-        else:
-            layers.setdefault(path, []).append(_from_hf(w, shape, n_in))
-    for path, per_layer in layers.items():
-        _set(out, path, np.stack(per_layer))
-    return out
-
-
-def _shapes(tree):
-    if isinstance(tree, Mapping):
-        return {k: _shapes(v) for k, v in tree.items()}
-    return tuple(tree.shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,6 +169,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     if tok is not None:
         written += _copy_tokenizer(tok, out)
     lines = [*skipped, f"exported {run_dir} step {step} to {out}: {', '.join(written)}"]
+    lines += [f"note: {n}" for n in export_notes(config.model)]
     if note is None and config.data.tokenizer == "byte":
         lines.append(
             "note: the run uses kiln's byte tokenizer (ids 0-255 = bytes, bos 256, eos 257), "
@@ -315,7 +181,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
 
 
 def import_hf(hf_dir: str | Path, out: str | Path) -> str:
-    """`kiln import-hf`: a run directory (config.yaml, step-0 checkpoint) from a local HF Llama."""
+    """`kiln import-hf`: a run directory (config.yaml, step-0 checkpoint) from a local HF model."""
     hf_dir, out = Path(hf_dir).expanduser(), Path(out).expanduser().absolute()
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
@@ -376,10 +242,14 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> str:
     # Written last: a directory with config.yaml is a complete run.
     (out / "config.yaml").write_text(config.to_yaml())
     m = config.model
+    experts = ""
+    if m.family == "moe":
+        experts = f", {m.moe.num_experts} experts (top {m.moe.experts_per_token})"
+        experts += f" after {m.moe.first_dense_layers} dense" if m.moe.first_dense_layers else ""
     return (
-        f"imported {hf_dir} to {out}: {m.num_layers} layers, d_model {m.d_model}, "
-        f"{m.num_heads} heads ({m.kv_heads} key/value), vocab {m.vocab_size}, "
-        f"{m.param_dtype}; checkpoint step 0"
+        f"imported {hf_dir} ({hf['model_type']}) to {out}: {m.num_layers} layers{experts}, "
+        f"d_model {m.d_model}, {m.num_heads} heads ({m.kv_heads} key/value), "
+        f"vocab {m.vocab_size}, {m.param_dtype}; checkpoint step 0"
         + (f"; tokenizer {', '.join(copied)}" if copied else "; no tokenizer file found")
     )
 
