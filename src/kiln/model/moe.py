@@ -116,7 +116,9 @@ def blocked_rows(x_RD, e_R, valid_R, w_gate, w_up, w_down, block: int | None = N
     xs = jnp.zeros((blocks * block, d), x_RD.dtype).at[slot_R].set(x_RD, mode="drop")
     xs_NbD = xs.reshape(blocks, block, d)
     first_N = jnp.arange(blocks, dtype=jnp.int32) * block
-    expert_N = jnp.minimum(jnp.searchsorted(end_E, first_N, side="right"), num_experts - 1)
+    expert_N = jnp.minimum(
+        jnp.searchsorted(end_E, first_N, side="right", method="compare_all"), num_experts - 1
+    )
     gate = checkpoint_name(jnp.einsum("NbD,NDF->NbF", xs_NbD, w_gate[expert_N]), "mlp_gate")
     up = checkpoint_name(jnp.einsum("NbD,NDF->NbF", xs_NbD, w_up[expert_N]), "mlp_up")
     ys_NbD = jnp.einsum("NbF,NFD->NbD", _swiglu(gate, up), w_down[expert_N])
@@ -177,7 +179,9 @@ def dispatch(x_TD, e_TK, keep_TK, w_gate, w_up, w_down, *, rows, axis, num_exper
     # Rows from each source arrive in order of local expert, recv_counts_PE[s] of each.
     ends_PE = jnp.cumsum(recv_counts_PE, axis=1)
     i_M = jnp.arange(m, dtype=jnp.int32)
-    e_PM = jax.vmap(lambda ends: jnp.searchsorted(ends, i_M, side="right"))(ends_PE)
+    e_PM = jax.vmap(lambda ends: jnp.searchsorted(ends, i_M, side="right", method="compare_all"))(
+        ends_PE
+    )
     valid_PM = i_M[None, :] < ends_PE[:, -1:]
     y_R = rows(
         recv_PMD.reshape(shards * m, d),
