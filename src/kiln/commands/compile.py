@@ -26,7 +26,7 @@ from kiln.config import MESH_AXES, Config
 from kiln.distill.offline import abstract_offline, abstract_teacher_rows
 from kiln.distill.online import abstract_distillation
 from kiln.distill.reader import check
-from kiln.errors import KilnError, RunStopped
+from kiln.errors import KilnError, RunStopped, first_line
 from kiln.parallel.mesh import make_mesh
 from kiln.training.train import abstract_batch, abstract_pretraining, make_step, shardings_of
 from kiln.util.humanize import plural
@@ -181,11 +181,26 @@ def lower_step(config: Config, devices: list[Any]):
     return step.lower(state, batch), command, objective, mesh
 
 
+class OutOfMemory(RunStopped):
+    """The compiler refused the step: it needs more memory than a device has (the TPU
+    compiler checks its buffers against the HBM of the slice's chips; XLA:CPU never refuses)."""
+
+
 def compile_report(config: Config, devices: list[Any]) -> StepReport:
     """Compile `config`'s train step for `devices` and report its memory, FLOPs and collectives."""
     start = time.perf_counter()
     lowered, command, objective, mesh = lower_step(config, devices)
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        where = plural(len(devices), devices[0].platform + " device")
+        said = first_line(e).rstrip(".")
+        raise OutOfMemory(
+            f"compiling the `{command}` step for {where}: {said}; search settings that fit "
+            "with `kiln compile CONFIG --fit --hbm-gb X`"
+        ) from None
     seconds = time.perf_counter() - start
     memory, peak_source = memory_figures(compiled.memory_analysis(), devices[0].platform)
     tokens = config.train.global_batch_size * config.data.seq_len

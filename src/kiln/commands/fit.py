@@ -20,7 +20,12 @@ the config itself decide what is valid).
 With mesh axes to search (`--fit-mesh fsdp,tensor`), the other axes keep their resolved sizes
 and the splits of the remaining devices over the named axes join step 1: for each remat policy,
 each valid split is probed (step 2's first compile) in order, the config's own split first, then
-the others with the first named axis largest; the first split that fits gets steps 2-3.
+the others with the first named axis largest; the first split that fits gets steps 2-3. A split
+the config's rules refuse is skipped without a compile, with the reason: for a Mixture-of-Experts
+model (`--fit-mesh fsdp,expert`) an `expert` size that does not divide `model.moe.num_experts`.
+
+A setting the compiler refuses for want of memory (the TPU compiler, `--topology`, checks the
+HBM of the slice's chips) does not fit, like one whose compiled peak exceeds `--hbm-gb`.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import math
 import typing
 from typing import Any
 
-from kiln.commands.compile import GB, compile_report
+from kiln.commands.compile import GB, OutOfMemory, compile_report
 from kiln.config import Config, check_devices, config_from_dict, schema
 from kiln.config.axes import MESH_AXES
 from kiln.errors import KilnError
@@ -68,7 +73,8 @@ class Setting:
 @dataclasses.dataclass
 class FitResult:
     hbm_gb: float
-    trials: list[tuple[Setting, int]]  # (setting, compiled peak bytes per device), in order
+    # (setting, compiled peak bytes per device, None: the compiler ran out of memory), in order
+    trials: list[tuple[Setting, int | None]]
     best: Setting | None
     mesh_axes: tuple[str, ...] = ()  # the searched axes; () = the config's mesh only
     skipped: list[tuple[dict[str, int], str]] = dataclasses.field(default_factory=list)
@@ -80,7 +86,7 @@ class FitResult:
             "overrides": None if self.best is None else self.best.overrides(),
             "best": None if self.best is None else self.best.to_json(),
             "trials": [
-                {**s.to_json(), "peak_bytes": peak, "fits": peak <= self.hbm_gb * GB}
+                {**s.to_json(), "peak_bytes": peak, "fits": _fits(peak, self.hbm_gb)}
                 for s, peak in self.trials
             ],
         }
@@ -88,6 +94,10 @@ class FitResult:
             out["mesh_axes"] = list(self.mesh_axes)
             out["skipped_splits"] = [{"mesh": m, "reason": r} for m, r in self.skipped]
         return out
+
+
+def _fits(peak: int | None, hbm_gb: float) -> bool:
+    return peak is not None and peak <= hbm_gb * GB
 
 
 def with_setting(config: Config, setting: Setting) -> Config:
@@ -178,9 +188,13 @@ def fit(
 
     def fits(setting: Setting) -> bool:
         if setting not in peaks:
-            peaks[setting] = compile_report(with_setting(config, setting), devices).memory["peak"]
-            trials.append((setting, peaks[setting]))
-        return peaks[setting] <= hbm_gb * GB
+            try:
+                peak = compile_report(with_setting(config, setting), devices).memory["peak"]
+            except OutOfMemory:
+                peak = None
+            peaks[setting] = peak
+            trials.append((setting, peak))
+        return _fits(peaks[setting], hbm_gb)
 
     batch = config.train.global_batch_size
     for remat in remat_policies():
@@ -223,7 +237,10 @@ def format_fit(result: FitResult) -> str:
         sizes = " x ".join(f"{axis}={size}" for axis, size in split.items())
         lines.append(f"  skipped mesh {sizes}: {reason}")
     for s, peak in result.trials:
-        verdict = "fits" if peak <= result.hbm_gb * GB else "too big"
+        if peak is None:
+            lines.append(f"  {s.overrides():<80} the compiler ran out of device memory")
+            continue
+        verdict = "fits" if _fits(peak, result.hbm_gb) else "too big"
         lines.append(f"  {s.overrides():<80} {peak / GB:9.3f} GB  {verdict}")
     if result.best is not None:
         lines += ["fits with the least recompute:", result.best.overrides()]

@@ -37,6 +37,11 @@ def cross_field_errors(
             yield f"model.num_kv_heads: {m.kv_heads} does not divide model.num_heads={m.num_heads}"
         if m.resolved_head_dim % 2:
             yield f"model.head_dim: rotary embeddings need an even head width, got {m.resolved_head_dim}"
+        if m.moe is not None and m.moe.first_dense_layers >= m.num_layers:
+            yield (
+                f"model.moe.first_dense_layers: {m.moe.first_dense_layers} leaves no MoE layer "
+                f"of model.num_layers={m.num_layers}; allowed: 0..{m.num_layers - 1}"
+            )
     if ok("data", "model") and c.data.seq_len > m.max_seq_len:
         yield f"data.seq_len: {c.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}"
     if ok("data"):
@@ -71,6 +76,8 @@ def cross_field_errors(
             f"train.global_batch_size: {t.global_batch_size} is not divisible by "
             f"train.gradient_accumulation_steps={t.gradient_accumulation_steps}"
         )
+    if ok("mesh", "model"):
+        yield from _expert_errors(c, num_devices)
     sizes = {a: getattr(c.mesh, a) for a in MESH_AXES}
     if ok("mesh") and sum(s == -1 for s in sizes.values()) > 1:
         yield f"mesh: at most one size may be -1, got {sizes}"
@@ -125,6 +132,39 @@ def _mesh_errors(c: Config, num_devices: int | None) -> Iterator[str]:
             f"loss.vocab_chunk_size: {chunk} does not divide the vocabulary of one shard "
             f"(model.vocab_size {vocab} / {vocab_shards} vocabulary shards); "
             "allowed: a divisor of that number, or null"
+        )
+
+
+def _expert_errors(c: Config, num_devices: int | None) -> Iterator[str]:
+    """The experts against the mesh axes that split them (mesh.rules.experts).
+
+    A mesh axis of a family without experts (mesh.expert > 1 with llama) is allowed: it splits
+    the batch and shards parameters as fsdp does, and a dense student distilled from an MoE
+    teacher shares the teacher's expert-parallel mesh.
+    """
+    axes = c.mesh.rules["experts"]
+    if len(axes) > 1:
+        yield (
+            f"mesh.rules.experts: {axes}; allowed: at most one mesh axis (the all-to-all that "
+            "sends tokens to their experts runs over one axis)"
+        )
+        return
+    moe = c.model.moe
+    if moe is None or not axes:
+        return
+    sizes = {a: getattr(c.mesh, a) for a in MESH_AXES}
+    if num_devices is not None:
+        try:
+            sizes = c.mesh.sizes(num_devices)
+        except KilnError:
+            return  # reported by the mesh's own check
+    axis, size = axes[0], sizes[axes[0]]
+    if size != -1 and moe.num_experts % size:
+        divisors = [d for d in range(1, moe.num_experts + 1) if moe.num_experts % d == 0]
+        yield (
+            f"mesh.{axis}: {size} does not divide model.moe.num_experts={moe.num_experts} "
+            f"(mesh.rules.experts: [{axis}]); allowed: a divisor of {moe.num_experts} "
+            f"({', '.join(map(str, divisors))})"
         )
 
 

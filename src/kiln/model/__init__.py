@@ -13,9 +13,9 @@ May import: `kiln.errors`, `kiln.util`, `kiln.data`, `kiln.config`, `kiln.parall
 `kiln.losses` (the head's logits).
 
 Public names: `FAMILIES`, `LanguageModel`, `build_model`, `create_model`, `flops_per_token`,
-`summary`, `state_size`, `state_bytes_per_device`, `check_state_memory`, `DTYPES`, `KVCache`,
-`ModelOutput`; `interface.ROLES`, the roles a parameter declares (`nnx.Param(..., role=...)`)
-for the optimizers.
+`summary`, `expert_split`, `state_size`, `state_bytes_per_device`, `check_state_memory`,
+`DTYPES`, `KVCache`, `ModelOutput`; `interface.ROLES`, the roles a parameter declares
+(`nnx.Param(..., role=...)`) for the optimizers.
 """
 
 from __future__ import annotations
@@ -29,12 +29,14 @@ import optax
 from flax import nnx
 
 from kiln.config import ModelConfig
+from kiln.config.axes import entry_axes
 from kiln.errors import KilnError
 from kiln.model.interface import DTYPES, KVCache, LanguageModel, ModelOutput, logits_dtype
 from kiln.model.llama import Transformer
 from kiln.model.moe import MoeTransformer
 from kiln.parallel.mesh import (
     device_memory,
+    logical_spec,
     mesh_sizes_for_summary,
     sharded_init,
     shards_per_dim,
@@ -135,20 +137,57 @@ def summary(
     gib = per_device * itemsize / 2**30
     opt_gib = optimizer_state_bytes(config, optimizer, sizes) / 2**30
     mesh_text = " x ".join(f"{a}={s}" for a, s in sizes.items())
+    inactive = model.inactive_params()
+    active = [
+        f"active per token:  {total - inactive:,} ({(total - inactive) / 1e9:.3f}B; all but the "
+        f"{inactive:,} of the routed experts beyond each token's top-k)"
+    ]
     return "\n".join(
         [
             f"parameters:        {total:,} ({total / 1e9:.3f}B; embedding {embed:,}, "
             f"LM head {'tied' if m.tie_embeddings else f'{embed:,}'}, "
             f"non-embedding {total - embed * (1 if m.tie_embeddings else 2):,})",
+            *(active if inactive else []),
             f"FLOPs per token:   {flops:.4g} (training, seq_len {config.data.seq_len}; "
-            f"6 x {model.matmul_params():,} matmul params + causal attention)",
+            f"6 x {model.matmul_params():,} {'active ' if inactive else ''}matmul params + "
+            "causal attention)",
             f"mesh:              {mesh_text} ({plural(math.prod(sizes.values()), 'device')})",
+            *_expert_lines(config, sizes),
             f"memory per device: {per_device:,} parameters x {itemsize} bytes ({m.param_dtype})",
             f"  params {gib:.2f} GiB + grads {gib:.2f} GiB + "
             f"{OPTIMIZER_STATE[config.optim.name]} {opt_gib:.2f} GiB "
             f"= {2 * gib + opt_gib:.2f} GiB (state, before activations)",
         ]
     )
+
+
+def _expert_lines(config: Any, sizes: dict[str, int]) -> list[str]:
+    """`summary`'s line on how the mesh splits the routed experts (none for a dense model)."""
+    split = expert_split(config, sizes)
+    if split is None:
+        return []
+    count, axes, pieces = split
+    if pieces > 1:
+        where = f"split over mesh.{axes[0]}={pieces}: {count // pieces} per device"
+    else:
+        where = "every device runs all of them (" + (
+            f"mesh.{axes[0]}=1)" if axes else "mesh.rules.experts: [])"
+        )
+    return [f"routed experts:    {count} per MoE layer; {where}"]
+
+
+def expert_split(config: Any, sizes: dict[str, int]) -> tuple[int, tuple[str, ...], int] | None:
+    """(experts per layer, the mesh axes that split them, into how many pieces) on a mesh of
+    `sizes`, from the parameters with an `experts` dimension; None when no parameter has one."""
+    state = abstract_state(config.model)
+    for var in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        names = tuple(var.get_metadata().get("out_sharding") or ())
+        if "experts" in names:
+            dim = names.index("experts")
+            spec = logical_spec(names, config.mesh.rules)
+            axes = entry_axes(spec[dim])
+            return var.get_value().shape[dim], axes, shards_per_dim(spec, sizes)[dim]
+    return None
 
 
 def state_bytes_per_device(state: Any, config: Any, sizes: dict[str, int]) -> int:
@@ -201,6 +240,7 @@ __all__ = [
     "build_model",
     "check_state_memory",
     "create_model",
+    "expert_split",
     "flops_per_token",
     "logits_dtype",
     "optimizer_state_bytes",

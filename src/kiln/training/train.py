@@ -432,7 +432,8 @@ def make_eval_step(config: Config, mesh: Mesh) -> Callable:
 
 
 def evaluate(eval_step, state: TrainState, batches, mesh, config: Config) -> dict[str, float]:
-    """eval/loss (with z-term, as learning/loss), eval/z_loss and eval/perplexity (of the CE alone)."""
+    """eval/loss (with z-term, as learning/loss, but without a model's own loss terms such as an
+    MoE router's), eval/z_loss and eval/perplexity (of the CE alone)."""
     totals = {"loss_sum": 0.0, "z_loss_sum": 0.0, "weight_sum": 0.0}
     for batch in batches:
         sums = jax.device_get(eval_step(state, place_batch(batch, mesh, config)))
