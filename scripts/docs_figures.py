@@ -50,8 +50,18 @@ CANARY = (
     "train.global_batch_size=16",
     "train.gradient_accumulation_steps=2",
 )
+# A Mixture-of-Experts model cut as CANARY cuts a dense one, its experts too (16 of 128), with a
+# batch that two micro-batches split over the 32 devices of a v5p-64.
+MOE_CANARY = (
+    *(item for item in CANARY if not item.startswith("train.global_batch_size=")),
+    "train.global_batch_size=64",
+    "model.head_dim=64",
+    "model.moe.num_experts=16",
+    "model.moe.d_ff_expert=128",
+)
 B1 = "configs/models/llama3-1b.yaml"
 B8 = "configs/models/llama3-8b.yaml"
+QWEN = "configs/models/qwen3-30b-a3b.yaml"
 TINY = "configs/tiny.yaml"
 # The small models of docs/scaling.md's collectives section (tests/test_compile.py's).
 TENSOR_PARALLEL = (
@@ -74,17 +84,19 @@ class Entry:
     canary: bool = False  # slow: the test runs the command with CANARY instead
     derived: bool = False  # slow: the test checks it against other records (disagreements)
     tpu: bool = False  # needs libtpu (--topology)
+    cut: tuple[str, ...] = CANARY  # the canary's overrides
 
     def command(self, canary: bool = False) -> list[str]:
-        """`kiln`'s arguments; for the canary, the entry's overrides of what CANARY sets go."""
-        cut = {item.split("=", 1)[0] for item in CANARY}
+        """`kiln`'s arguments; for the canary, the entry's overrides of what the cut sets go."""
+        cut = {item.split("=", 1)[0] for item in self.cut}
         args = [*(a for a in self.args if not canary or a.split("=", 1)[0] not in cut)]
-        args += CANARY if canary else ()
+        args += self.cut if canary else ()
         return [*args, "--json"] if args[0] == "compile" else args
 
 
 SUMMARY_8B = ("config", B8, "--summary", "--devices", "8", "--hbm-gb", "80")
 SUMMARY_1B = ("config", B1, "--summary", "--hbm-gb", "16", "mesh.fsdp=8")
+SUMMARY_QWEN = ("config", QWEN, "--summary", "--topology", "v5p-64", "--hbm-gb", "95")
 
 
 def small(overrides: tuple[str, ...], target: str) -> Entry:
@@ -113,6 +125,15 @@ ENTRIES = {
     "1b-2-layers": Entry(("compile", B1, "--devices", "8", "model.num_layers=2"), canary=True),
     "1b-4-layers": Entry(("compile", B1, "--devices", "8", "model.num_layers=4"), canary=True),
     "1b-v5e-8": Entry(("compile", B1, "--topology", "v5e-8"), canary=True, tpu=True),
+    "qwen3-30b-a3b-v5p-64": Entry(
+        ("compile", QWEN, "--topology", "v5p-64"), canary=True, tpu=True, cut=MOE_CANARY
+    ),
+    "qwen3-30b-a3b-summary": Entry(SUMMARY_QWEN, derived=True, tpu=True),
+    "qwen3-30b-a3b-fit": Entry(
+        ("compile", QWEN, "--topology", "v5p-64", "--fit", "--hbm-gb", "95"),
+        derived=True,
+        tpu=True,
+    ),
     **{
         f"sequence-{s}": small(
             (*SEQUENCE_PARALLEL, f"data.seq_len={s}", f"model.max_seq_len={s}"), "cpu"
@@ -272,6 +293,27 @@ def quotes(records: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
             cells = " | ".join(_static(small, kind) for kind in kinds)
             peak = small["memory"]["peak"] / 1e6
             found.append((scaling, f"| {label} | {shown} | {cells} | {peak:.2f} MB |"))
+    found += _moe_quotes(out)
+    return found
+
+
+def _moe_quotes(out: dict[str, Any]) -> list[tuple[str, str]]:
+    """docs/moe.md's Qwen3-30B-A3B section and the config's target line."""
+    page, compiled = "docs/moe.md", out["qwen3-30b-a3b-v5p-64"]
+    found = [(page, line) for line in out["qwen3-30b-a3b-summary"]]
+    found += [(page, line) for line in _report_lines(compiled, QWEN)]
+    for trial in out["qwen3-30b-a3b-fit"]["trials"]:
+        peak = "out of memory" if trial["peak_bytes"] is None else _gb(trial["peak_bytes"])
+        row = (
+            f"| {trial['remat']} | {trial['num_vocab_tiling']} | "
+            f"{trial['gradient_accumulation_steps']} | {peak} | "
+            f"{'yes' if trial['fits'] else 'no'} |"
+        )
+        found.append((page, row))
+    found += [
+        (page, f"Result: `{out['qwen3-30b-a3b-fit']['overrides']}`."),
+        (QWEN, f"peak {_gb(compiled['memory']['peak'])} per device"),
+    ]
     return found
 
 
@@ -328,6 +370,7 @@ def disagreements(records: dict[str, dict[str, Any]]) -> list[str]:
     for name, args, compiled, hbm_gb in (
         ("8b-summary", SUMMARY_8B, "8b", 80.0),
         ("1b-summary", SUMMARY_1B, "1b", 16.0),
+        ("qwen3-30b-a3b-summary", SUMMARY_QWEN, "qwen3-30b-a3b-v5p-64", 95.0),
     ):
         overrides = [a for a in args if "=" in a]
         config = load_config(REPO / args[1], overrides)
@@ -336,15 +379,20 @@ def disagreements(records: dict[str, dict[str, Any]]) -> list[str]:
         want += summary_lines(report, hbm_gb).splitlines()
         if out[name] != want:
             problems.append(f"{name}: the recorded summary is not the one of the {compiled} record")
-    own = load_config(REPO / B8)
-    settings = (own.model.remat, own.loss.num_vocab_tiling, own.train.gradient_accumulation_steps)
-    peaks = [
-        t["peak_bytes"]
-        for t in out["8b-fit"]["trials"]
-        if (t["remat"], t["num_vocab_tiling"], t["gradient_accumulation_steps"]) == settings
-    ]
-    if peaks != [out["8b"]["memory"]["peak"]]:
-        problems.append("8b-fit: its trial of the config's own settings is not the 8b record's")
+    fits = (("8b-fit", B8, "8b"), ("qwen3-30b-a3b-fit", QWEN, "qwen3-30b-a3b-v5p-64"))
+    for name, path, compiled in fits:
+        own = load_config(REPO / path)
+        train = own.train
+        settings = (own.model.remat, own.loss.num_vocab_tiling, train.gradient_accumulation_steps)
+        peaks = [
+            t["peak_bytes"]
+            for t in out[name]["trials"]
+            if (t["remat"], t["num_vocab_tiling"], t["gradient_accumulation_steps"]) == settings
+        ]
+        if peaks != [out[compiled]["memory"]["peak"]]:
+            problems.append(
+                f"{name}: its trial of the config's own settings is not the {compiled} record's"
+            )
     return [
         f"{line}; re-measure with `python scripts/docs_figures.py` and update what the pages quote"
         for line in problems
