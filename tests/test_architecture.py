@@ -76,7 +76,9 @@ def test_the_example_objective_is_the_lm_loss_plus_its_penalty(example):
     norm = (np.square(np.asarray(hidden, np.float64)).sum(-1) * w).sum() / w.sum()
     np.testing.assert_allclose(float(aux["hidden/norm_sq"]), norm, rtol=1e-5)  # f32 sums
     np.testing.assert_allclose(float(loss), float(lm_loss) + penalty * norm, rtol=1e-5)
-    assert float(aux["z_loss"]) == pytest.approx(float(lm_aux["z_loss"]), rel=1e-6)
+    assert float(aux["learning/z_loss"]) == pytest.approx(
+        float(lm_aux["learning/z_loss"]), rel=1e-6
+    )
 
     # Accumulation changes nothing (sums over micro-batches, one division).
     config2 = config_with(accum=2)

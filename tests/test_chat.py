@@ -369,7 +369,7 @@ def test_chat_weights_flow_through_the_train_step_and_accumulation(tmp_path):
 
     def run(accum, b):
         loss, aux, grads = train.loss_and_grads(configs[accum], state, b)
-        return float(loss), float(aux["total_weights"]), jax.tree.map(np.asarray, grads)
+        return float(loss), float(aux["learning/total_weights"]), jax.tree.map(np.asarray, grads)
 
     loss, total, grads = run(1, batch)
     assert total == batch["weights"].sum()

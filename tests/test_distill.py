@@ -224,7 +224,7 @@ def assert_same(got, want):
 
 def test_reference_is_sane(reference, batch):
     loss, aux, grads = reference
-    assert aux["total_weights"] == batch["weights"].sum()
+    assert aux["learning/total_weights"] == batch["weights"].sum()
     hard, soft, feature = aux["distill/hard_loss"], aux["distill/soft_loss"], aux["distill/feature_loss"]  # fmt: skip
     assert np.log(VOCAB) * 0.8 < hard < np.log(VOCAB) * 1.3
     assert soft > 0 and feature > 0 and aux["distill/teacher_loss"] > 0
@@ -285,7 +285,7 @@ def test_student_identical_to_teacher_has_no_soft_loss(teacher, batch):
     assert abs(float(aux["distill/feature_loss"])) < 1e-6  # cosine distance of equal states
     # The teacher's CE has no z-term: the hard loss exceeds it by exactly the student's z-loss.
     np.testing.assert_allclose(
-        float(aux["distill/hard_loss"]) - float(aux["z_loss"]),
+        float(aux["distill/hard_loss"]) - float(aux["learning/z_loss"]),
         float(aux["distill/teacher_loss"]),
         rtol=1e-6,
     )

@@ -370,7 +370,7 @@ def check_offline(config: Config) -> None:
 
 
 def loss_and_grads(config: Config, teacher: Teacher, state: TrainState, batch):
-    """(total loss, aux, grads) of one global batch; aux holds z_loss, total_weights, distill/*."""
+    """(total loss, aux, grads) of one global batch; aux holds learning/z_loss, learning/total_weights, distill/*."""
     objective = DistillObjective.create(config, train.mesh_of(state), teacher)
     return train.run_objective(objective, state, batch)
 

@@ -297,7 +297,8 @@ def compiled_objectives() -> int:
 
 
 def loss_and_grads(config: Config, state: TrainState, batch: Mapping[str, Any]):
-    """(loss, aux, grads) of one global batch: per-token mean loss, aux z_loss/total_weights."""
+    """(loss, aux, grads) of one global batch: per-token mean loss, aux learning/z_loss,
+    learning/total_weights and the model's aux terms."""
     return run_objective(LMObjective(config=config, mesh=mesh_of(state)), state, batch)
 
 
