@@ -105,7 +105,7 @@ def place(mesh, *arrays):
     """Student hidden, head, teacher hidden, head, targets, weights, top-k: tokens and vocabulary sharded."""
     if mesh is None:
         return jax.tree.map(jnp.asarray, arrays)
-    tok, head = P(("data", "fsdp"), "sequence"), P("fsdp", "tensor")
+    tok, head = P(("data", "fsdp", "expert"), "sequence"), P("fsdp", "tensor")
     specs = (
         P(*tok, None),
         head,
@@ -299,7 +299,7 @@ def test_tiled_top_k_sums_match_float64_on_8_devices(big, tiling, renormalize):
     _, top, hs, ws, y, w = big
     cap = CAPS["student_softcap"]
     mesh = jax.make_mesh(with_expert((1, 2, 4, 1)), MESH_AXES)
-    tok = P(("data", "fsdp"), "sequence")
+    tok = P(("data", "fsdp", "expert"), "sequence")
     put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
     args = (put(hs, P(*tok, None)), put(ws, P("fsdp", "tensor")))
     top_d = TopK(put(top.values, P(*tok, None)), put(top.ids, P(*tok, None)), put(top.lse, tok))

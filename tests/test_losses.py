@@ -169,7 +169,7 @@ def place(mesh, hidden, head, targets, weights):
     """Arrays sharded per the default rules: tokens on (data, fsdp) x sequence, head on fsdp x tensor."""
     if mesh is None:
         return tuple(jnp.asarray(a) for a in (hidden, head, targets, weights))
-    tok, hd = P(("data", "fsdp"), "sequence"), P("fsdp", "tensor")
+    tok, hd = P(("data", "fsdp", "expert"), "sequence"), P("fsdp", "tensor")
     specs = (P(*tok, None), hd, tok, tok)
     return tuple(
         jax.device_put(a, NamedSharding(mesh, s))

@@ -146,7 +146,7 @@ def data():
 def place(mesh, hs, ws, ht, wt, y, w):
     if mesh is None:
         return tuple(jnp.asarray(a) for a in (hs, ws, ht, wt, y, w))
-    tok, head = P(("data", "fsdp"), "sequence"), P("fsdp", "tensor")
+    tok, head = P(("data", "fsdp", "expert"), "sequence"), P("fsdp", "tensor")
     specs = (P(*tok, None), head, P(*tok, None), head, tok, tok)
     arrays = (hs, ws, ht, wt, y, w)
     return tuple(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(arrays, specs))

@@ -355,7 +355,7 @@ def test_blocked_attention_equals_whole_attention_also_sequence_sharded(batch):
     whole = jax.jit(value_and_grads, static_argnums=0)(S)
     config = make_config(mesh=MESHES["sequence2_fsdp4"])
     mesh = make_mesh(config)
-    seq = jax.sharding.NamedSharding(mesh, P(("data", "fsdp"), "sequence"))
+    seq = jax.sharding.NamedSharding(mesh, P(("data", "fsdp", "expert"), "sequence"))
     q, k, v, cot, segments = (jax.device_put(x, seq) for x in (q, k, v, cot, segments))
     blocked = jax.jit(value_and_grads, static_argnums=0)(4)  # 4 strided blocks of 4 rows
     # 1e-6 relative: each row's softmax is the same float32 computation in either layout.
