@@ -86,7 +86,7 @@ def test_two_updates_match_optax_adamw(setup, scale):
     )
     ref_params = jax.tree.map(jnp.asarray, params0)
     ref_opt = reference.init(ref_params)
-    aux = {"z_loss": jnp.float32(0.0125), "total_weights": jnp.float32(96.0)}
+    aux = {"learning/z_loss": jnp.float32(0.0125), "learning/total_weights": jnp.float32(96.0)}
     for step, seed in enumerate((1, 2), start=1):
         grads = random_grads(state.params, seed, scale)
         state, metrics = update(state, jnp.float32(2.5 + step), aux, grads)
@@ -123,7 +123,7 @@ def test_weight_decay_would_show_on_the_norm_scales(setup):
     config, state = setup
     update = jax.jit(train.make_update(config))
     zero = jax.tree.map(jnp.zeros_like, state.params)
-    aux = {"z_loss": jnp.float32(0.0), "total_weights": jnp.float32(1.0)}
+    aux = {"learning/z_loss": jnp.float32(0.0), "learning/total_weights": jnp.float32(1.0)}
     new, _ = update(state, jnp.float32(1.0), aux, zero)
     before, after = host(nnx.to_pure_dict(state.params)), host(nnx.to_pure_dict(new.params))
     q_norm = ("blocks", "attn", "q_norm", "scale")
@@ -221,7 +221,7 @@ def test_each_optimizer_matches_its_optax_chain_by_hand(name, mesh):
     )
     ref_params = jax.tree.map(jnp.asarray, host(nnx.to_pure_dict(state.params)))
     ref_opt = reference.init(ref_params)
-    aux = {"z_loss": jnp.float32(0.0), "total_weights": jnp.float32(1.0)}
+    aux = {"learning/z_loss": jnp.float32(0.0), "learning/total_weights": jnp.float32(1.0)}
     for step, seed in enumerate((1, 2), start=1):
         grads = random_grads(state.params, seed, 1e-2)
         state, _ = update(state, jnp.float32(1.0), aux, grads)
