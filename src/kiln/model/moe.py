@@ -24,6 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from kiln.config import ModelConfig
+from kiln.config.axes import entry_axes
 from kiln.errors import KilnError
 from kiln.model.interface import DTYPES
 from kiln.model.llama import Block, Mlp, Transformer, _param, stacked_blocks
@@ -320,9 +321,9 @@ def routed(h_BSD, experts_BSK, weights_BSK, real_BS, weights, moe, dtype):
         return local(h_BSD, experts_BSK, weights_BSK, real_BS, *weights, axis=None, token_axes=())
     rules = current_rules()
     tokens = logical_spec(("batch", "act_length", None), rules)
-    token_axes = tuple(a for entry in tokens for a in _axes(entry))
+    token_axes = tuple(a for entry in tokens for a in entry_axes(entry))
     expert_spec = logical_spec(("experts",), rules)
-    expert_axes = _axes(expert_spec[0])
+    expert_axes = entry_axes(expert_spec[0])
     if len(expert_axes) > 1:
         raise KilnError(
             f"mesh.rules.experts: {list(expert_axes)}; allowed: at most one mesh axis "
@@ -357,10 +358,6 @@ def routed(h_BSD, experts_BSK, weights_BSK, real_BS, weights, moe, dtype):
         out_specs=(tokens, dropped_spec),
         check_vma=False,
     )(h_BSD, experts_BSK, weights_BSK, real_BS, *weights)
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 class MoeBlock(Block):
