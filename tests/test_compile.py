@@ -515,6 +515,24 @@ def test_shipped_model_configs_fit_the_hardware_they_name(path):
     assert extrapolated <= budget * 1e9, (path.name, extrapolated / 1e9, budget)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu (the kiln[tpu] extra) is not installed")
+def test_layer_weights_are_cast_to_the_compute_dtype_one_layer_at_a_time():
+    """bf16 compute over float32 weights: no bf16 copy of a whole stack of weights.
+
+    XLA moves a cast of each layer's weights out of the layer loop if it can, as one cast of
+    the stack [L, ...] held through the step (3.5 GB per device on the 8B for v5p-8); only
+    the saved residual stream [L, B, S, D] may be a bf16 array with the layers' axis.
+    """
+    devices = aot.topology_devices("v5p-8")
+    settings = ["model.num_layers=6", "model.dtype=bfloat16", "model.remat=full"]
+    settings += ["model.attention=xla", "mesh.fsdp=4", "train.global_batch_size=8"]
+    config = load_config(ROOT / "configs/tiny.yaml", settings)
+    hlo = aot.lower_step(config, devices)[0].compile().as_text()
+    # 6 layers, 2 sequences of 128 per device, d_model 128.
+    assert set(re.findall(r"bf16\[6,[\d,]+\]", hlo)) == {"bf16[6,2,128,128]"}
+
+
 def reductions(hlo: str) -> list[tuple[str, str]]:
     """(dtype, dims) of every array summed across devices (all-reduce, reduce-scatter)."""
     out = []

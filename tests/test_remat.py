@@ -71,6 +71,13 @@ def test_each_policy_keeps_exactly_what_it_documents():
     want = {
         # The projections q, k, v, wo, gate, up; not attention's batched score/value matmuls.
         "save_dots": dots,
+        # The same six by name (the down projection's output is named, but nothing needs it).
+        "save_projections": [
+            *qkv,
+            f"{D} named 'out_proj'",
+            f"{F} named 'mlp_gate'",
+            f"{F} named 'mlp_up'",
+        ],
         "minimal": [*qkv, f"{Q} named 'attn_out'", f"{D} named 'out_proj'"],
         "save_qkv_proj": qkv,
         "save_out_proj": [f"{D} named 'out_proj'"],
@@ -129,7 +136,9 @@ def test_policies_are_ordered_by_compiled_temporary_memory():
     )
     state = train.init_state(config("none", layers=LAYERS), mesh)  # the same for every policy
     temp = {remat: temp_bytes(remat, state, mesh) for remat in ORDER}
-    device = [temp[r][0] for r in ORDER if r != "offload"]
+    # save_projections keeps save_dots' tensors, chosen by name: the same memory.
+    assert temp["save_projections"] == temp["save_dots"], temp
+    device = [temp[r][0] for r in ORDER if r not in ("offload", "save_projections")]
     assert device == sorted(device, reverse=True) and len(set(device)) == len(device), temp
     # CPU has a pinned_host memory kind, but its device_put lowering ignores memory kinds:
     # offloaded tensors stay in the same RAM, exactly as save_dots keeps them.

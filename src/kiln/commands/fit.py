@@ -43,10 +43,15 @@ from kiln.errors import KilnError
 TILINGS = (1, 2, 4, 8, 16, 32)
 
 
+# Policies that keep another's tensors (chosen by name): the search does not compile them.
+SAME_AS = {"save_projections": "save_dots"}
+
+
 def remat_policies() -> list[str]:
-    """`model.remat` values from the schema, least recompute first (none ... full)."""
+    """`model.remat` values from the schema the search tries, least recompute first (none ...
+    full), without those of SAME_AS."""
     names = typing.get_args(schema.ModelConfig.model_fields["remat"].annotation)
-    middle = [n for n in names if n not in ("none", "full")]
+    middle = [n for n in names if n not in ("none", "full", *SAME_AS)]
     return [n for n in ("none",) if n in names] + middle + [n for n in ("full",) if n in names]
 
 

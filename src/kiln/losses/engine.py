@@ -30,6 +30,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -283,6 +284,10 @@ def _sharded(tiling: Tiling, with_grads: bool):
     )
 
     def call(inputs: Inputs, coefs):
+        # The head is gathered (FSDP) for the loss once the hidden states are there, not at
+        # the start of the step, where XLA would otherwise hold it through the forward pass.
+        hidden, head = jax.lax.optimization_barrier((inputs.hidden, inputs.head))
+        inputs = inputs._replace(hidden=hidden, head=head)
         specs = Inputs(
             bsd, dv, bs, bs, *(s if a is not None else None for s, a in zip(teacher, inputs[4:]))
         )
@@ -320,14 +325,27 @@ def _tiled(tiling: Tiling, inputs: Inputs, coefs):
     return _with_objective(tiling, _sharded(tiling, False)(inputs, coefs).sums, coefs)
 
 
+def _primal(x):
+    return x.value if isinstance(x, CustomVJPPrimal) else x
+
+
 def _tiled_fwd(tiling: Tiling, inputs: Inputs, coefs):
+    primals = jax.tree.map(
+        _primal, (inputs, coefs), is_leaf=lambda x: isinstance(x, CustomVJPPrimal)
+    )
+    inputs, coefs = primals
     out = _sharded(tiling, True)(inputs, coefs)
-    return _with_objective(tiling, out.sums, coefs), (inputs, coefs, out.terms, out.dh, out.dw)
+    # Both gradients are finished together: XLA would otherwise leave the head gradient's
+    # reduce-scatter until the backward pass needs it, holding the unscattered [D, V] until then.
+    dh, dw = jax.lax.optimization_barrier((out.dh, out.dw))
+    return _with_objective(tiling, out.sums, coefs), (inputs, coefs, out.terms, dh, dw)
 
 
 def _tiled_bwd(tiling: Tiling, res, cts):
     inputs, coefs, terms, dh, dw = res
-    ct = {k: c.astype(f32) for k, c in cts.items()}
+    # A sum nothing differentiates arrives as a symbolic zero (z_loss_sum, usually only logged).
+    skipped = {k for k, c in cts.items() if isinstance(c, SymbolicZero)}
+    ct = {k: jnp.zeros((), f32) if k in skipped else c.astype(f32) for k, c in cts.items()}
     differentiated = [ct[f"{t}_sum"] for t in DIFFERENTIABLE if f"{t}_sum" in ct]
     if tiling.objective:
         dh, dw = ct["objective_sum"] * dh[0], ct["objective_sum"] * dw[0]
@@ -338,7 +356,8 @@ def _tiled_bwd(tiling: Tiling, res, cts):
         scale = [ct[f"{names[0]}_sum"] for names in tiling.sets]
         dh = sum(c * g for c, g in zip(scale, dh))
         dw = sum(c * g for c, g in zip(scale, dw))
-        dh, dw = _add_z_grads(tiling, inputs, ct, dh, dw)
+        if "z_loss_sum" not in skipped:
+            dh, dw = _add_z_grads(tiling, inputs, ct, dh, dw)
     weights = inputs.weights
     if jnp.issubdtype(weights.dtype, jnp.floating):
         d_w = ct["weight_sum"] + sum(ct[f"{t}_sum"] * v for t, v in terms.items())
@@ -377,8 +396,9 @@ def _zero_cotangent(x):
 
 
 def _add_z_grads(tiling: Tiling, inputs: Inputs, ct, dh, dw):
-    """z_loss_sum is usually only logged (cotangent 0); when it is differentiated, its
-    gradients need the chunk logits again, so they are recomputed only in that case."""
+    """z_loss_sum is usually only logged (a symbolic zero cotangent: this is not called); when
+    it is differentiated, its gradients need the chunk logits again, so they are recomputed
+    only where its cotangent is not 0."""
     z_losses = [ls for ls in tiling.losses if "z_loss" in ls.differentiable and ls.z]
     if not z_losses or "z_loss_sum" not in ct:
         return dh, dw
@@ -393,4 +413,4 @@ def _add_z_grads(tiling: Tiling, inputs: Inputs, ct, dh, dw):
     return jax.lax.cond(ct_z != 0, add, lambda dh, dw: (dh, dw), dh, dw)
 
 
-_tiled.defvjp(_tiled_fwd, _tiled_bwd)
+_tiled.defvjp(_tiled_fwd, _tiled_bwd, symbolic_zeros=True)

@@ -45,6 +45,9 @@ REMAT_POLICIES = {
     # (w_down's output is never needed). Attention's scores and probs @ v are batched matmuls,
     # so they are recomputed, as are norms, rope, softmax and silu.
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # The same tensors chosen by name (MaxText's `minimal`): the q/k/v, wo, gate, up and down
+    # projections' outputs; the down projection's is named but never needed, so never kept.
+    "save_projections": _save(*QKV_NAMES, "out_proj", *MLP_NAMES, "mlp_out"),
     # The attention sub-layer's projections and output; the MLP and softmax are recomputed.
     "minimal": _save(*QKV_NAMES, "attn_out", "out_proj"),
     "save_qkv_proj": _save(*QKV_NAMES),
@@ -270,18 +273,30 @@ def stack_size(blocks: nnx.Module) -> int:
     return jax.tree.leaves(nnx.state(blocks))[0].shape[0]
 
 
-def scan_blocks(blocks, x_BSD, positions_BS, segment_ids_BS, *, remat: str, collect: bool):
+def scan_blocks(
+    blocks, x_BSD, positions_BS, segment_ids_BS, *, remat: str, collect: bool, casts: bool = False
+):
     """Run a stack of blocks over x: (x after the stack, the residual stream after each block
-    [L,B,S,D] if `collect` else None, each block's aux stacked along a leading [L] axis)."""
+    [L,B,S,D] if `collect` else None, each block's aux stacked along a leading [L] axis).
+
+    `casts`: the blocks cast their weights to another compute dtype. Each layer's weights then
+    get a zero that differs per layer added first (x + 0.0 is x, and its gradient is the
+    identity), so that XLA casts one layer's weights per iteration instead of moving the cast
+    out of the loop, which would hold a cast copy of the whole stack (3.5 GB on the 8B).
+    """
     graphdef, params = nnx.split(blocks)
 
-    def body(x_BSD, layer_params):
+    def body(x_BSD, xs):
+        layer_params, zero = xs
+        if casts:
+            layer_params = jax.tree.map(lambda w: w + zero.astype(w.dtype), layer_params)
         y_BSD, aux = nnx.merge(graphdef, layer_params)(x_BSD, positions_BS, segment_ids_BS)
         return y_BSD, ((y_BSD if collect else None), aux)
 
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    x_BSD, (all_LBSD, aux) = jax.lax.scan(body, x_BSD, params)
+    zeros = jnp.arange(stack_size(blocks), dtype=jnp.float32) * 0.0 if casts else None
+    x_BSD, (all_LBSD, aux) = jax.lax.scan(body, x_BSD, (params, zeros))
     return x_BSD, all_LBSD, aux
 
 
@@ -335,7 +350,13 @@ class Transformer(nnx.Module):
         all_LBSD, aux = [], []
         for blocks in self._stacks():
             x_BSD, all_BSD, stack_aux = scan_blocks(
-                blocks, x_BSD, positions_BS, segment_ids_BS, remat=cfg.remat, collect=bool(collect)
+                blocks,
+                x_BSD,
+                positions_BS,
+                segment_ids_BS,
+                remat=cfg.remat,
+                collect=bool(collect),
+                casts=cfg.dtype != cfg.param_dtype,
             )
             all_LBSD.append(all_BSD)
             aux.append(stack_aux)
@@ -351,12 +372,12 @@ class Transformer(nnx.Module):
         return {}
 
     def _embed(self, inputs_BS):
-        # The table's embed dimension is gathered first (as every weight is, just in time): a
-        # lookup from a table split along embed over fsdp and sequence would have to move its
-        # [B, S, D] result to the batch/length split, which the partitioner does by replicating it.
-        table_VD = constrain(self.embedding[...], ("vocab", None))
-        x_BSD = jnp.take(table_VD, inputs_BS, axis=0).astype(DTYPES[self.cfg.dtype])
-        return constrain(x_BSD, ACT_BSD)
+        # The rows are looked up where the table lies: every device takes its slice of the
+        # embed dimension for all tokens (the ids are gathered, not the table), and one
+        # all-to-all moves the [B, S, D] result to the batch/length split. The table is never
+        # whole on a device (0.5 GB in float32 on Llama-3-8B's vocabulary).
+        x_BSD = constrain(jnp.take(self.embedding[...], inputs_BS, axis=0), (None, None, "embed"))
+        return constrain(x_BSD.astype(DTYPES[self.cfg.dtype]), ACT_BSD)
 
     def init_cache(self, batch: int, length: int) -> KVCache:
         """An empty cache [L,B,length,K,H] in the compute dtype (zeros; index 0)."""

@@ -181,10 +181,17 @@ class ModelConfig(Section):
         description="Input dtype of the LM head matmul (forward and both backward products; float32 accumulation either way); null = the compute dtype `dtype`, float32 = keep the head in full precision.",
     )
     remat: Literal[
-        "none", "save_dots", "minimal", "save_qkv_proj", "save_out_proj", "offload", "full"
+        "none",
+        "save_dots",
+        "save_projections",
+        "minimal",
+        "save_qkv_proj",
+        "save_out_proj",
+        "offload",
+        "full",
     ] = Field(
         "none",
-        description="What a block keeps for its backward pass (the rest is recomputed), most memory first: none (everything), save_dots (outputs of the q/k/v, wo, gate and up projections; attention's scores and probs @ v are recomputed), minimal (q/k/v projections, attention output, wo output), save_qkv_proj (q/k/v projections), save_out_proj (wo output), full (only the block input); offload = save_dots' tensors moved to host memory (on CPU they stay in RAM as save_dots). See docs/performance.md.",
+        description="What a block keeps for its backward pass (the rest is recomputed), most memory first: none (everything), save_dots (outputs of the q/k/v, wo, gate and up projections; attention's scores and probs @ v are recomputed), save_projections (the same tensors chosen by name: MaxText's minimal), minimal (q/k/v projections, attention output, wo output; kiln's minimal is not MaxText's), save_qkv_proj (q/k/v projections), save_out_proj (wo output), full (only the block input); offload = save_dots' tensors moved to host memory (on CPU they stay in RAM as save_dots). See docs/performance.md.",
     )
     qk_norm: bool = Field(
         False, description="RMS-normalise queries and keys per head before attention."
