@@ -11,6 +11,7 @@ import pytest
 
 from conftest import assert_user_error, kiln, kiln_main
 from kiln.cli import main
+from kiln.commands import buffers
 from kiln.commands import compile as aot
 from kiln.commands.fit import remat_policies
 from kiln.config import load_config
@@ -563,3 +564,72 @@ def test_grad_reduce_dtype_is_the_dtype_of_the_weight_gradient_reductions():
         summed = [(t, dims) for t, dims in reductions(hlo) if dims in weights]
         assert {dims for _, dims in summed} == weights
         assert {t for t, _ in summed} == {dtype}
+
+
+@pytest.fixture(scope="module")
+def tiny_peak_buffers():
+    """configs/tiny.yaml on 8 CPU devices, with its 5 largest buffers at the peak."""
+    config = load_config(ROOT / "configs/tiny.yaml")
+    return config, aot.compile_report(config, aot.use_cpu_devices(8), peak_buffers=5)
+
+
+def test_peak_buffers_are_the_largest_live_at_the_peak_with_their_jax_ops(tiny_peak_buffers):
+    config, report = tiny_peak_buffers
+    # The dump changes nothing the compiler does: the figures of a compile without it.
+    plain = aot.compile_report(config, aot.use_cpu_devices(8))
+    assert (report.memory, report.collectives) == (plain.memory, plain.collectives)
+    assert plain.peak_buffers is None and "peak_buffers" not in plain.to_json()
+    found = report.peak_buffers
+    assert len(found) == 5
+    sizes = [b.bytes for b in found]
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] > 0
+    m = report.memory
+    assert sum(sizes) <= m["temporaries"] + m["arguments"] + m["outputs"]
+    for b in found:
+        dtype, dims = aot._ARRAY.fullmatch(b.shape).groups()
+        # float32 (configs/tiny.yaml's dtype): 4 bytes per element of the shape shown.
+        assert dtype == "f32" and b.bytes == 4 * math.prod(int(d) for d in dims.split(","))
+        assert b.op_name.startswith("jit(step)/") and b.instruction
+        assert re.search(r"kiln/.+\.py:\d+$", b.source), b.source
+    text = aot.format_report(report, "configs/tiny.yaml")
+    assert "the 5 largest buffers live at the peak" in text
+    assert found[0].op_name in text and found[0].shape in text
+
+
+def test_peak_buffers_json_carries_them(tiny_peak_buffers, capsys):
+    _, report = tiny_peak_buffers
+    args = ["compile", "configs/tiny.yaml", "--devices", "8", "--peak-buffers", "3", "--json"]
+    assert main(args) == 0
+    got = json.loads(capsys.readouterr().out)["peak_buffers"]
+    assert [b["bytes"] for b in got] == [b.bytes for b in report.peak_buffers[:3]]
+    assert set(got[0]) == {"bytes", "shape", "instruction", "op_name", "source", "phi", "shared"}
+
+
+def test_peak_buffers_count_one_slice_of_memory_once():
+    """Values at the peak in one allocation slice (a bitcast over its operand) are one buffer."""
+    values = [("a", 64), ("b{1}", 64), ("c", 32), ("d", 16)]
+    slices = {
+        "a": (3, 0, "f32[16]", False),
+        "b{1}": (3, 0, "f32[4,4]", True),
+        "c": (3, 64, "bf16[16]", False),
+    }
+    instructions = {"a": ("f32[16]", "jit(f)/mul", "f.py:3"), "d": ("s32[4]", "", "")}
+    got = buffers.largest(values, slices, instructions, 3)
+    assert [(b.instruction, b.bytes, b.shared, b.phi) for b in got] == [
+        ("a", 64, 1, False),
+        ("c", 32, 0, False),
+        ("d", 16, 0, False),
+    ]
+    assert (got[0].op_name, got[0].source, got[2].shape) == ("jit(f)/mul", "f.py:3", "s32[4]")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--peak-buffers", "-1"], "--peak-buffers: got '-1'; allowed: an integer >= 0"),
+        (["--peak-buffers", "x"], "--peak-buffers: got 'x'; allowed: an integer >= 0"),
+        (["--peak-buffers", "3", "--fit", "--hbm-gb", "1"], "--peak-buffers 3: applies to one"),
+    ],
+)
+def test_bad_peak_buffers_exit_2_with_one_line(args, needle):
+    assert_user_error(kiln_main("compile", "configs/tiny.yaml", *args, cwd=ROOT), needle)

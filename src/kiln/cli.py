@@ -63,6 +63,17 @@ def _at_least_one(text: str) -> int:
     return value
 
 
+def _at_least_zero(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"got {text!r}; allowed: an integer >= 0")
+    return value
+
+
 def _positive_float(text: str) -> float:
     """argparse type: a finite number > 0."""
     try:
@@ -201,6 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="AXES",
         help="with --fit, also search the splits of the devices over these mesh axes "
         "(comma-separated among data,fsdp,tensor,sequence)",
+    )
+    p.add_argument(
+        "--peak-buffers",
+        type=_at_least_zero,
+        default=0,
+        metavar="N",
+        help="also list the N largest buffers live at the step's peak memory, with the JAX op "
+        "that made each (from XLA's buffer assignment; 0: off)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_compile)

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 
+from kiln.commands import buffers
 from kiln.config import MESH_AXES, Config
 from kiln.distill.offline import abstract_offline, abstract_teacher_rows
 from kiln.distill.online import abstract_distillation
@@ -162,12 +163,19 @@ class StepReport:
     flops: dict[str, float]
     # kind -> {"ops", "bytes"} static, {"ops_per_step", "bytes_per_step"} as run (see collectives)
     collectives: dict[str, dict[str, int | None]]
+    # The largest buffers live at the peak (--peak-buffers); None when not asked for.
+    peak_buffers: list[buffers.PeakBuffer] | None = None
 
     def fits(self, hbm_gb: float | None) -> bool:
         return hbm_gb is None or self.memory["peak"] <= hbm_gb * GB
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # Without --peak-buffers the key is left out: a report's JSON stays what the records
+        # of docs/figures.json (compared whole by scripts/docs_figures.py) hold.
+        out = dataclasses.asdict(self)
+        if self.peak_buffers is None:
+            del out["peak_buffers"]
+        return out
 
 
 def lower_step(config: Config, devices: list[Any]):
@@ -186,21 +194,22 @@ class OutOfMemory(RunStopped):
     compiler checks its buffers against the HBM of the slice's chips; XLA:CPU never refuses)."""
 
 
-def compile_report(config: Config, devices: list[Any]) -> StepReport:
-    """Compile `config`'s train step for `devices` and report its memory, FLOPs and collectives."""
+def compile_report(config: Config, devices: list[Any], peak_buffers: int = 0) -> StepReport:
+    """Compile `config`'s train step for `devices` and report its memory, FLOPs and collectives.
+
+    `peak_buffers` > 0: also the largest buffers live at the step's peak (kiln.commands.buffers).
+    """
     start = time.perf_counter()
     lowered, command, objective, mesh = lower_step(config, devices)
-    try:
-        compiled = lowered.compile()
-    except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        where = plural(len(devices), devices[0].platform + " device")
-        said = first_line(e).rstrip(".")
-        raise OutOfMemory(
-            f"compiling the `{command}` step for {where}: {said}; search settings that fit "
-            "with `kiln compile CONFIG --fit --hbm-gb X`"
-        ) from None
+    largest = None
+    with contextlib.ExitStack() as stack:
+        options = None
+        if peak_buffers > 0:
+            dump = stack.enter_context(buffers.dump_directory())
+            options = buffers.compiler_options(dump)
+        compiled = _compile(lowered, command, devices, options)
+        if peak_buffers > 0:
+            largest = buffers.peak_buffers(dump, peak_buffers)
     seconds = time.perf_counter() - start
     memory, peak_source = memory_figures(compiled.memory_analysis(), devices[0].platform)
     tokens = config.train.global_batch_size * config.data.seq_len
@@ -221,7 +230,23 @@ def compile_report(config: Config, devices: list[Any]) -> StepReport:
             "xla_cost_analysis_per_device": float((cost or {}).get("flops", float("nan"))),
         },
         collectives=collectives(compiled.as_text()),
+        peak_buffers=largest,
     )
+
+
+def _compile(lowered, command: str, devices: list[Any], options: dict[str, Any] | None):
+    """`lowered.compile(options)`; OutOfMemory (one line) when the compiler refuses it for memory."""
+    try:
+        return lowered.compile(compiler_options=options)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        where = plural(len(devices), devices[0].platform + " device")
+        said = first_line(e).rstrip(".")
+        raise OutOfMemory(
+            f"compiling the `{command}` step for {where}: {said}; search settings that fit "
+            "with `kiln compile CONFIG --fit --hbm-gb X`"
+        ) from None
 
 
 def memory_figures(stats, platform: str) -> tuple[dict[str, int], str]:
@@ -380,6 +405,7 @@ def format_report(report: StepReport, config_path: str) -> str:
         f"  temporaries  {_gb(m['temporaries'])}  (activations, gradients, loss chunks)",
         f"  aliased      {_gb(m['aliased'])}  (donated state reused for the new state)",
         f"  peak         {_gb(m['peak'])}  ({report.peak_source})",
+        *_peak_lines(report.peak_buffers),
         f"FLOPs per step: {f['kiln_per_step']:.4g} by kiln's formula "
         f"({f['kiln_per_device']:.4g} per device); XLA cost_analysis "
         f"{f['xla_cost_analysis_per_device']:.4g} per device (counts a scan body once)",
@@ -394,6 +420,16 @@ def format_report(report: StepReport, config_path: str) -> str:
         )
         lines.append(f"  {kind:<19} {c['ops']:>4} ops  {_gb(c['bytes'])}    {per_step}")
     return "\n".join(lines)
+
+
+def _peak_lines(largest: list[buffers.PeakBuffer] | None) -> list[str]:
+    if largest is None:
+        return []
+    return [
+        f"  the {plural(len(largest), 'largest buffer')} live at the peak (XLA's buffer "
+        "assignment): bytes, shape, HLO value, JAX op, source line",
+        *buffers.format_buffers(largest),
+    ]
 
 
 def _gb(n: int | float) -> str:

@@ -84,6 +84,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
         raise KilnError("kiln compile --fit: give the memory per device to fit, --hbm-gb X")
     if args.fit_mesh is not None and not args.fit:
         raise KilnError("kiln compile --fit-mesh: only applies with --fit")
+    if args.fit and args.peak_buffers:
+        raise KilnError(
+            f"kiln compile --peak-buffers {args.peak_buffers}: applies to one compile, not to "
+            "--fit's search; compile the settings --fit prints with --peak-buffers"
+        )
     mesh_axes: tuple[str, ...] = ()
     if args.fit_mesh is not None:
         from kiln.commands.fit import check_mesh_axes
@@ -105,7 +110,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
                 f"({len(result.trials)} compiled); add devices or shrink the model or sequence"
             )
         return 0
-    report = aot.compile_report(config, devices)
+    report = aot.compile_report(config, devices, args.peak_buffers)
     print(json.dumps(report.to_json()) if args.json else aot.format_report(report, args.config))
     aot.check_fits(report, args.hbm_gb, args.config)
     return 0
