@@ -605,6 +605,18 @@ def test_peak_buffers_json_carries_them(tiny_peak_buffers, capsys):
     assert set(got[0]) == {"bytes", "shape", "instruction", "op_name", "source", "phi", "shared"}
 
 
+def test_the_embedding_lookup_never_holds_the_whole_table():
+    """The lookup and its gradient stay split along embed over fsdp: no [V, D] table or table
+    gradient is among the largest buffers at the peak (before, the gradient's scatter-add into
+    the whole table was, 4 MB at this size, the sixth largest)."""
+    config = load_config(ROOT / "configs/tiny.yaml", ["model.vocab_size=8192"])
+    report = aot.compile_report(config, aot.use_cpu_devices(8), peak_buffers=12)
+    shapes = [b.shape for b in report.peak_buffers]
+    # The separate LM head [D, V], gathered for the (untiled) loss, is there; 4 MB as well.
+    assert "f32[128,8192]" in shapes
+    assert "f32[8192,128]" not in shapes, shapes
+
+
 def test_peak_buffers_count_one_slice_of_memory_once():
     """Values at the peak in one allocation slice (a bitcast over its operand) are one buffer."""
     values = [("a", 64), ("b{1}", 64), ("c", 32), ("d", 16)]
