@@ -112,12 +112,17 @@ def ref_loss(params, batch):
     return jnp.sum(nll * batch["weights"]) / jnp.sum(batch["weights"])
 
 
-def ref_step_fn():
+def ref_tx():
+    """AdamW with global-norm clipping, decay on every matrix (embedding and head too), none on norms."""
     decay = lambda p: jax.tree.map(lambda x: x.ndim > 1 and x.shape != (LAYERS, D), p)  # noqa: E731
-    tx = optax.chain(
+    return optax.chain(
         optax.clip_by_global_norm(CLIP),
         optax.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD, mask=decay),
     )
+
+
+def ref_step_fn():
+    tx = ref_tx()
 
     @jax.jit
     def init(key):

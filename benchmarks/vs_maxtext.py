@@ -1,0 +1,590 @@
+"""kiln against MaxText, side by side: CPU training speed and the Llama-3-8B AOT compile for TPU.
+
+Needs a MaxText checkout set up as `maxtext.sh setup GIT_DIR WORK` does (WORK/src, WORK/venv);
+without `--maxtext WORK` it prints that it was skipped and exits 0.
+
+--cpu: issue 36's shape (4 layers, d 512, 8 heads, SwiGLU 1408, vocab 8192, batch 8 x 512,
+float32), kiln's step (untiled; `num_vocab_tiling=4`; tiling 4 with remat save_dots), the
+hand-written JAX step of `step_throughput.py` started from kiln's initial weights, and
+MaxText's own jitted `p_train_step` (benchmarks/maxtext_driver.py, one persistent process per
+setting). Every variant is compiled once; then rounds alternate all of them on the same batch.
+
+--aot: `kiln compile configs/models/llama3-8b.yaml --topology v5p-8 --json` against MaxText's
+`train_compile` (the command of maxtext.sh's `aot`) at three settings, one compile at a time,
+alternating; per-device memory from both compilers' `memory_analysis()`, collectives from the
+compiled HLO (MaxText's dumped with dump_hlo=True, counted by kiln's own parser).
+
+    nice python benchmarks/vs_maxtext.py --maxtext WORK --cpu [--rounds 3] [--steps 4]
+    nice python benchmarks/vs_maxtext.py --maxtext WORK --aot [--settings a b c] \\
+        [--kiln-remat save_dots ...] [--compile-rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kiln.commands.compile import collectives
+from kiln.config import config_from_dict
+from kiln.training import train
+
+sys.path.insert(0, str(Path(__file__).parent))
+import step_throughput as st
+
+REPO = Path(__file__).resolve().parent.parent
+DRIVER = Path(__file__).resolve().parent / "maxtext_driver.py"
+GB = 1e9
+NO_CACHE = {"JAX_ENABLE_COMPILATION_CACHE": "false"}  # every compile is a real one
+
+# MaxText at step_throughput's shape and optimizer: constant LR (no warmup, cosine to the same
+# value), AdamW b1/b2/eps/decay as kiln's, clipping 1.0, no decay on norm scales (as kiln).
+MT_CPU = [
+    f"base_emb_dim={st.D}", f"base_num_decoder_layers={st.LAYERS}", f"base_mlp_dim={st.FF}",
+    f"base_num_query_heads={st.HEADS}", f"base_num_kv_heads={st.HEADS}",
+    f"head_dim={st.D // st.HEADS}", f"vocab_size={st.VOCAB}", f"max_target_length={st.SEQ}",
+    f"per_device_batch_size={st.BATCH}", "dtype=float32", "weight_dtype=float32",
+    "attention=dot_product", "z_loss_multiplier=0", f"learning_rate={st.LR}",
+    "warmup_steps_fraction=0", "learning_rate_final_fraction=1.0", "steps=100000",
+    f"adam_b1={st.B1}", f"adam_b2={st.B2}", f"adam_eps={st.EPS}", f"adam_weight_decay={st.WD}",
+    f"gradient_clipping_threshold={st.CLIP}", "adamw_mask=[scale]", "rope_max_timescale=10000",
+    "normalization_layer_epsilon=1e-5", "hardware=cpu", "skip_jax_distributed_system=true",
+    "dataset_type=synthetic", "enable_checkpointing=false", "enable_tensorboard=false",
+    "jax_cache_dir=", "run_name=vs_kiln",
+]  # fmt: skip
+KILN_VARIANTS = {
+    "kiln_untiled": {"model.remat": "none", "loss.num_vocab_tiling": 1},
+    "kiln_tiled4": {"model.remat": "none", "loss.num_vocab_tiling": 4},
+    "kiln_tiled4_save_dots": {"model.remat": "save_dots", "loss.num_vocab_tiling": 4},
+}
+MT_VARIANTS = {
+    "maxtext_remat_none": ["remat_policy=none"],
+    "maxtext_tiled4": ["remat_policy=none", "num_vocab_tiling=4"],
+    "maxtext_noscan_remat_none": ["remat_policy=none", "scan_layers=false"],
+}
+ISSUE_MT = ("maxtext_remat_none", "maxtext_tiled4")  # issue 36's "MaxText's best setting"
+MT_MEANING = {
+    "maxtext_remat_none": "no remat in name only: pyconfig turns the value none into Python None, "
+    "get_remat_policy then returns policy None, and with scan_layers=true (MaxText's default) "
+    "nnx_decoders._apply_layers_sequentially wraps the scanned layer body in "
+    "jax.checkpoint(policy=None) regardless: every layer is recomputed in the backward pass, "
+    "the same program as remat_policy=full (one checkpoint in the step's jaxpr)",
+    "maxtext_tiled4": "as maxtext_remat_none (whole layers recomputed) with num_vocab_tiling=4",
+    "maxtext_noscan_remat_none": "scan_layers=false, remat_policy=none: the unrolled branch tests "
+    'remat_policy != "none", which the None from pyconfig passes, so each layer is still '
+    "wrapped in jax.checkpoint(policy=None): whole layers recomputed (one checkpoint per layer "
+    "in the jaxpr); MaxText at this commit has no setting without rematerialisation",
+}
+
+# --aot: the 8B for v5p-8 (4 chips, fsdp 4), seq 8192, tiling 4, z-loss 1e-4, bf16 compute,
+# f32 weights, splash attention with 512 blocks on both sides.
+MT_AOT = [
+    "compile_topology=v5p-8", "compile_topology_num_slices=1", "model_name=llama3-8b",
+    "max_target_length=8192", "dtype=bfloat16", "weight_dtype=float32",
+    "ici_fsdp_parallelism=-1", "attention=flash", "num_vocab_tiling=4", "z_loss_multiplier=1e-4",
+    *(f"sa_block_{b}=512" for b in ("q", "kv", "kv_compute", "q_dkv", "kv_dkv",
+                                    "kv_dkv_compute", "q_dq", "kv_dq")),
+    "dataset_type=synthetic", "enable_checkpointing=false", "run_name=aot", "jax_cache_dir=",
+]  # fmt: skip
+SETTINGS = {
+    "a": {
+        "what": "kiln's shipped 8B (micro-batch 2/device, GA 64) vs MaxText per_device_batch_size=2 "
+        "gradient_accumulation_steps=64 remat_policy=minimal",
+        "kiln": [],  # remat from --kiln-remat
+        "maxtext": ["per_device_batch_size=2", "gradient_accumulation_steps=64", "remat_policy=minimal"],
+    },
+    "b": {
+        "what": "1 seq/device, no GA, full remat both",
+        "kiln": ["train.global_batch_size=4", "train.gradient_accumulation_steps=1", "model.remat=full"],
+        "maxtext": ["per_device_batch_size=1", "gradient_accumulation_steps=1", "remat_policy=full"],
+    },
+    "c": {
+        "what": "1 seq/device, no GA, kiln save_dots vs MaxText minimal",
+        "kiln": ["train.global_batch_size=4", "train.gradient_accumulation_steps=1", "model.remat=save_dots"],
+        "maxtext": ["per_device_batch_size=1", "gradient_accumulation_steps=1", "remat_policy=minimal"],
+    },
+}  # fmt: skip
+
+
+def med(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------
+# --cpu
+
+
+class MaxTextProcess:
+    """One MaxText setting in its own process: compiled at start, K steps per request."""
+
+    def __init__(self, work: Path, batch_npz: Path, overrides: list[str], log: Path):
+        env = {**os.environ, **NO_CACHE, "JAX_PLATFORMS": "cpu", "DECOUPLE_GCLOUD": "TRUE"}
+        env["PYTHONPATH"] = "src"
+        base = work / "src/src/maxtext/configs/base.yml"
+        out = f"base_output_directory={batch_npz.parent / 'maxtext_out'}"
+        cmd = [str(work / "venv/bin/python"), str(DRIVER), str(batch_npz), str(base), *MT_CPU, out]
+        self.proc = subprocess.Popen(
+            [*cmd, *overrides],
+            cwd=work / "src",
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log.open("w"),
+        )
+        self.log = log
+        self.ready = self.read()
+
+    def read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            tail = self.log.read_text()[-3000:]
+            raise RuntimeError(f"maxtext_driver.py exited ({self.proc.wait()}):\n{tail}")
+        return json.loads(line)
+
+    def steps(self, n: int) -> tuple[list[float], list[float]]:
+        self.proc.stdin.write(f"{n}\n")
+        self.proc.stdin.flush()
+        r = self.read()
+        return r["times"], r["losses"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+class KilnVariant:
+    """kiln's jitted train step for one setting, from kiln's seed-0 initial weights."""
+
+    def __init__(self, settings: dict):
+        raw = st.kiln_config().model_dump(mode="json")
+        for key, value in settings.items():
+            section, field = key.split(".")
+            raw[section][field] = value
+        config = config_from_dict(raw)
+        self.state = train.init_state(config)
+        mesh = jax.tree.leaves(self.state.params)[0].sharding.mesh
+        self.step = train.make_train_step(config, mesh, train.shardings_of(self.state))
+        self.batch = train.place_batch(st.make_batch(), mesh, config)
+
+    def steps(self, n: int) -> tuple[list[float], list[float]]:
+        times, losses = [], []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.state, metrics = self.step(self.state, self.batch)
+            losses.append(float(jax.block_until_ready(metrics["learning/loss"])))
+            times.append(time.perf_counter() - t0)
+        return times, losses
+
+
+class Reference:
+    """step_throughput's hand-written step, its weights copied from a kiln state's."""
+
+    def __init__(self, kiln_params):
+        p = {
+            jax.tree_util.keystr(k, simple=True, separator="/").removesuffix("/value"): jnp.array(v)
+            for k, v in jax.tree_util.tree_leaves_with_path(kiln_params)
+        }
+        attn, mlp = "blocks/attn/", "blocks/mlp/"
+        params = {
+            "embed": p["embedding"],
+            "head": p["lm_head"],
+            "final_norm": p["final_norm/scale"],
+            "norm1": p["blocks/attn_norm/scale"],
+            "norm2": p["blocks/mlp_norm/scale"],
+            **{k: p[attn + k] for k in ("wq", "wk", "wv", "wo")},
+            **{k: p[mlp + k] for k in ("w_gate", "w_up", "w_down")},
+        }
+        _, self.step = st.ref_step_fn()
+        self.state = (params, st.ref_tx().init(params))
+        self.batch = jax.device_put(st.make_batch())
+
+    def steps(self, n: int) -> tuple[list[float], list[float]]:
+        times, losses = [], []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.state, loss = self.step(self.state, self.batch)
+            losses.append(float(jax.block_until_ready(loss)))
+            times.append(time.perf_counter() - t0)
+        return times, losses
+
+
+def run_cpu(work: Path, rounds: int, steps: int, tmp: Path) -> dict:
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_enable_compilation_cache", False)
+    np.savez(tmp / "batch.npz", **st.make_batch())
+    variants, first, setup = {}, {}, {}
+    # One compile at a time: kiln's, the reference's, then each MaxText process's in turn.
+    for name, settings in KILN_VARIANTS.items():
+        t0 = time.perf_counter()
+        variants[name] = KilnVariant(settings)
+        if name == "kiln_untiled":
+            variants["hand_written"] = Reference(variants[name].state.params)
+        _, first[name] = variants[name].steps(1)
+        setup[name] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    _, first["hand_written"] = variants["hand_written"].steps(1)
+    setup["hand_written"] = time.perf_counter() - t0
+    mt_ready = {}
+    for name, overrides in MT_VARIANTS.items():
+        t0 = time.perf_counter()
+        variants[name] = MaxTextProcess(work, tmp / "batch.npz", overrides, tmp / f"{name}.log")
+        setup[name] = time.perf_counter() - t0
+        mt_ready[name] = variants[name].ready
+        first[name] = [mt_ready[name]["step1_loss"]]
+
+    order = [
+        "kiln_untiled",
+        "hand_written",
+        "maxtext_remat_none",
+        "kiln_tiled4",
+        "maxtext_tiled4",
+        "kiln_tiled4_save_dots",
+        "maxtext_noscan_remat_none",
+    ]
+    times = {name: [] for name in order}
+    try:
+        for _ in range(rounds):
+            for name in order:
+                t, _ = variants[name].steps(steps)
+                times[name] += t
+    finally:
+        for name in MT_VARIANTS:
+            variants[name].close()
+
+    tokens = st.BATCH * st.SEQ
+    tps = {name: tokens / med(t) for name, t in times.items()}
+    kiln_best = max(KILN_VARIANTS, key=tps.get)
+    mt_best = max(ISSUE_MT, key=tps.get)
+    mt_best_all = max(MT_VARIANTS, key=tps.get)
+    kiln_losses = {name: first[name][0] for name in (*KILN_VARIANTS, "hand_written")}
+    spread = max(kiln_losses.values()) - min(kiln_losses.values())
+    return {
+        "figures": "CPU only (XLA:CPU, float32); says nothing about GPU or TPU speed",
+        "device": f"{jax.devices()[0].platform} x {jax.device_count()}, {os.cpu_count()} host cores",
+        "shape": {
+            "layers": st.LAYERS,
+            "d_model": st.D,
+            "heads": st.HEADS,
+            "kv_heads": st.HEADS,
+            "head_dim": st.D // st.HEADS,
+            "d_ff": st.FF,
+            "vocab": st.VOCAB,
+            "seq_len": st.SEQ,
+            "global_batch": st.BATCH,
+            "dtype": "float32",
+            "z_loss": 0.0,
+        },
+        "optimizer": f"AdamW lr {st.LR} constant (no warmup), b1 {st.B1}, b2 {st.B2}, eps "
+        f"{st.EPS}, weight decay {st.WD} on matrices (embedding and head included, norm scales "
+        f"excluded: kiln's roles, the reference's mask, MaxText adamw_mask=[scale]), global-norm "
+        f"clip {st.CLIP}",
+        "timing": f"each variant compiled once and run one step (step 1); then {rounds} rounds, "
+        f"each running {steps} steps of every variant in turn in this order: {order}; medians "
+        "of those timed steps; kiln's loss.schedule is its CPU default (auto = cpu_blocked)",
+        "maxtext_settings": {
+            n: {
+                "overrides": MT_VARIANTS[n],
+                "what_it_does": MT_MEANING[n],
+                "checkpoint_ops_in_step_jaxpr": mt_ready[n]["checkpoint_ops_in_step_jaxpr"],
+                "config": mt_ready[n]["settings"],
+            }
+            for n in MT_VARIANTS
+        },
+        "kiln_settings": KILN_VARIANTS,
+        "step_seconds": {n: round(med(t), 4) for n, t in times.items()},
+        "tokens_per_sec": {n: round(v, 1) for n, v in tps.items()},
+        "timed_steps_each": rounds * steps,
+        "compile_and_step1_seconds": {n: round(v, 2) for n, v in setup.items()},
+        "kiln_best": kiln_best,
+        "maxtext_best": mt_best,
+        "kiln_best_over_maxtext_best": round(tps[kiln_best] / tps[mt_best], 4),
+        "maxtext_best_incl_noscan": mt_best_all,
+        "kiln_best_over_maxtext_best_incl_noscan": round(tps[kiln_best] / tps[mt_best_all], 4),
+        "kiln_untiled_over_hand_written": round(tps["kiln_untiled"] / tps["hand_written"], 4),
+        "kiln_best_over_hand_written": round(tps[kiln_best] / tps["hand_written"], 4),
+        "step1_loss": {n: round(v[0], 6) for n, v in first.items()},
+        "step1_loss_same_weights": {
+            "variants": [*KILN_VARIANTS, "hand_written"],
+            "max_minus_min": spread,
+            "within_1e-4": spread <= 1e-4,
+        },
+        "step1_loss_maxtext_note": f"MaxText initialises its own weights (seed 0), so its step-1 "
+        f"loss is not comparable to kiln's; ln(vocab) = {math.log(st.VOCAB):.6f}",
+        "targets": {
+            "kiln_ge_1.25x_maxtext_best": {
+                "ratio": round(tps[kiln_best] / tps[mt_best], 4),
+                "met": tps[kiln_best] >= 1.25 * tps[mt_best],
+            },
+            "kiln_ge_1.0x_hand_written": {
+                "ratio": round(tps[kiln_best] / tps["hand_written"], 4),
+                "met": tps[kiln_best] >= tps["hand_written"],
+            },
+            "equal_step1_losses_within_1e-4": spread <= 1e-4,
+        },
+        "maxtext_jax": mt_ready["maxtext_remat_none"]["jax"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# --aot
+
+
+def stream(cmd, cwd, env, log: Path, marks: dict[str, str]) -> tuple[int, float, dict, list]:
+    """Run `cmd`, its output to `log`; (exit code, wall seconds, time of each marked line, lines)."""
+    start, seen, lines = time.perf_counter(), {}, []
+    with log.open("w") as f:
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        for line in proc.stdout:
+            f.write(line)
+            lines.append(line)
+            for key, text in marks.items():
+                if text in line and key not in seen:
+                    seen[key] = time.perf_counter() - start
+        code = proc.wait()
+    return code, time.perf_counter() - start, seen, lines
+
+
+def gb(n) -> float:
+    return round(n / GB, 3)
+
+
+def summary(memory: dict, coll: dict) -> dict:
+    """Per-device figures in GB (1e9 bytes) and the collectives that matter here."""
+    total = memory["arguments"] + memory["outputs"] + memory["temporaries"] - memory["aliased"]
+    out = {
+        "args_plus_outputs_plus_temps_minus_aliased_gb": gb(total),
+        "temporaries_gb": gb(memory["temporaries"]),
+        "arguments_gb": gb(memory["arguments"]),
+        "outputs_gb": gb(memory["outputs"]),
+        "aliased_gb": gb(memory["aliased"]),
+    }
+    for kind in ("reduce-scatter", "all-to-all", "all-gather", "all-reduce"):
+        c = coll[kind]
+        out[kind] = {"ops": c["ops"], "gb": gb(c["bytes"])}
+    return out
+
+
+def kiln_compile(overrides: list[str], log: Path) -> dict:
+    env = {**os.environ, **NO_CACHE, "PYTHONPATH": str(Path(train.__file__).parents[2])}
+    cmd = [
+        sys.executable,
+        "-m",
+        "kiln.cli",
+        "compile",
+        "configs/models/llama3-8b.yaml",
+        "--topology",
+        "v5p-8",
+        "--json",
+        "train.compilation_cache_dir=null",
+        *overrides,
+    ]
+    code, wall, _, lines = stream(cmd, REPO, env, log, {})
+    if code != 0:
+        raise RuntimeError(f"kiln compile failed ({code}); see {log}")
+    report = json.loads(next(x for x in reversed(lines) if x.startswith("{")))
+    m = report["memory"]
+    return {
+        "overrides": overrides,
+        **summary(m, report["collectives"]),
+        "compiler_peak_gb": gb(m["peak"]),
+        "peak_source": report["peak_source"],
+        "flops_per_device": report["flops"]["kiln_per_device"],
+        "compile_seconds": report["compile_seconds"],
+        "wall_seconds": round(wall, 1),
+    }
+
+
+def report_peak_gb(report: str) -> float | None:
+    """The buffer assignment's total of device memory in a dumped memory-usage-report."""
+    found = re.search(r"Memory Space: default.*?\nTotal bytes: (\d+)", report, re.S)
+    return gb(int(found.group(1))) if found else None
+
+
+def maxtext_compile(work: Path, overrides: list[str], log: Path, dump: Path) -> dict:
+    shutil.rmtree(dump, ignore_errors=True)
+    env = {**os.environ, **NO_CACHE, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "DECOUPLE_GCLOUD": "TRUE"}
+    env["PYTHONPATH"] = "src"
+    env.pop("XLA_FLAGS", None)  # dump_hlo sets its own
+    args = [
+        *MT_AOT,
+        f"base_output_directory={work / 'out'}",
+        "dump_hlo=true",
+        f"dump_hlo_local_dir={dump}",
+        "dump_hlo_delete_local_after=false",
+        *overrides,
+    ]
+    cmd = [
+        str(work / "venv/bin/python"),
+        "-m",
+        "maxtext.trainers.pre_train.train_compile",
+        "src/maxtext/configs/base.yml",
+        *args,
+    ]
+    marks = {"start": "Jitting and compiling train step", "end": "Jitting and compilation complete"}
+    code, wall, seen, lines = stream(cmd, work / "src", env, log, marks)
+    if code != 0:
+        raise RuntimeError(f"MaxText train_compile failed ({code}); see {log}")
+    stats = next(x for x in lines if x.startswith("Memory analysis:"))
+    field = dict(re.findall(r"(\w+)_size_in_bytes=(\d+)", stats))
+    memory = {
+        k: int(field[f])
+        for k, f in (
+            ("arguments", "argument"),
+            ("outputs", "output"),
+            ("temporaries", "temp"),
+            ("aliased", "alias"),
+        )
+    }
+    hlo = sorted(
+        glob.glob(str(dump / "**/*jit_train_step*after_optimizations.txt"), recursive=True)
+    )
+    coll = collectives(Path(hlo[-1]).read_text()) if hlo else None
+    out = {"overrides": overrides, "compiler_peak_gb": None}
+    report = glob.glob(str(dump / "**/*jit_train_step*memory-usage-report.txt"), recursive=True)
+    if report:
+        out["compiler_peak_gb"] = report_peak_gb(Path(sorted(report)[-1]).read_text())
+        out["peak_source"] = (
+            "Total bytes of the default memory space in the dumped memory-usage-report"
+        )
+    if coll is None:
+        out.update(
+            summary(
+                memory,
+                {
+                    k: {"ops": None, "bytes": 0}
+                    for k in ("reduce-scatter", "all-to-all", "all-gather", "all-reduce")
+                },
+            )
+        )
+        out["hlo"] = "no after-optimizations HLO dumped: collectives not counted"
+    else:
+        out.update(summary(memory, coll))
+    out["jit_and_compile_seconds"] = (
+        round(seen["end"] - seen["start"], 1) if len(seen) == 2 else None
+    )
+    out["wall_seconds"] = round(wall, 1)
+    return out
+
+
+def run_aot(
+    work: Path, settings: list[str], kiln_remats: list[str], rounds: int, tmp: Path
+) -> dict:
+    results, wall = {}, {"kiln": {r: [] for r in kiln_remats}, "maxtext": []}
+    plan = [(s, 0) for s in settings] + [("a", i) for i in range(1, rounds) if "a" in settings]
+    for name, repeat in plan:
+        spec = SETTINGS[name]
+        kiln_runs = (
+            {r: [f"model.remat={r}"] for r in kiln_remats}
+            if name == "a"
+            else {spec["kiln"][-1].split("=")[1]: spec["kiln"]}
+        )
+        row = results.setdefault(name, {"what": spec["what"], "kiln": {}})
+        for remat, overrides in kiln_runs.items():
+            r = kiln_compile(overrides, tmp / f"kiln_{name}_{remat}_{repeat}.log")
+            if name == "a":
+                wall["kiln"][remat].append(r["wall_seconds"])
+            if repeat == 0:
+                row["kiln"][remat] = r
+        m = maxtext_compile(
+            work, spec["maxtext"], tmp / f"maxtext_{name}_{repeat}.log", tmp / "hlo"
+        )
+        if name == "a":
+            wall["maxtext"].append(m["wall_seconds"])
+        if repeat == 0:
+            row["maxtext"] = m
+            for key in ("compiler_peak_gb", "args_plus_outputs_plus_temps_minus_aliased_gb"):
+                row[f"kiln_le_maxtext_{key}"] = {
+                    remat: None if m[key] is None else k[key] <= m[key]
+                    for remat, k in row["kiln"].items()
+                }
+    out = {
+        "target": "TPU v5p-8 (4 chips, fsdp 4), compiled by libtpu without a TPU; Llama-3-8B, "
+        "seq 8192, num_vocab_tiling 4, z-loss 1e-4, bf16 compute, f32 weights, splash attention "
+        "with 512 blocks; memory per device in GB (1e9 bytes): the compiler's peak (kiln: "
+        "peak_memory_in_bytes; MaxText, which prints none: its dumped memory-usage-report), "
+        "and memory_analysis()'s arguments + outputs + temporaries - aliased on both; collectives static (an op in a loop "
+        "counted once), both counted by kiln.commands.compile.collectives",
+        "persistent_compilation_cache": "off on both sides (JAX_ENABLE_COMPILATION_CACHE=false, "
+        "MaxText jax_cache_dir empty and dump_hlo=true, kiln train.compilation_cache_dir=null)",
+        "settings": results,
+    }
+    if "a" in settings:
+        out["compile_wall_seconds_shipped"] = {
+            "what": "wall seconds of the whole process (start-up, lowering, compile; MaxText "
+            "also dumps its HLO), compiles alternating kiln / MaxText",
+            "kiln": wall["kiln"],
+            "maxtext": wall["maxtext"],
+            "kiln_median_le_maxtext_median": {
+                r: med(w) <= med(wall["maxtext"]) for r, w in wall["kiln"].items()
+            },
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--maxtext", type=Path, default=None, help="MaxText WORK dir (src, venv)")
+    parser.add_argument("--cpu", action="store_true", help="CPU training speed, alternating")
+    parser.add_argument("--aot", action="store_true", help="8B AOT compile for v5p-8")
+    parser.add_argument("--rounds", type=int, default=3, help="--cpu: alternating rounds")
+    parser.add_argument("--steps", type=int, default=4, help="--cpu: timed steps per round")
+    parser.add_argument("--settings", nargs="+", default=["a", "b", "c"], choices=SETTINGS)
+    parser.add_argument(
+        "--kiln-remat",
+        nargs="+",
+        default=["save_dots"],
+        help="--aot setting a: kiln model.remat values to compile",
+    )
+    parser.add_argument(
+        "--compile-rounds",
+        type=int,
+        default=1,
+        help="--aot: compiles of setting a per side, for compile time",
+    )
+    parser.add_argument("--keep", type=Path, default=None, help="keep logs and HLO here")
+    args = parser.parse_args()
+
+    if args.maxtext is None:
+        print(json.dumps({"benchmark": "vs_maxtext", "skipped": "no --maxtext WORK given"}))
+        return
+    work = args.maxtext.resolve()
+    if not (work / "venv/bin/python").exists() or not (work / "src/src/maxtext").is_dir():
+        raise SystemExit(f"--maxtext {work}: expected WORK/src and WORK/venv (maxtext.sh setup)")
+    commit = subprocess.run(
+        ["git", "-C", str(work / "src"), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    out = {"benchmark": "vs_maxtext", "maxtext_commit": commit, "kiln_jax": jax.__version__}
+    tmp = Path(tempfile.mkdtemp(prefix="vs_maxtext_")) if args.keep is None else args.keep
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        if args.cpu or not args.aot:
+            out["cpu"] = run_cpu(work, args.rounds, args.steps, tmp)
+        if args.aot:
+            out["aot"] = run_aot(work, args.settings, args.kiln_remat, args.compile_rounds, tmp)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
