@@ -375,7 +375,7 @@ class Transformer(nnx.Module):
         # The rows are looked up where the table lies: every device takes its slice of the
         # embed dimension for all tokens (the ids are gathered, not the table), and one
         # all-to-all moves the [B, S, D] result to the batch/length split. The table is never
-        # whole on a device (0.5 GB in float32 on Llama-3-8B's vocabulary).
+        # whole on a device (2.1 GB in float32 on Llama-3-8B: 128,256 x 4,096).
         x_BSD = constrain(jnp.take(self.embedding[...], inputs_BS, axis=0), (None, None, "embed"))
         return constrain(x_BSD.astype(DTYPES[self.cfg.dtype]), ACT_BSD)
 
