@@ -1,16 +1,16 @@
 """kiln against MaxText, side by side: CPU training speed and the Llama-3-8B AOT compile for TPU.
 
-Needs a MaxText checkout set up as `maxtext.sh setup GIT_DIR WORK` does (WORK/src, WORK/venv);
-without `--maxtext WORK` it prints that it was skipped and exits 0.
+Needs a MaxText checkout in WORK/src and its virtual environment in WORK/venv (docs/benchmarks.md
+says how to make them); without `--maxtext WORK` it prints that it was skipped and exits 0.
 
---cpu: issue 36's shape (4 layers, d 512, 8 heads, SwiGLU 1408, vocab 8192, batch 8 x 512,
+--cpu: step_throughput.py's shape (4 layers, d 512, 8 heads, SwiGLU 1408, vocab 8192, batch 8 x 512,
 float32), kiln's step (untiled; `num_vocab_tiling=4`; tiling 4 with remat save_dots), the
 hand-written JAX step of `step_throughput.py` started from kiln's initial weights, and
 MaxText's own jitted `p_train_step` (benchmarks/maxtext_driver.py, one persistent process per
 setting). Every variant is compiled once; then rounds alternate all of them on the same batch.
 
 --aot: `kiln compile configs/models/llama3-8b.yaml --topology v5p-8 --json` against MaxText's
-`train_compile` (the command of maxtext.sh's `aot`) at three settings, one compile at a time,
+`train_compile` at three settings, one compile at a time,
 alternating; per-device memory from both compilers' `memory_analysis()`, collectives from the
 compiled HLO (MaxText's dumped with dump_hlo=True, counted by kiln's own parser).
 
@@ -76,7 +76,8 @@ MT_VARIANTS = {
     "maxtext_tiled4": ["remat_policy=none", "num_vocab_tiling=4"],
     "maxtext_noscan_remat_none": ["remat_policy=none", "scan_layers=false"],
 }
-ISSUE_MT = ("maxtext_remat_none", "maxtext_tiled4")  # issue 36's "MaxText's best setting"
+# The settings MaxText's best is taken from (scan_layers=false is reported beside them).
+MT_BEST_OF = ("maxtext_remat_none", "maxtext_tiled4")
 MT_MEANING = {
     "maxtext_remat_none": "no remat in name only: pyconfig turns the value none into Python None, "
     "get_remat_policy then returns policy None, and with scan_layers=true (MaxText's default) "
@@ -269,7 +270,7 @@ def run_cpu(work: Path, rounds: int, steps: int, tmp: Path) -> dict:
     tokens = st.BATCH * st.SEQ
     tps = {name: tokens / med(t) for name, t in times.items()}
     kiln_best = max(KILN_VARIANTS, key=tps.get)
-    mt_best = max(ISSUE_MT, key=tps.get)
+    mt_best = max(MT_BEST_OF, key=tps.get)
     mt_best_all = max(MT_VARIANTS, key=tps.get)
     kiln_losses = {name: first[name][0] for name in (*KILN_VARIANTS, "hand_written")}
     spread = max(kiln_losses.values()) - min(kiln_losses.values())
@@ -590,7 +591,7 @@ def main() -> None:
         return
     work = args.maxtext.resolve()
     if not (work / "venv/bin/python").exists() or not (work / "src/src/maxtext").is_dir():
-        raise SystemExit(f"--maxtext {work}: expected WORK/src and WORK/venv (maxtext.sh setup)")
+        raise SystemExit(f"--maxtext {work}: expected WORK/src and WORK/venv (docs/benchmarks.md)")
     commit = subprocess.run(
         ["git", "-C", str(work / "src"), "rev-parse", "--short", "HEAD"],
         capture_output=True,

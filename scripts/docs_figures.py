@@ -130,7 +130,7 @@ ENTRIES = {
     ),
     "qwen3-30b-a3b-summary": Entry(SUMMARY_QWEN, derived=True, tpu=True),
     "qwen3-30b-a3b-fit": Entry(
-        ("compile", QWEN, "--topology", "v5p-64", "--fit", "--hbm-gb", "95"),
+        ("compile", QWEN, "--topology", "v5p-64", "--fit", "--hbm-gb", "90"),
         derived=True,
         tpu=True,
     ),
