@@ -105,17 +105,20 @@ SETTINGS = {
     "a": {
         "what": "kiln's shipped 8B (micro-batch 2/device, GA 64) vs MaxText per_device_batch_size=2 "
         "gradient_accumulation_steps=64 remat_policy=minimal",
-        "kiln": [],  # remat from --kiln-remat
+        "kiln": [],
+        "remats": None,  # --kiln-remat
         "maxtext": ["per_device_batch_size=2", "gradient_accumulation_steps=64", "remat_policy=minimal"],
     },
     "b": {
         "what": "1 seq/device, no GA, full remat both",
-        "kiln": ["train.global_batch_size=4", "train.gradient_accumulation_steps=1", "model.remat=full"],
+        "kiln": ["train.global_batch_size=4", "train.gradient_accumulation_steps=1"],
+        "remats": ["full"],
         "maxtext": ["per_device_batch_size=1", "gradient_accumulation_steps=1", "remat_policy=full"],
     },
     "c": {
         "what": "1 seq/device, no GA, kiln --kiln-remat (save_dots, save_projections) vs MaxText minimal",
-        "kiln": ["train.global_batch_size=4", "train.gradient_accumulation_steps=1"],  # + --kiln-remat
+        "kiln": ["train.global_batch_size=4", "train.gradient_accumulation_steps=1"],
+        "remats": None,  # --kiln-remat
         "maxtext": ["per_device_batch_size=1", "gradient_accumulation_steps=1", "remat_policy=minimal"],
     },
 }  # fmt: skip
@@ -412,12 +415,6 @@ def kiln_compile(overrides: list[str], log: Path) -> dict:
     }
 
 
-def report_peak_gb(report: str) -> float | None:
-    """The buffer assignment's total of device memory in a dumped memory-usage-report."""
-    found = re.search(r"Memory Space: default.*?\nTotal bytes: (\d+)", report, re.S)
-    return gb(int(found.group(1))) if found else None
-
-
 # MaxText's train_compile, run with its compiled step's peak_memory_in_bytes printed beside the
 # memory_analysis() it prints (which leaves the peak out): the figure kiln compile reports.
 MT_COMPILE_WITH_PEAK = """
@@ -484,9 +481,6 @@ def maxtext_compile(work: Path, overrides: list[str], log: Path, dump: Path) -> 
         "compiler_peak_gb": gb(int(peak.split()[1])),
         "peak_source": "the compiler's peak_memory_in_bytes",
     }
-    report = glob.glob(str(dump / "**/*jit_train_step*memory-usage-report.txt"), recursive=True)
-    if report:
-        out["memory_usage_report_total_gb"] = report_peak_gb(Path(sorted(report)[-1]).read_text())
     if coll is None:
         out.update(
             summary(
@@ -514,11 +508,8 @@ def run_aot(
     plan = [(s, 0) for s in settings] + [("a", i) for i in range(1, rounds) if "a" in settings]
     for name, repeat in plan:
         spec = SETTINGS[name]
-        kiln_runs = (
-            {r: [*spec["kiln"], f"model.remat={r}"] for r in kiln_remats}
-            if name in ("a", "c")
-            else {spec["kiln"][-1].split("=")[1]: spec["kiln"]}
-        )
+        remats = spec["remats"] or kiln_remats
+        kiln_runs = {r: [*spec["kiln"], f"model.remat={r}"] for r in remats}
         row = results.setdefault(name, {"what": spec["what"], "kiln": {}})
         for remat, overrides in kiln_runs.items():
             r = kiln_compile(overrides, tmp / f"kiln_{name}_{remat}_{repeat}.log")

@@ -52,26 +52,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"kiln: error: {message} (see `{self.prog} --help`)\n")
 
 
-def _at_least_one(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"got {text!r}; allowed: an integer >= 1")
-    return value
+def _at_least(low: int):
+    """argparse type: an integer >= `low`."""
 
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"got {text!r}; allowed: an integer >= {low}")
+        return value
 
-def _at_least_zero(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"got {text!r}; allowed: an integer >= 0")
-    return value
+    return parse
 
 
 def _positive_float(text: str) -> float:
@@ -107,7 +100,7 @@ def _add_restart_arg(p: argparse.ArgumentParser) -> None:
 def _add_device_args(p: argparse.ArgumentParser) -> None:
     """--devices, --topology and --hbm-gb of `kiln compile` and `kiln config --summary`."""
     p.add_argument(
-        "--devices", type=_at_least_one, default=None, metavar="N", help="N simulated CPU devices"
+        "--devices", type=_at_least(1), default=None, metavar="N", help="N simulated CPU devices"
     )
     p.add_argument(
         "--topology",
@@ -160,14 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--out", required=True, metavar="DIR", help="store directory (resumes it)")
     p.add_argument(
-        "--top-k", type=_at_least_one, default=64, metavar="K", help="logits kept per token"
+        "--top-k", type=_at_least(1), default=64, metavar="K", help="logits kept per token"
     )
     p.add_argument(
         "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="of stored values"
     )
     p.add_argument(
         "--shard-steps",
-        type=_at_least_one,
+        type=_at_least(1),
         default=None,
         metavar="N",
         help="steps per shard (default: about 256 MB per shard and process)",
@@ -215,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--peak-buffers",
-        type=_at_least_zero,
+        type=_at_least(0),
         default=0,
         metavar="N",
         help="also list the N largest buffers live at the step's peak memory, with the JAX op "
@@ -245,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--workers",
-        type=_at_least_one,
+        type=_at_least(1),
         default=None,
         help="parallel workers (default: every core; one for inputs under 8 MB)",
     )
@@ -312,12 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts", default=None, metavar="FILE.jsonl", help='one {"prompt": "..."} per line'
     )
     p.add_argument(
-        "--max-new-tokens", type=_at_least_one, default=128, metavar="N", help="tokens per prompt"
+        "--max-new-tokens", type=_at_least(1), default=128, metavar="N", help="tokens per prompt"
     )
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 = greedy")
     p.add_argument(
         "--top-k",
-        type=_at_least_one,
+        type=_at_least(1),
         default=None,
         metavar="K",
         help="sample among the K likeliest",
@@ -325,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus mass, (0, 1]")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     p.add_argument(
-        "--num-samples", type=_at_least_one, default=1, metavar="N", help="samples per prompt"
+        "--num-samples", type=_at_least(1), default=1, metavar="N", help="samples per prompt"
     )
     p.add_argument("--stop", default=None, metavar="STRING", help="end a completion at this string")
     p.add_argument(

@@ -325,15 +325,16 @@ def _tiled(tiling: Tiling, inputs: Inputs, coefs):
     return _with_objective(tiling, _sharded(tiling, False)(inputs, coefs).sums, coefs)
 
 
+def _is_primal(x) -> bool:
+    return isinstance(x, CustomVJPPrimal)
+
+
 def _primal(x):
-    return x.value if isinstance(x, CustomVJPPrimal) else x
+    return x.value if _is_primal(x) else x
 
 
 def _tiled_fwd(tiling: Tiling, inputs: Inputs, coefs):
-    primals = jax.tree.map(
-        _primal, (inputs, coefs), is_leaf=lambda x: isinstance(x, CustomVJPPrimal)
-    )
-    inputs, coefs = primals
+    inputs, coefs = jax.tree.map(_primal, (inputs, coefs), is_leaf=_is_primal)
     out = _sharded(tiling, True)(inputs, coefs)
     # Both gradients are finished together: XLA would otherwise leave the head gradient's
     # reduce-scatter until the backward pass needs it, holding the unscattered [D, V] until then.
