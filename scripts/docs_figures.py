@@ -157,7 +157,12 @@ def run(args: list[str]) -> Any:
     )
     if proc.returncode != 0:
         raise SystemExit(f"kiln {' '.join(args)}: exit {proc.returncode}: {proc.stderr.strip()}")
-    text = proc.stdout.strip()
+    return parse(proc.stdout)
+
+
+def parse(stdout: str) -> Any:
+    """A kiln command's output: JSON when it printed JSON, else its lines."""
+    text = stdout.strip()
     return json.loads(text) if text.startswith("{") else text.splitlines()
 
 
@@ -399,25 +404,40 @@ def disagreements(records: dict[str, dict[str, Any]]) -> list[str]:
     ]
 
 
-def check(tpu: bool) -> list[str]:
-    """Every difference between the record and the pages or a cheap re-run, one line each."""
-    records = json.loads(RECORD.read_text())
-    problems = missing_quotes(records)
-    problems += disagreements(records)
-    outputs: dict[tuple[str, ...], Any] = {}  # entries of one model share a canary
+def reruns(tpu: bool) -> dict[tuple[str, ...], list[str]]:
+    """The commands `--check` runs again (an entry's, or its canary's), each with the entries it
+    checks: entries of one model share a canary. TPU entries only with `tpu`."""
+    commands: dict[tuple[str, ...], list[str]] = {}
     for name, entry in ENTRIES.items():
-        if entry.derived or (entry.tpu and not tpu):
-            continue
-        command = entry.command(canary=entry.canary)
-        recorded = records[name]["canary"]["output"] if entry.canary else records[name]["output"]
-        if tuple(command) not in outputs:
-            outputs[tuple(command)] = run(command)
-        if figures(outputs[tuple(command)]) != figures(recorded):
+        if not entry.derived and (tpu or not entry.tpu):
+            commands.setdefault(tuple(entry.command(canary=entry.canary)), []).append(name)
+    return commands
+
+
+def rerun_problems(
+    records: dict[str, dict[str, Any]], command: tuple[str, ...], names: list[str], output: Any
+) -> list[str]:
+    """Where `output`, of `kiln COMMAND` run again, differs from what `names` recorded."""
+    problems = []
+    for name in names:
+        record = records[name]
+        recorded = record["canary"]["output"] if ENTRIES[name].canary else record["output"]
+        if figures(output) != figures(recorded):
             problems.append(
                 f"{name}: `kiln {' '.join(command)}` gives other figures than "
                 f"docs/figures.json records; re-measure with `python scripts/docs_figures.py "
                 f"{name}` and update what the pages quote"
             )
+    return problems
+
+
+def check(tpu: bool) -> list[str]:
+    """Every difference between the record and the pages or a cheap re-run, one line each."""
+    records = json.loads(RECORD.read_text())
+    problems = missing_quotes(records)
+    problems += disagreements(records)
+    for command, names in reruns(tpu).items():
+        problems += rerun_problems(records, command, names, run(list(command)))
     return problems
 
 

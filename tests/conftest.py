@@ -6,7 +6,9 @@ Test modules import the helpers with `from conftest import kiln, make_config, ..
 import atexit
 import contextlib
 import copy
+import hashlib
 import importlib
+import importlib.metadata
 import io
 import json
 import os
@@ -20,27 +22,52 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
+import filelock
 import fsspec
-import jax
 import psutil
 import pytest
 
-jax.config.update("jax_default_matmul_precision", "highest")
+# XLA's HLO passes all run; only LLVM's optimisation of the machine code is off. The suite's
+# programs are tiny, so compiling them is most of its time and running them little of it; level
+# 0 halves the compile time and leaves buffer assignment, and so every memory figure, as it is.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# One persistent compilation cache per test process, for programs compiled outside a run
-# (a run switches to its own, train.compilation_cache_dir, and back): tests build the same
-# small models and steps many times over, each time through a new jit, and a program JAX
-# has compiled once is read back instead of compiled again.
-_PROGRAMS = tempfile.mkdtemp(prefix="kiln-tests-jax-")
-atexit.register(shutil.rmtree, _PROGRAMS, ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir", _PROGRAMS)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+def _programs_dir() -> str:
+    """The run's one persistent compilation cache, made by the first process of the run (pytest
+    itself, or xdist's controller) and inherited by its workers and their subprocesses through
+    the environment. Named by the JAX version and a hash of kiln's source, so that two runs
+    never mix; removed when the process that made it exits."""
+    if os.environ.get("KILN_TEST_PROGRAMS"):
+        return os.environ["KILN_TEST_PROGRAMS"]
+    src = Path(__file__).resolve().parents[1] / "src"
+    digest = hashlib.sha256()
+    for path in sorted(src.rglob("*.py")):
+        digest.update(path.read_bytes())
+    version = importlib.metadata.version("jax")
+    path = tempfile.mkdtemp(prefix=f"kiln-tests-jax-{version}-{digest.hexdigest()[:12]}-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    os.environ["KILN_TEST_PROGRAMS"] = path
+    return path
+
+
+# Every program is cached, however fast it compiled or small it is (JAX's defaults skip those
+# under a second, which on CPU is nearly all of them). A size bound turns on JAX's file lock,
+# so that workers and subprocesses reading and writing the one cache never see half a file.
+# Set through JAX's own environment variables, so `kiln` subprocesses use the cache too.
+PROGRAMS = Path(_programs_dir())
+os.environ["JAX_COMPILATION_CACHE_DIR"] = str(PROGRAMS)
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(16 << 30)
+
+import jax  # noqa: E402 - after the environment above, which JAX reads when imported
+
+jax.config.update("jax_default_matmul_precision", "highest")
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -194,10 +221,13 @@ def assert_user_error(
 
 
 def config_dict(base: Mapping[str, Any] | None = None, **sections: Mapping) -> dict[str, Any]:
-    """A nested config dict: a copy of `base` with each keyword's fields set in that section."""
+    """A nested config dict: a copy of `base` with each keyword's fields set in that section.
+    Its runs compile into the test run's one cache (PROGRAMS) unless it names a
+    train.compilation_cache_dir of its own: a test of the cache itself sets one."""
     raw = copy.deepcopy(dict(base or {}))
     for name, fields in sections.items():
         raw.setdefault(name, {}).update(fields)
+    raw.setdefault("train", {}).setdefault("compilation_cache_dir", str(PROGRAMS))
     return raw
 
 
@@ -223,10 +253,36 @@ def write_config(
 
 
 @pytest.fixture(scope="session")
-def compile_cache(tmp_path_factory) -> Path:
-    """One JAX compilation cache (train.compilation_cache_dir) for the session's `kiln train`
-    subprocesses: a run reads the programs an earlier run of the same model compiled."""
-    return tmp_path_factory.mktemp("jax_cache")
+def compile_cache() -> Path:
+    """The test run's JAX compilation cache (PROGRAMS), for a config that names its
+    train.compilation_cache_dir: a run reads the programs an earlier run of the same model
+    compiled, in any worker or subprocess."""
+    return PROGRAMS
+
+
+def shared(tmp_path_factory, name: str, build: Callable[[Path], Any]) -> Path:
+    """A directory that `build(path)` fills once per test run, whichever worker asks first; the
+    others wait for it. For a fixture that trains a run several test files read: a test that
+    writes copies it first. A build that failed fails every test that asks again."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's base directory, above the workers' own
+    path = root / "shared" / name
+    done, failed = path.with_name(f"{name}.done"), path.with_name(f"{name}.failed")
+    path.parent.mkdir(exist_ok=True)
+    with filelock.FileLock(path.with_name(f"{name}.lock")):
+        if failed.exists():
+            raise AssertionError(f"the shared fixture {name} failed: {failed.read_text()}")
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
+            try:
+                build(path)
+            except BaseException as e:
+                failed.write_text(repr(e)[:2000])
+                raise
+            done.touch()
+    return path
 
 
 # What the tests' tiny tokenizers are trained on.
@@ -272,11 +328,12 @@ def train_bpe(path: Path, vocab_size: int, special_tokens: list[str]) -> Path:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Files with end-to-end (`slow`) tests first, then the others largest first.
+    """Files with end-to-end (`slow`) tests first, then the others largest first, each file's
+    tests together.
 
-    The suite runs each file in one process (pytest-xdist's `--dist loadfile`, in this order:
-    `--no-loadscope-reorder`), so the long files start early and no long file is left to run
-    alone while the other processes have finished.
+    pytest-xdist's `--dist worksteal` hands each worker an equal run of this order and lets a
+    worker that has finished take the second half of another's queue: a file mostly stays in
+    one process (its module fixtures built once), and the long tests start early.
     """
     files: dict[Path, list] = {}
     for item in items:

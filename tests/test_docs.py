@@ -9,12 +9,14 @@ import shlex
 import subprocess
 import sys
 
+import jax
 import pytest
 import yaml
 
 from conftest import REPO, kiln, kiln_env, kiln_main, run_process
 
 REFERENCE = REPO / "docs" / "reference" / "config.md"
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 
 
 def nav_pages(nav):
@@ -132,10 +134,35 @@ def test_the_docs_quote_the_recorded_compile_figures():
     assert figures.missing_quotes(records) == []
 
 
+def test_the_derived_figures_agree_with_the_compiles_they_come_from():
+    """A recorded `--summary` and `--fit` of a full-size model against its recorded compile."""
+    figures = docs_figures()
+    assert figures.disagreements(json.loads(figures.RECORD.read_text())) == []
+
+
+def test_the_figures_check_covers_every_entry():
+    """The re-runs below are every entry that is not derived (TPU ones too, with libtpu)."""
+    figures = docs_figures()
+    checked = {name for names in figures.reruns(tpu=True).values() for name in names}
+    assert checked == {n for n, e in figures.ENTRIES.items() if not e.derived}
+
+
+def _reruns() -> list[tuple[tuple[str, ...], list[str]]]:
+    return list(docs_figures().reruns(tpu=True).items())
+
+
 @pytest.mark.slow
-def test_the_recorded_compile_figures_are_what_kiln_gives_now():
-    """Each cheap entry, and the canary of each full-size one, compiled again: exact figures."""
-    proc = run_process(
-        [sys.executable, str(REPO / "scripts" / "docs_figures.py"), "--check"], env=kiln_env()
-    )
+@pytest.mark.parametrize(
+    ("command", "names"), _reruns(), ids=[",".join(names) for _, names in _reruns()]
+)
+def test_the_recorded_compile_figures_are_what_kiln_gives_now(command, names):
+    """Each cheap entry, and the canary of each full-size one, compiled again in this process
+    (what `scripts/docs_figures.py --check` runs in subprocesses): exact figures."""
+    figures = docs_figures()
+    if not HAS_LIBTPU and any(figures.ENTRIES[n].tpu for n in names):
+        pytest.skip("needs libtpu (the dev extra installs it)")
+    with jax.default_matmul_precision(None):  # as `kiln` runs it, not as conftest sets it
+        proc = kiln_main(*command, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    records = json.loads(figures.RECORD.read_text())
+    assert figures.rerun_problems(records, command, names, figures.parse(proc.stdout)) == []
