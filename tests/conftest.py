@@ -177,14 +177,18 @@ def kiln(
 
 
 def kiln_main(*args: Any, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
-    """`kiln ARGS` in this process: exit code, stdout and stderr as `kiln` returns them. For tests
-    of what a command says; what the process shows (no traceback, no stray output at start-up)
-    is checked with `kiln` by at least one test of each command."""
+    """`kiln ARGS` in this process: exit code, stdout and stderr as `kiln` returns them, its
+    programs compiled as `kiln` compiles them (JAX's default matmul precision, not this
+    process's), so that they are the ones a `kiln` subprocess reads from the shared cache and
+    computes bitwise alike. For tests of what a command does and says; what the process shows
+    (no traceback, no stray output at start-up, signals) is checked with `kiln` by at least one
+    test of each command."""
     from kiln.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     here = contextlib.chdir(cwd or os.getcwd())
-    with here, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    precision = jax.default_matmul_precision(None)
+    with here, precision, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = main([str(a) for a in args])
         except SystemExit as e:  # argparse's usage errors and --help

@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from conftest import REPO, kiln
+from conftest import REPO, kiln, kiln_main
 from kiln.commands.compare import compare, read_run, smooth
 from kiln.errors import KilnError
 
@@ -173,7 +173,7 @@ def test_cli_missing_run_dir_or_tag_exits_2_with_one_line(two_runs):
 
 @pytest.mark.slow
 def test_end_to_end_on_a_real_run_and_its_tensorboard_copy(tmp_path):
-    proc = kiln(
+    proc = kiln_main(
         "train", "configs/tiny.yaml", f"train.output_dir={tmp_path}", "train.run_name=real",
         "train.steps=6", "train.log_every_steps=2", "train.eval_every_steps=0",
         "optim.warmup_steps=2", "data.source=synthetic", "data.paths=[]", "data.seq_len=32",

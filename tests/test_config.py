@@ -267,34 +267,37 @@ def test_schema_lists_every_field():
     assert math.isclose(float(rows["loss.z_loss_multiplier"][2]), 0.0)
 
 
-# --- the CLI, as a user runs it ------------------------------------------------------------
+# --- the CLI -------------------------------------------------------------------------------
 
 
 def test_cli_bad_yaml_names_the_line(tmp_path):
+    """By subprocess: the whole stderr of the `kiln config` process is the one error line (no
+    start-up output, no traceback)."""
     cfg = write_config(tmp_path / "bad.yaml", "model:\n  d_model: 64\n  num_heads: [1, 2\n")
     assert_user_error(kiln("config", cfg), "line 4", "invalid YAML")
 
 
 def test_cli_unknown_key_suggests(tmp_path):
     cfg = write_config(tmp_path / "c.yaml", "model: {d_modle: 64}\n")
-    assert_user_error(kiln("config", cfg), "model.d_modle", "did you mean 'd_model'")
+    assert_user_error(kiln_main("config", cfg), "model.d_modle", "did you mean 'd_model'")
 
 
 def test_cli_wrong_type(tmp_path):
     cfg = write_config(tmp_path / "c.yaml", "train: {steps: many}\n")
-    assert_user_error(kiln("config", cfg), "train.steps", "'many'", "integer")
+    assert_user_error(kiln_main("config", cfg), "train.steps", "'many'", "integer")
 
 
 def test_cli_missing_file(tmp_path):
-    assert_user_error(kiln("config", tmp_path / "nope.yaml"), "not found", "nope.yaml")
+    assert_user_error(kiln_main("config", tmp_path / "nope.yaml"), "not found", "nope.yaml")
 
 
 def test_cli_override_without_equals(tmp_path):
     cfg = write_config(tmp_path / "c.yaml", "{}\n")
-    assert_user_error(kiln("config", cfg, "train.steps"), "KEY=VALUE")
+    assert_user_error(kiln_main("config", cfg, "train.steps"), "KEY=VALUE")
 
 
 def test_cli_failed_validation_creates_no_run_directory(tmp_path):
+    """By subprocess: the `kiln train` process refuses with one line and no traceback."""
     cfg = write_config(tmp_path / "c.yaml", f"train: {{output_dir: {tmp_path / 'runs'}}}\n")
     proc = kiln("train", cfg, "loss.z_loss_multiplier=nan")
     assert_user_error(proc, "loss.z_loss_multiplier", "finite")
@@ -303,24 +306,24 @@ def test_cli_failed_validation_creates_no_run_directory(tmp_path):
 
 def test_cli_config_prints_resolved_yaml(tmp_path):
     cfg = write_config(tmp_path / "c.yaml", "model: {d_model: 64}\n")
-    proc = kiln("config", cfg, "loss.z_loss_multiplier=1e-4")
+    proc = kiln_main("config", cfg, "loss.z_loss_multiplier=1e-4")
     assert proc.returncode == 0, proc.stderr
     assert "d_model: 64" in proc.stdout
     assert "z_loss_multiplier: 0.0001" in proc.stdout
 
 
 def test_cli_schema_lists_every_field():
-    proc = kiln("config", "--schema")
+    proc = kiln_main("config", "--schema")
     assert proc.returncode == 0, proc.stderr
     for name, *_ in schema_rows():
         assert name in proc.stdout
-    md = kiln("config", "--schema", "--format", "markdown")
+    md = kiln_main("config", "--schema", "--format", "markdown")
     assert md.stdout.startswith("| field | type | default | description |")
 
 
 def test_cli_reports_every_problem_of_a_file_one_line_each(tmp_path):
     cfg = write_config(tmp_path / "c.yaml", "model: {num_heads: 3}\ntrain: {steps: 0}\n")
-    proc = kiln("config", cfg, "optim.learning_rate=-1")
+    proc = kiln_main("config", cfg, "optim.learning_rate=-1")
     assert_user_error(
         proc, "model.num_heads: 3", "train.steps: got 0", "optim.learning_rate: got -1", lines=4
     )  # and model.head_dim (odd head width)
@@ -383,7 +386,7 @@ def test_cli_run_whose_steps_all_go_non_finite_exits_1(tmp_path):
         train={"steps": 3, "global_batch_size": 8, "max_consecutive_skips": 1,
                "output_dir": str(tmp_path / "runs")},
     )  # fmt: skip
-    proc = kiln("train", cfg)
+    proc = kiln_main("train", cfg)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]

@@ -2,7 +2,6 @@
 accumulation, tiled == untiled, a frozen teacher, the CLI's refusals, and a resumed run."""
 
 import json
-import sys
 from pathlib import Path
 
 import jax
@@ -12,7 +11,7 @@ import pytest
 import yaml
 from flax import nnx
 
-from conftest import kiln_main, run_process
+from conftest import kiln_main
 from kiln import losses
 from kiln.config import config_from_dict
 from kiln.distill import online as distill
@@ -367,10 +366,6 @@ def test_schedules_reach_their_end_values():
 # --- the command line ---------------------------------------------------------------------------
 
 
-def kiln(*args):
-    return run_process([sys.executable, "-m", "kiln.cli", *map(str, args)])
-
-
 def write_student(tmp_path, teacher_dir, **distillation):
     config = make_config(tmp_path=tmp_path / "runs", mesh={"data": 1, "fsdp": -1, "tensor": 1})
     raw = config.model_dump(mode="json")
@@ -398,7 +393,7 @@ def assert_refused(proc, *needles):
 
 
 def test_missing_teacher_directory_exits_2(tmp_path):
-    proc = kiln("distill", write_student(tmp_path, tmp_path / "nowhere"))
+    proc = kiln_main("distill", write_student(tmp_path, tmp_path / "nowhere"))
     assert_refused(proc, "distillation.teacher_run_dir", "nowhere")
     assert not (tmp_path / "runs").exists()
 
@@ -465,8 +460,9 @@ def test_distillation_run_resumes_like_a_training_run(tmp_path):
         out.write_text(yaml.safe_dump(raw))
         return out
 
+    # In this process too: the runs are compared with one another.
     straight = student("straight", 6)
-    proc = kiln("distill", straight)
+    proc = kiln_main("distill", straight)
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = metrics(tmp_path / "runs" / "straight")
     assert sorted(want) == [1, 2, 3, 4, 5, 6]
@@ -477,8 +473,8 @@ def test_distillation_run_resumes_like_a_training_run(tmp_path):
     assert f"hard {want[6]['distill/hard_loss']:.4f}" in line, line
     assert f"soft {want[6]['distill/soft_loss']:.4f}" in line, line
 
-    kiln("distill", student("resumed", 4))  # stops after the checkpoint at step 4
-    proc = kiln("distill", student("resumed", 6))
+    kiln_main("distill", student("resumed", 4))  # stops after the checkpoint at step 4
+    proc = kiln_main("distill", student("resumed", 6))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from step 4" in proc.stderr
     got = metrics(tmp_path / "runs" / "resumed")

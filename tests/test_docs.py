@@ -9,7 +9,6 @@ import shlex
 import subprocess
 import sys
 
-import jax
 import pytest
 import yaml
 
@@ -161,8 +160,7 @@ def test_the_recorded_compile_figures_are_what_kiln_gives_now(command, names):
     figures = docs_figures()
     if not HAS_LIBTPU and any(figures.ENTRIES[n].tpu for n in names):
         pytest.skip("needs libtpu (the dev extra installs it)")
-    with jax.default_matmul_precision(None):  # as `kiln` runs it, not as conftest sets it
-        proc = kiln_main(*command, cwd=REPO)
+    proc = kiln_main(*command, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = json.loads(figures.RECORD.read_text())
     assert figures.rerun_problems(records, command, names, figures.parse(proc.stdout)) == []

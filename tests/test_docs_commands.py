@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, communicate, kiln_env
+from conftest import PROGRAMS, REPO, communicate, kiln_env, shared
 from kiln import cli
 from kiln.commands import handlers as commands
 from kiln.config import config_from_dict, load_config
@@ -97,7 +97,8 @@ def is_synopsis(words: list[str]) -> bool:
 
 
 def scaled(config, cache: Path, evaluate: bool = False):
-    """The config with step counts / STEP_SCALE and caches (`cache`) shared by every page;
+    """The config with step counts / STEP_SCALE, the data cache (`cache`) every page shares and
+    the test run's compilation cache;
     `evaluate`: one evaluation (held-out loss and tasks) at the end, else none."""
     raw = config.model_dump(mode="json")
     t, o, c = raw["train"], raw["optim"], raw["checkpoint"]
@@ -110,7 +111,7 @@ def scaled(config, cache: Path, evaluate: bool = False):
     t["eval_batches"] = 1
     o["warmup_steps"] = min(down(o["warmup_steps"]), t["steps"])
     c["every_steps"] = down(c["every_steps"])
-    t["compilation_cache_dir"] = str(cache / "jax")
+    t["compilation_cache_dir"] = str(PROGRAMS)
     if raw["data"]["source"] != "tokens":
         raw["data"]["cache_dir"] = str(cache / "data")
     return config_from_dict(raw)
@@ -211,8 +212,13 @@ def run_command(words: list[str], later: str, scratch: Path, cache: Path, capsys
 @pytest.fixture(scope="module")
 def quickstart(tmp_path_factory):
     """A scratch repository after the quickstart's first command (runs/tiny trained) and the
-    README's z-loss A/B (its two runs)."""
-    root = tmp_path_factory.mktemp("quickstart")
+    README's z-loss A/B (its two runs); made once per test run, beside the caches (`cache`)
+    every page shares."""
+    return shared(tmp_path_factory, "quickstart", make_quickstart) / "repo"
+
+
+def make_quickstart(path: Path) -> None:
+    root = path / "repo"
     shutil.copytree(REPO / "configs", root / "configs")
     shutil.copytree(REPO / "scripts", root / "scripts")
     python = root / ".venv" / "bin" / "python"  # what the scripts find: validates their kiln calls
@@ -231,13 +237,12 @@ def quickstart(tmp_path_factory):
     python.chmod(0o755)
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(root)
-        cache = root.parent / "cache"
+        cache = path / "cache"
         mp.setattr(
             commands, "_load", lambda a: scaled(load_config(a.config, a.overrides), cache, True)
         )
         for config in ("tiny.yaml", *SEEDED_RUNS):
             assert cli.main(["train", f"configs/{config}"]) == 0
-    return root
 
 
 def scale_cli(mp: pytest.MonkeyPatch, cache: Path) -> None:

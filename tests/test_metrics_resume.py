@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import communicate, kiln_env, run_process, wait_until
+from conftest import communicate, kiln_env, kiln_main, run_process, wait_until
 from kiln.config import config_from_dict
 from kiln.runs.checkpoint import latest_complete_step
 from kiln.training.metrics import MetricsLogger
@@ -131,19 +131,22 @@ def write_config(tmp_path: Path, corpus: Path, cache: Path, **checkpoint) -> Pat
     return path
 
 
-def kiln_train(config: Path, *overrides) -> subprocess.Popen:
+def start_train(config: Path, *overrides) -> subprocess.Popen:
+    """`kiln train` in a subprocess, to be killed."""
     return subprocess.Popen(
         [sys.executable, "-m", "kiln.cli", "train", str(config), *overrides],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        env=kiln_env(),
     )
 
 
-def finish(proc: subprocess.Popen) -> str:
-    _, err = communicate(proc)
-    assert proc.returncode == 0, err[-3000:]
-    return err
+def kiln_train(config: Path, *overrides) -> str:
+    """`kiln train` in this process, which must succeed; its stderr."""
+    proc = kiln_main("train", config, *overrides)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stderr
 
 
 def without_timing(table: list[dict]) -> list[dict]:
@@ -161,7 +164,7 @@ def write_corpus(tmp_path: Path) -> Path:
 def straight(tmp_path_factory, compile_cache) -> list[dict]:
     """The rows of the 12-step run that nothing interrupted, the reference of the tests below."""
     tmp_path = tmp_path_factory.mktemp("straight")
-    finish(kiln_train(write_config(tmp_path, write_corpus(tmp_path), compile_cache)))
+    kiln_train(write_config(tmp_path, write_corpus(tmp_path), compile_cache))
     return rows(tmp_path / "runs" / "r")
 
 
@@ -170,7 +173,7 @@ def test_kill_9_then_resume_logs_each_step_once(tmp_path, straight, compile_cach
     corpus = write_corpus(tmp_path)
     config = write_config(tmp_path, corpus, compile_cache)
     run_dir = tmp_path / "runs" / "r"
-    killed = kiln_train(config, "train.steps=100000")  # never finishes by itself
+    killed = start_train(config, "train.steps=100000")  # never finishes by itself
     try:
         # Past the checkpoint at step 4, so steps after it are logged twice without the fix.
         wait_until(
@@ -188,7 +191,7 @@ def test_kill_9_then_resume_logs_each_step_once(tmp_path, straight, compile_cach
         pytest.skip("the killed run got past step 12 before the kill")
     assert max(logged) > last_checkpoint  # there is something to drop
 
-    err = finish(kiln_train(config))
+    err = kiln_train(config)
     assert f"resuming from step {last_checkpoint}" in err
     want = straight
     got = rows(run_dir)
@@ -269,7 +272,7 @@ def test_full_then_read_only_disk_then_resume_logs_what_an_uninterrupted_run_log
     assert latest_complete_step(checkpoints) == kept  # the last good checkpoint stays
 
     # 3. With the disk fixed, the run resumes and ends as if nothing had happened.
-    assert f"resuming from step {kept}" in finish(kiln_train(config))
+    assert f"resuming from step {kept}" in kiln_train(config)
     got = rows(run_dir)
     assert (run_dir / "metrics.jsonl").read_bytes().endswith(b"\n")
     assert [r["step"] for r in got] == list(range(1, 13))  # strictly increasing, each once

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import REPO, assert_user_error, kiln, kiln_main, make_config, write_config
+from conftest import REPO, assert_user_error, kiln_main, make_config, write_config
 from kiln.commands.compare import expand_metrics
 from kiln.config import config_from_dict, load_config
 from kiln.data import make_datasets
@@ -277,7 +277,7 @@ def test_cli_refuses_a_bad_weight_in_one_line_and_writes_nothing(tmp_path):
         data={"sources": [entry(), entry(name="code", weight=-1)]},
         train={"output_dir": str(tmp_path / "runs")},
     )
-    proc = kiln("train", config)
+    proc = kiln_main("train", config)
     assert_user_error(proc, "data.sources.1.weight: got -1", "greater than or equal to 0")
     assert not (tmp_path / "runs").exists()
 
@@ -291,7 +291,7 @@ def test_compare_expands_a_pattern_to_every_source(tmp_path):
     assert got == ["eval/loss", "eval/loss/code", "eval/loss/web"]
     with pytest.raises(KilnError, match=r"--metrics: no metric of .* matches 'x/\*'; available"):
         expand_metrics([run], ["x/*"])
-    proc = kiln("compare", run, "--metrics", "eval/loss/*", "--out", tmp_path / "p.png")
+    proc = kiln_main("compare", run, "--metrics", "eval/loss/*", "--out", tmp_path / "p.png")
     assert proc.returncode == 0, proc.stderr
     assert "eval/loss/code" in proc.stdout and (tmp_path / "p.png").is_file()
 
@@ -354,7 +354,7 @@ def straight(tmp_path_factory):
     for i in range(30):
         (corpus / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(WORDS, rng.integers(20, 90))))
     config = run_config(root, corpus, root / "cache")
-    proc = kiln("train", config)
+    proc = kiln_main("train", config)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval/loss" in proc.stdout and "prose " in proc.stdout  # per-source eval printed
     return root, corpus, rows_by_step(root / "runs" / "r")
@@ -380,7 +380,7 @@ def test_kill_9_mid_run_resumes_with_the_same_batches_and_losses(tmp_path, strai
     straight_it = make_datasets(mixture_config).train_iterator()
     assert_same_batches(take(resumed_it, 12 - complete), take(straight_it, 12)[complete:])
 
-    proc = kiln("train", config)
+    proc = kiln_main("train", config)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resuming from step {complete}" in proc.stderr
     got = rows_by_step(run_dir)

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from flax import nnx
 
-from conftest import REPO, assert_user_error, kiln, kiln_main, make_config
+from conftest import REPO, assert_user_error, kiln_main, make_config
 from kiln.commands import compile as aot
 from kiln.config import check_devices, load_config
 from kiln.data.corpus import split_documents
@@ -285,7 +285,7 @@ def assert_router_losses_join_the_total(record):
 def test_online_distillation_from_a_dense_teacher_into_a_moe_student(teachers):
     tmp, _, dense_run = teachers
     path = student(tmp, "dense-to-moe", {**MODEL, **MOE}, teacher_run_dir=str(dense_run))
-    proc = kiln("distill", path)  # as a user runs it
+    proc = kiln_main("distill", path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [r for r in metrics(tmp / "runs" / "dense-to-moe") if "learning/loss" in r]
     assert [r["step"] for r in records] == [1, 2]
@@ -298,7 +298,7 @@ def test_offline_distillation_from_a_moe_teachers_logits_into_both_families(teac
     tmp, moe_run, _ = teachers
     store = tmp / "moe-top8"
     config = student(tmp, "offline-dense", {**MODEL, "d_model": 16}, teacher_run_dir=str(moe_run))
-    proc = kiln("teacher-logits", config, "--out", store, "--top-k", 8)  # as a user runs it
+    proc = kiln_main("teacher-logits", config, "--out", store, "--top-k", 8)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"teacher {moe_run} step 2" in proc.stdout
     for name, model in (

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, kiln, kiln_env, run_process, write_config
+from conftest import REPO, kiln, kiln_env, kiln_main, run_process, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -34,8 +34,9 @@ def write_run_config(tmp: Path) -> Path:
 
 
 def one_process(config: Path, *overrides: str) -> subprocess.CompletedProcess:
-    """`kiln train` in one process with the 8 devices of conftest's XLA_FLAGS."""
-    return kiln("train", config, *overrides)
+    """`kiln train` in this process, with the 8 devices of conftest's XLA_FLAGS: a run of one
+    process needs no process of its own, and computes as a `kiln` subprocess does."""
+    return kiln_main("train", config, *overrides)
 
 
 def two_processes(config: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -102,7 +103,9 @@ def test_a_process_that_never_starts_stops_the_other_with_a_clear_message(tmp_pa
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
     timeout_s = 5
-    proc = one_process(
+    # By subprocess: the process joins jax.distributed, and kiln's deadline ends it (os._exit).
+    proc = kiln(
+        "train",
         config,
         f"train.output_dir={tmp_path / 'runs'}",
         f"distributed.coordinator_address={address}",

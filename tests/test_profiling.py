@@ -57,8 +57,9 @@ def test_the_window_brackets_its_steps_and_a_resumed_run_traces_the_rest(tmp_pat
 
 def test_the_cache_setting_is_the_runs_and_is_restored_afterwards(tmp_path):
     before = jax.config.jax_compilation_cache_dir
-    config = make_config(output_dir=tmp_path)
-    assert cache_dir(config) == tmp_path / ".jax_cache"
+    config = make_config(output_dir=tmp_path, train={"compilation_cache_dir": ".jax_cache"})
+    assert type(config.train).model_fields["compilation_cache_dir"].default == ".jax_cache"
+    assert cache_dir(config) == tmp_path / ".jax_cache"  # the default, under train.output_dir
     with compilation_cache_for(config) as path:
         assert jax.config.jax_compilation_cache_dir == str(path.resolve())
         assert jax.config.jax_persistent_cache_min_compile_time_secs == 0

@@ -18,6 +18,7 @@ from conftest import (
     communicate,
     kiln,
     kiln_env,
+    kiln_main,
     make_config,
     run_process,
     start_kiln,
@@ -208,6 +209,8 @@ def test_missing_or_damaged_shard_is_refused(teacher_dir, store, tmp_path):
 
 
 def test_distill_refuses_a_store_of_other_data_with_exit_2(teacher_dir, store, tmp_path):
+    """By subprocess: the whole stderr of each process, `kiln distill` and `kiln
+    teacher-logits`, is the one error line (no start-up output, no traceback)."""
     path = tmp_path / "student.yaml"
     path.write_text(offline(teacher_dir, store).to_yaml())
     proc = kiln("distill", path, "data.seed=3")
@@ -248,7 +251,7 @@ def test_killed_writer_resumes_to_the_same_bytes(teacher_dir, store, tmp_path):
     assert proc.returncode == -signal.SIGKILL
     names = [n for _, _, n in shards(read_manifest(store))]
     assert (out / names[0] / "shard.json").is_file()
-    proc = kiln(*args, "--shard-steps", 2)
+    proc = kiln_main(*args, "--shard-steps", 2)  # the resume: in this process
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "1 shard of" in proc.stderr or "2 shards of" in proc.stderr, proc.stderr
     written = sorted(p.relative_to(out) for p in out.rglob("*"))
@@ -324,7 +327,7 @@ def test_distill_from_the_store_trains_and_a_killed_run_resumes_bitwise(teacher_
         return path, config
 
     path, straight = student("straight")
-    proc = kiln("distill", path)
+    proc = kiln_main("distill", path)  # the kill needs a process; the other runs do not
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"teacher logits from {store}" in proc.stderr
     want = run_metrics(straight.run_dir)
@@ -341,7 +344,7 @@ def test_distill_from_the_store_trains_and_a_killed_run_resumes_bitwise(teacher_
             break
     communicate(proc)
     assert proc.returncode == -signal.SIGKILL
-    proc = kiln("distill", path)
+    proc = kiln_main("distill", path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from step" in proc.stderr, proc.stderr[-3000:]
     got = run_metrics(killed.run_dir)

@@ -2,13 +2,12 @@
 skipping non-finite steps, and one training run end to end."""
 
 import json
-import sys
 
 import jax
 import numpy as np
 import pytest
 
-from conftest import run_process
+from conftest import REPO, kiln_main
 from kiln.config import MESH_AXES, config_from_dict
 from kiln.errors import RunStopped
 from kiln.training import pretrain, runner, train
@@ -345,14 +344,13 @@ REQUIRED_TAGS = {
 def test_train_end_to_end_writes_every_tag_and_learns(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    proc = run_process(
-        [
-            sys.executable, "-m", "kiln.cli", "train", "configs/tiny.yaml",
-            f"train.output_dir={tmp_path}", "train.steps=60", "train.log_every_steps=10",
-            "train.eval_every_steps=30", "optim.warmup_steps=5", "data.source=synthetic",
-            "data.synthetic_kind=markov", "data.paths=[]", "loss.z_loss_multiplier=1e-4",
-            "model.num_layers=2", "checkpoint.every_steps=0",
-        ],
+    proc = kiln_main(
+        "train", "configs/tiny.yaml",
+        f"train.output_dir={tmp_path}", "train.steps=60", "train.log_every_steps=10",
+        "train.eval_every_steps=30", "optim.warmup_steps=5", "data.source=synthetic",
+        "data.synthetic_kind=markov", "data.paths=[]", "loss.z_loss_multiplier=1e-4",
+        "model.num_layers=2", "checkpoint.every_steps=0",
+        cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = tmp_path / "tiny"
