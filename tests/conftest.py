@@ -39,6 +39,7 @@ os.environ["XLA_FLAGS"] = " ".join(
         "--xla_force_host_platform_device_count=8",
         "--xla_backend_optimization_level=0",
         "--xla_cpu_use_fusion_emitters=false",
+        "--xla_cpu_parallel_codegen_split_count=1",  # the workers already keep the cores busy
     ]
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -62,15 +63,17 @@ def _programs_dir() -> str:
     return path
 
 
-# Every program is cached, however fast it compiled or small it is (JAX's defaults skip those
-# under a second, which on CPU is nearly all of them). Set through JAX's own environment
-# variables, so `kiln` subprocesses use the cache too. No size bound: with one, JAX lists the
-# whole directory at every write to find what to evict, which the thousands of single-operation
-# programs of eager reference code turn quadratic. A read that meets a file another process is
-# still writing fails to decompress, and JAX compiles the program instead (with a warning).
+# Programs that took 50 ms or more to compile are cached (JAX's default is a second, which on CPU
+# is nearly none of them); below that, recompiling is cheaper than writing and reading a file,
+# as for the single operations of eager reference code. A run caches every program
+# (kiln.training.profiling), in this cache too (`config_dict`). Set through JAX's own
+# environment variables, so `kiln` subprocesses use the cache as well. No size bound: with one,
+# JAX lists the whole directory at every write to find what to evict. A read that meets a file
+# another process is still writing fails to decompress, and JAX compiles the program instead
+# (with a warning).
 PROGRAMS = Path(_programs_dir())
 os.environ["JAX_COMPILATION_CACHE_DIR"] = str(PROGRAMS)
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.05"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
 import jax  # noqa: E402 - after the environment above, which JAX reads when imported

@@ -2,6 +2,7 @@
 the raw gradient norm, no MFU without a known peak, distillation's parts."""
 
 import json
+import os
 import re
 
 import pytest
@@ -28,7 +29,8 @@ def tiny_run(tmp_path_factory):
                "log_every_steps": 2, "eval_every_steps": 4, "eval_batches": 1},
         checkpoint={"every_steps": 0, "async_save": False},
     )  # fmt: skip
-    proc = kiln("train", config, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+    flags = os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=1")
+    proc = kiln("train", config, env={"XLA_FLAGS": flags})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp / "r" / "metrics.jsonl").read_text().splitlines()]
     return proc, rows, tmp / "r"

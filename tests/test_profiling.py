@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import kiln, make_config
+from conftest import REPO, kiln_main, make_config
 from kiln.errors import KilnError
 from kiln.training.profiling import ProfileWindow, cache_dir, compilation_cache_for
 
@@ -82,7 +82,7 @@ def test_a_second_start_reads_the_cache_and_a_resume_continues_the_trace(tmp_pat
         "train.log_every_steps=2", "checkpoint.every_steps=0",
         "optim.schedule=constant",  # extended below: a cosine decay may not be stretched on resume
     ]  # fmt: skip
-    first = kiln("train", *args, "train.steps=4", "train.profile_steps=[3,4]")
+    first = kiln_main("train", *args, "train.steps=4", "train.profile_steps=[3,4]", cwd=REPO)
     assert first.returncode == 0, first.stderr[-3000:]
     (hits, misses), = FIRST.findall(first.stderr)  # fmt: skip
     assert int(hits) == 0 and int(misses) > 0, first.stderr[-3000:]
@@ -92,7 +92,7 @@ def test_a_second_start_reads_the_cache_and_a_resume_continues_the_trace(tmp_pat
 
     # The same run resumed with more steps, inside a longer profile window: the run-time knobs
     # may change on resume, the trace covers steps 5..6, and the step comes from the cache.
-    second = kiln("train", *args, "train.steps=8", "train.profile_steps=[3,6]")
+    second = kiln_main("train", *args, "train.steps=8", "train.profile_steps=[3,6]", cwd=REPO)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming from step 4" in second.stderr
     (hits, misses), = FIRST.findall(second.stderr)  # fmt: skip
