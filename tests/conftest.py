@@ -81,6 +81,9 @@ import jax  # noqa: E402 - after the environment above, which JAX reads when imp
 jax.config.update("jax_default_matmul_precision", "highest")
 
 REPO = Path(__file__).resolve().parents[1]
+# XLA's own flags, with the tests' 8 devices: for a process whose timing is what a test depends
+# on, as a user's would be.
+USER_XLA_FLAGS = "--xla_force_host_platform_device_count=8"
 
 
 def with_expert(shape: Sequence[int]) -> tuple[int, ...]:
@@ -209,16 +212,19 @@ def kiln_main(*args: Any, cwd: str | Path | None = None) -> subprocess.Completed
     )
 
 
-def start_kiln(*args: Any, cwd: str | Path | None = None, merged: bool = False) -> subprocess.Popen:
+def start_kiln(
+    *args: Any, cwd: str | Path | None = None, merged: bool = False, env: Mapping | None = None
+) -> subprocess.Popen:
     """Start the `kiln` command without waiting (to signal or kill it); pipes as text.
-    `merged`: stderr into stdout, to read step lines (stdout) and messages (stderr) in order."""
+    `merged`: stderr into stdout, to read step lines (stdout) and messages (stderr) in order;
+    `env`: variables to set (None removes one)."""
     return subprocess.Popen(
         [sys.executable, "-m", "kiln.cli", *map(str, args)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT if merged else subprocess.PIPE,
         text=True,
         cwd=cwd,
-        env=kiln_env(),
+        env=kiln_env(**(env or {})),
     )
 
 
@@ -340,6 +346,12 @@ def train_bpe(path: Path, vocab_size: int, special_tokens: list[str]) -> Path:
     bpe.train_from_iterator(TOKENIZER_LINES, trainer)
     bpe.save(str(path))
     return path
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker per core and one more (at most 4), so that a core is not left idle
+    while a test waits on a subprocess, a lock or a signal."""
+    return min(4, (os.cpu_count() or 1) + 1)
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import (
+    USER_XLA_FLAGS,
     assert_user_error,
     communicate,
     kiln,
@@ -156,8 +157,10 @@ def test_a_row_that_does_not_fit_is_cut_back_off(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("after", [1.0, 2.5, 4.0])
 def test_ctrl_c_during_start_up_exits_130_in_one_line(tmp_path, after):
-    config = write_config(tmp_path / "c.yaml", small_run(tmp_path))
-    proc = start_kiln("train", config)
+    # A start-up as long as a user's: its own cache and XLA's own flags.
+    raw = small_run(tmp_path, compilation_cache_dir=".jax_cache")
+    config = write_config(tmp_path / "c.yaml", raw)
+    proc = start_kiln("train", config, env={"XLA_FLAGS": USER_XLA_FLAGS})
     time.sleep(after)
     proc.send_signal(signal.SIGINT)
     _, err = communicate(proc)
