@@ -146,14 +146,11 @@ def test_the_figures_check_covers_every_entry():
     assert checked == {n for n, e in figures.ENTRIES.items() if not e.derived}
 
 
-def _reruns() -> list[tuple[tuple[str, ...], list[str]]]:
-    return list(docs_figures().reruns(tpu=True).items())
+RERUNS = list(docs_figures().reruns(tpu=True).items())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("command", "names"), _reruns(), ids=[",".join(names) for _, names in _reruns()]
-)
+@pytest.mark.parametrize(("command", "names"), RERUNS, ids=[",".join(n) for _, n in RERUNS])
 def test_the_recorded_compile_figures_are_what_kiln_gives_now(command, names):
     """Each cheap entry, and the canary of each full-size one, compiled again: exact figures.
     A TPU entry compiles in this process (XLA:CPU's flags do not reach the TPU compiler); a CPU
