@@ -7,8 +7,6 @@ import json
 import jax
 import numpy as np
 import pytest
-import torch
-from transformers import LlamaForCausalLM
 
 from conftest import kiln_main, make_config
 from kiln.cli import main
@@ -121,6 +119,9 @@ def run(tmp_path_factory):
 
 def hf_greedy(hf_dir, prompts, max_new_tokens):
     """transformers' greedy continuation of each unpadded prompt (ending at EOS, if any)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
     model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     out = []
     for prompt in prompts:

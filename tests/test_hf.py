@@ -12,10 +12,8 @@ import jax
 import numpy as np
 import pytest
 import sentencepiece as spm
-import torch
 from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from conftest import run_process
 from kiln.cli import main
@@ -45,6 +43,9 @@ def kiln_logits(model, inputs):
 
 
 def hf_logits(hf_dir, inputs, architecture="LlamaForCausalLM"):
+    import torch
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     assert type(model).__name__ == architecture
     model.eval()
@@ -101,8 +102,11 @@ def kiln_run(tmp_path: Path, *, data=None, **model) -> tuple[Path, object]:
     return run_dir, state
 
 
-def random_hf_model(path: Path, dtype=torch.float32, **overrides) -> Path:
+def random_hf_model(path: Path, dtype: str = "float32", **overrides) -> Path:
     """A random LlamaForCausalLM (GQA, norm weights away from 1) saved with save_pretrained."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(
         vocab_size=V,
         hidden_size=32,
@@ -122,7 +126,7 @@ def random_hf_model(path: Path, dtype=torch.float32, **overrides) -> Path:
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
     # Small shards: the import reads model.safetensors.index.json and several files.
-    model.to(dtype).save_pretrained(path, max_shard_size="40KB")
+    model.to(getattr(torch, dtype)).save_pretrained(path, max_shard_size="40KB")
     return path
 
 
@@ -152,6 +156,8 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, tied):
     kiln_tok = load_tokenizer(spec)
     assert (hf_cfg["bos_token_id"], hf_cfg["eos_token_id"]) == (kiln_tok.bos_id, kiln_tok.eos_id)
     text = "the kiln fires clay at high heat"
+    from transformers import AutoTokenizer
+
     hf_tok = AutoTokenizer.from_pretrained(out)
     assert hf_tok.encode(text, add_special_tokens=False) == kiln_tok.encode(text)
     special = (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.pad_token_id)
@@ -256,7 +262,7 @@ def test_llama3_rope_scaling_matches_transformers_and_exports(tmp_path):
 
 
 def test_bfloat16_round_trips_bitwise(tmp_path):
-    src = random_hf_model(tmp_path / "bf16", dtype=torch.bfloat16)
+    src = random_hf_model(tmp_path / "bf16", dtype="bfloat16")
     run_dir = tmp_path / "runs" / "bf16"
     assert main(["import-hf", str(src), "--out", str(run_dir)]) == 0
     assert load_config(run_dir / "config.yaml").model.param_dtype == "bfloat16"

@@ -11,16 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from safetensors.numpy import load_file
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    MixtralConfig,
-    MixtralForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
-)
 
 from conftest import assert_user_error, kiln_main, write_config
 from kiln.cli import main
@@ -50,6 +41,9 @@ def random_moe(path: Path, kind: str) -> Path:
     """A random Qwen3-MoE (3 layers, the first dense, norm_topk_prob false, head_dim 16 !=
     d_model / heads) or Mixtral (2 layers), 4 experts top-2, with norm weights away from 1 and
     routers far from uniform (clear top-2 choices); saved in shards, with a tokenizer.json."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
     if kind == "qwen3_moe":
         config = Qwen3MoeConfig(
             **COMMON,
@@ -97,6 +91,8 @@ def imported(request, hf_dirs, tmp_path_factory):
 
 
 def test_import_matches_transformers_and_round_trips_bitwise(imported, tmp_path):
+    from transformers import AutoConfig
+
     kind, src, run_dir = imported
     hf_in = AutoConfig.from_pretrained(src)
     moe = load_config(run_dir / "config.yaml").model.moe
@@ -125,6 +121,9 @@ def test_import_matches_transformers_and_round_trips_bitwise(imported, tmp_path)
 
 def hf_greedy(hf_dir, kind, prompts, max_new_tokens, eos_id):
     """transformers' greedy continuation of each prompt (ending at EOS, if any)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     assert type(model).__name__ == ARCH[kind]
     out = []
