@@ -261,7 +261,7 @@ def reference_cut(schedule: str, num_chunks: int, rows: int, vocab: int, platfor
 class PreRedesign(distill.DistillObjective):
     """The reference: the hard and soft losses as e6dbc3a computed them, `c . sums` differentiated."""
 
-    def loss_sums(self, model, batch, coefficients):
+    def sums(self, model, out, batch, coefficients):
         config, dist = self.config, self.config.distillation
         if config.model.logit_softcap or self.teacher_config.model.logit_softcap:
             raise SystemExit("the pre-redesign reference is restated without logit soft-caps")
@@ -271,8 +271,6 @@ class PreRedesign(distill.DistillObjective):
             )
         t_hidden, t_feats, t_head = self._teacher_outputs(batch)
         layers = [s for s, _ in dist.layer_map]
-        args = (batch["inputs"], batch["positions"], batch["segment_ids"])
-        out = model.hidden_states(*args, collect=layers)
         head = model.head_weight()
         y, w = batch["targets"], batch["weights"]
         loss, platform = config.loss, traced_platform(self.mesh)

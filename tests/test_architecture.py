@@ -107,3 +107,33 @@ def test_the_example_trains_through_make_step(example):
     assert int(namespace["state"].step) == 1
     assert float(metrics["hidden/norm_sq"]) > 0
     assert np.isfinite(float(metrics["learning/loss"]))
+
+
+def test_the_example_trains_an_moe_model_with_its_router_terms_unmentioned(example):
+    """The page's objective names no router loss and no balancing bias; on an MoE model with
+    both, the base class adds the router losses to its loss and its step moves the aux-free
+    biases, as `kiln train`'s objective does."""
+    moe = {"num_experts": 4, "experts_per_token": 2, "d_ff_expert": 16, "balance": "aux_free"}
+    moe.update(router_z_loss=1e-3, load_balance_loss=1e-2)
+    config = make_config(
+        model={**MODEL, "family": "moe", "moe": moe},
+        data={"seq_len": SEQ},
+        mesh={"fsdp": -1},
+        loss={"z_loss_multiplier": 1e-3},
+        train={"global_batch_size": BATCH, "gradient_accumulation_steps": 2},
+    )
+    mesh = make_mesh(config)
+    state = train.init_state(config, mesh)
+    batch = lm_batch()
+    objective = example(config=config, mesh=mesh, penalty=0.0)
+    loss, aux, _ = train.run_objective(objective, state, batch)
+    lm_loss, lm_aux, _ = train.loss_and_grads(config, state, batch)
+    router = float(aux["learning/router_z_loss"]) + float(aux["learning/moe_lb_loss"])
+    assert router > 0
+    assert float(aux["learning/router_z_loss"]) == float(lm_aux["learning/router_z_loss"])
+    np.testing.assert_allclose(float(loss), float(lm_loss), rtol=1e-6)  # f32, same sums
+    step = train.make_step(objective, train.shardings_of(state))
+    state, metrics = step(state, train.place_batch(batch, mesh, config))
+    assert "learning/moe_lb_loss" in metrics
+    bias = np.asarray(state.params["blocks"]["mlp"]["bias"].get_value())
+    assert np.abs(bias).max() > 0  # the aux-free update ran after the step

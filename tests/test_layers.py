@@ -185,6 +185,34 @@ def test_function_local_imports_only_keep_heavy_dependencies_out():
     assert not local, "function-local kiln imports outside LAZY:\n" + "\n".join(local)
 
 
+# Libraries that belong to one layer and above: the optimizers (optax) are the trainer's, so
+# a model family never names one (`kiln.training.optim.OPTIMIZERS`).
+OWNED = {"optax": "kiln.training"}
+
+
+def library_imports(src: Path = SRC) -> list[str]:
+    """`module:line imports library` for each import of an OWNED library below its layer."""
+    found = []
+    for name, path in modules(src).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                targets = [node.module or ""]
+            else:
+                continue
+            for target in targets:
+                library = target.split(".")[0]
+                if library in OWNED and layer_of(name) < layer_of(OWNED[library]):
+                    found.append(f"{name}:{node.lineno} imports {library}")
+    return found
+
+
+def test_libraries_are_imported_only_from_the_layer_that_owns_them():
+    found = library_imports()
+    assert not found, "imports of a library below the layer that owns it:\n" + "\n".join(found)
+
+
 def test_every_package_says_what_it_is_for_and_what_it_may_import():
     for init in sorted((SRC / "kiln").glob("*/__init__.py")):
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""

@@ -34,7 +34,7 @@ from kiln.parallel.mesh import (
     use_mesh,
 )
 from kiln.training import train
-from kiln.training.optim import make_optimizer
+from kiln.training.optim import make_optimizer, state_name
 
 ROOT = Path(__file__).resolve().parents[1]
 B, S, V = 8, 16, 128
@@ -378,7 +378,7 @@ def test_bf16_compute_with_f32_params_stays_close_to_f32(unsharded, batch):
 
 def test_the_family_picks_the_implementation(unsharded):
     config = make_config()
-    assert config.model.family == "llama" and FAMILIES["llama"] is Transformer
+    assert config.model.family == "llama" and FAMILIES["llama"].model is Transformer
     assert type(unsharded["untied"][0]) is Transformer  # create_model went through the registry
     with pytest.raises(KilnError, match=r"model\.family: got 'gpt'; allowed: llama, moe"):
         make_config({"family": "gpt"})
@@ -575,7 +575,7 @@ def test_flops_per_token_follows_maxtext_accounting():
 
 def test_summary_memory_matches_the_real_shards(fsdp8_model):
     model, _, config = fsdp8_model
-    text = summary(config, make_optimizer(config.optim))
+    text = summary(config, make_optimizer(config.optim).init, state_name(config.optim))
     assert f"{param_count(config.model):,}" in text
     assert f"FLOPs per token:   {flops_per_token(config.model, S):.4g}" in text
     assert "fsdp=8" in text

@@ -12,7 +12,7 @@ from flax import nnx
 
 from conftest import make_config
 from kiln.config import FAMILY_SECTIONS, MESH_AXES
-from kiln.model import FAMILIES, ModelOutput
+from kiln.model import FAMILIES, Family, ModelOutput
 from kiln.model.llama import Transformer
 from kiln.model.moe import MoeMlp, blocked_rows, ragged_rows
 from kiln.parallel.mesh import make_mesh, use_mesh
@@ -400,7 +400,7 @@ class ToyFamily(Transformer):
 @pytest.fixture
 def toy_family(monkeypatch):
     monkeypatch.setitem(FAMILY_SECTIONS, "toy", None)
-    monkeypatch.setitem(FAMILIES, "toy", ToyFamily)
+    monkeypatch.setitem(FAMILIES, "toy", Family(ToyFamily, FAMILIES["llama"].hf))
 
 
 def test_a_toy_familys_aux_term_reaches_the_loss_and_the_metrics(toy_family):
@@ -423,7 +423,7 @@ def test_a_toy_familys_aux_term_reaches_the_loss_and_the_metrics(toy_family):
     out = model.hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"])
     hidden = np.asarray(out.hidden, np.float64)
     real = batch["segment_ids"] > 0
-    toy_want = 0.5 * np.sum(np.mean(hidden**2, -1) * real) / batch["weights"].sum()
+    toy_want = 0.5 * np.sum(np.mean(hidden**2, -1) * real) / real.sum()  # per token it ran
     assert rel_err(aux["learning/toy_loss"], toy_want) <= 1e-5  # 1e-5 relative (float32)
     assert rel_err(loss, float(lm_loss) + toy_want) <= 1e-5  # 1e-5 relative (float32)
     # The term has gradients: the final norm's scale moves differently.
@@ -435,6 +435,53 @@ def test_a_toy_familys_aux_term_reaches_the_loss_and_the_metrics(toy_family):
     step = train.make_train_step(toy, mesh, train.shardings_of(state))
     _, metrics = step(state, batch)
     assert rel_err(metrics["learning/toy_loss"], toy_want) <= 1e-5  # 1e-5 relative (float32)
+
+
+def test_router_losses_are_per_routed_token_whatever_the_loss_weights():
+    """Chat-like weights (a prompt of weight 0, in the rows of one micro-batch only) leave the
+    router losses per token the router saw: their value, and their share of the gradient, are
+    those of a float64 / direct reference, with and without accumulation."""
+    config = one_device(moe_config(router_z_loss=1e-3, load_balance_loss=1e-2))
+    batch = dict(lm_batch(config))
+    weights = batch["weights"].copy()
+    weights[0::2, : S // 2] = 0.0  # micro-batch 0 of 2 (rows 0, 2, ...) has prompts
+    batch["weights"] = weights
+    mesh = make_mesh(config, jax.devices()[:1])
+    state = train.init_state(config, mesh)
+    real = batch["segment_ids"] > 0
+
+    def direct(params, accumulation):
+        """LM loss per weight + router sums per real token, with no `token_mean` trick; the
+        router terms of each micro-batch (rows a, a + accumulation, ...) as the step makes
+        them (the balance loss is per micro-batch)."""
+        model = state.model(params)
+        lm_sum, router = 0.0, 0.0
+        for a in range(accumulation):
+            mb = {k: v[a::accumulation] for k, v in batch.items()}
+            out = model.hidden_states(mb["inputs"], mb["positions"], mb["segment_ids"])
+            lm_sum += train.lm_loss_sums(config, out.hidden, model.head_weight(), mb, None)[
+                "loss_sum"
+            ]
+            router += out.aux["learning/router_z_loss"] + out.aux["learning/moe_lb_loss"]
+        return lm_sum / weights.sum() + router / real.sum()
+
+    out = state.model().hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"])
+    z_want = np.float64(out.aux["learning/router_z_loss"]) / real.sum()
+    for accumulation in (1, 2):
+        want_loss, want_grads = jax.value_and_grad(direct)(state.params, accumulation)
+        cfg = config.model_copy(
+            update={
+                "train": config.train.model_copy(
+                    update={"gradient_accumulation_steps": accumulation}
+                )
+            }
+        )
+        loss, aux, grads = train.loss_and_grads(cfg, state, batch)
+        assert rel_err(aux["learning/router_z_loss"], z_want) <= 1e-5  # 1e-5 relative (float32)
+        assert rel_err(loss, want_loss) <= 1e-5  # 1e-5 relative (float32)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+            # 1e-5 relative (float32); the aux_free biases' gradients are exactly 0.
+            assert np.array_equal(a, b) or rel_err(a, b) <= 1e-5
 
 
 def test_registries_name_every_implementation():

@@ -21,7 +21,7 @@ from kiln.parallel.mesh import make_mesh
 from kiln.runs.checkpoint import Checkpointer
 from kiln.training import train
 from kiln.training.loop import checkpoint_tree
-from kiln.training.optim import make_optimizer
+from kiln.training.optim import make_optimizer, state_name
 from kiln.training.pretrain import run
 
 MOE_TINY = REPO / "configs/moe_tiny.yaml"
@@ -47,7 +47,7 @@ def test_summary_counts_total_and_active_parameters_by_hand():
     active = total - layers * (e - k) * expert
     matmul = layers * (attention + d * e + k * expert) + d * vocab  # + the router, + the head
     flops = 6 * matmul + 6 * layers * seq * 4 * 32  # causal attention: 6 L S N H
-    text = summary(config, make_optimizer(config.optim), 8)
+    text = summary(config, make_optimizer(config.optim).init, state_name(config.optim), 8)
     assert f"parameters:        {total:,} (" in text
     assert f"active per token:  {active:,} (" in text
     assert f"FLOPs per token:   {flops:.4g} (" in text
@@ -59,7 +59,7 @@ def test_summary_counts_total_and_active_parameters_by_hand():
 
 def test_summary_memory_per_device_is_what_the_expert_split_model_holds():
     config = load_config(MOE_TINY, [*SMALL, "mesh.expert=4", "mesh.fsdp=2"])
-    text = summary(config, make_optimizer(config.optim), 8)
+    text = summary(config, make_optimizer(config.optim).init, state_name(config.optim), 8)
     # What one device really holds of the model sharded on this mesh, counted from its shards.
     model = create_model(config, make_mesh(config), seed=0)
     on_device0 = sum(
@@ -75,7 +75,7 @@ def test_summary_memory_per_device_is_what_the_expert_split_model_holds():
 
 def test_summary_of_a_dense_model_has_no_expert_lines():
     config = load_config(REPO / "configs/tiny.yaml")
-    text = summary(config, make_optimizer(config.optim), 8)
+    text = summary(config, make_optimizer(config.optim).init, state_name(config.optim), 8)
     assert "active" not in text and "experts" not in text
     assert expert_split(config, config.mesh.sizes(8)) is None
 
@@ -90,7 +90,7 @@ def test_qwen3_30b_a3b_has_the_published_size_without_allocating():
     assert all(a.size < 10**6 for a in jax.live_arrays())  # nothing model-sized was created
     active = total - layers * (e - k) * expert
     assert active == 3_353_032_704  # Qwen's "3.3B activated"
-    text = summary(config, make_optimizer(config.optim), 32)
+    text = summary(config, make_optimizer(config.optim).init, state_name(config.optim), 32)
     assert f"active per token:  {active:,} (3.353B;" in text
     assert "routed experts:    128 per MoE layer; split over mesh.expert=8: 16 per device" in text
 
@@ -131,7 +131,7 @@ def test_expert_axis_of_a_dense_model_shards_like_fsdp():
 
     def memory(*overrides):
         config = load_config(REPO / "configs/tiny.yaml", list(overrides))
-        return summary(config, optimizer, 8).splitlines()[-2]
+        return summary(config, optimizer.init, state_name(config.optim), 8).splitlines()[-2]
 
     assert memory("mesh.expert=4", "mesh.fsdp=2") == memory("mesh.fsdp=8")
 

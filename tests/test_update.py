@@ -234,3 +234,16 @@ def test_each_optimizer_matches_its_optax_chain_by_hand(name, mesh):
             # add in another order: an update is ~lr = 1e-2 on parameters of ~0.02..1, so
             # 1e-6 relative + 1e-7 absolute.
             np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7, err_msg=f"{step} {path}")
+
+
+def test_the_optimizer_registry_is_what_the_schema_allows():
+    """One entry per `optim.name`, each with the name the summary gives its state."""
+    import typing
+
+    from kiln.config import OptimConfig
+    from kiln.training.optim import OPTIMIZERS, state_name
+
+    allowed = typing.get_args(OptimConfig.model_fields["name"].annotation)
+    assert set(OPTIMIZERS) == set(allowed)
+    for name in allowed:
+        assert state_name(OptimConfig(name=name)) == OPTIMIZERS[name].state

@@ -3,8 +3,8 @@
 Modules: `handlers` (one `cmd_*` per command; each imports what it runs only when it runs, so
 `kiln --help`, bad arguments and `kiln prepare` never load JAX), `compile` and `fit` (`kiln
 compile`: the step compiled ahead of time, memory fit searches), `generate`, `evaluate` (`kiln
-eval`), `hf`, `hf_config` and `hf_layout` (`kiln export-hf` / `import-hf`: the commands,
-the architectures, the tensor layouts), `compare` (`kiln compare`).
+eval`), `hf` (`kiln export-hf` / `import-hf`; each family's format is in `kiln.model`),
+`compare` (`kiln compare`).
 
 May import: every layer below it; only `kiln.cli` imports this package.
 

@@ -17,7 +17,7 @@ import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +28,7 @@ from jax.sharding import Mesh
 from kiln.config import DEFAULT_AXIS_RULES, SEED_LIMIT, read_run_config
 from kiln.data.tokenizers import load_tokenizer
 from kiln.errors import KilnError
-from kiln.model import KVCache, LanguageModel, abstract_model
-from kiln.model.interface import CACHE_LBTKH
+from kiln.model import LanguageModel, abstract_model
 from kiln.parallel.mesh import constrain, device_memory, in_mesh, mesh_axes
 from kiln.runs.runmodel import load_run_model
 from kiln.util.atomic import write_whole
@@ -93,7 +92,7 @@ class _State(NamedTuple):
     """What one decode step reads and writes (donated): the cache, each row's last token and
     its position, whether the row has sampled EOS, the tokens [B,N] (and logits [B,N,V])."""
 
-    cache: KVCache
+    cache: Any  # the family's (`LanguageModel.init_cache`)
     last_B: jax.Array
     position_B: jax.Array
     done_B: jax.Array
@@ -102,18 +101,12 @@ class _State(NamedTuple):
     step: jax.Array
 
 
-def _constrain_state(state: _State) -> _State:
-    """Pin every row-indexed field to the batch split, so each step keeps one sharding."""
-    c = state.cache
-    cache = KVCache(
-        constrain(c.k, CACHE_LBTKH),
-        constrain(c.v, CACHE_LBTKH),
-        constrain(c.segment_ids, ("batch", None)),
-        c.index,
-    )
+def _constrain_state(model: LanguageModel, state: _State) -> _State:
+    """Pin every row-indexed field to the batch split, so each step keeps one sharding; the
+    cache as its family lays it out."""
     logits = state.logits_BNV
     return state._replace(
-        cache=cache,
+        cache=model.constrain_cache(state.cache),
         last_B=constrain(state.last_B, ("batch",)),
         position_B=constrain(state.position_B, ("batch",)),
         done_B=constrain(state.done_B, ("batch",)),
@@ -167,7 +160,7 @@ def _prefill(graphdef, settings: _Settings, params, inputs_BP, positions_BP, seg
         logits_BNV=jnp.zeros((b, n, v), jnp.float32) if settings.return_logits else None,
         step=jnp.zeros((), jnp.int32),
     )
-    return _constrain_state(_pick(model, hidden_BPD[:, -1], key, state, settings))
+    return _constrain_state(model, _pick(model, hidden_BPD[:, -1], key, state, settings))
 
 
 def _step(graphdef, settings: _Settings, params, state: _State, key):
@@ -179,7 +172,7 @@ def _step(graphdef, settings: _Settings, params, state: _State, key):
         state.last_B[:, None], position_B[:, None], ones_B1, state.cache
     )
     state = state._replace(cache=cache, position_B=position_B)
-    state = _constrain_state(_pick(model, hidden_B1D[:, 0], key, state, settings))
+    state = _constrain_state(model, _pick(model, hidden_B1D[:, 0], key, state, settings))
     return state, jnp.all(state.done_B)
 
 

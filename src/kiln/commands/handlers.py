@@ -63,13 +63,14 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.summary:
         from kiln.commands import compile as aot
         from kiln.model import summary
-        from kiln.training.optim import make_optimizer
+        from kiln.training.optim import make_optimizer, state_name
 
         config = _load(args)
         # Devices before anything starts JAX's backend (simulated CPU devices are set first).
         devices = aot.summary_devices(config, args.devices, args.topology)
         report = aot.compile_report(config, devices)
-        print(summary(config, make_optimizer(config.optim), len(devices)))
+        optimizer = make_optimizer(config.optim)
+        print(summary(config, optimizer.init, state_name(config.optim), len(devices)))
         print(aot.summary_lines(report, args.hbm_gb))
         return 0
     config = _load(args)

@@ -1,5 +1,6 @@
 """Hugging Face checkpoints (Llama, Qwen3, Qwen3-MoE, Mixtral) <-> kiln run directories, from
-and to local files only; the architectures in `hf_config`, the tensor layouts in `hf_layout`.
+and to local files only; each family's format is its `kiln.model.hf.HFFormat`, dispatched by
+`kiln.model.interop`.
 """
 
 from __future__ import annotations
@@ -16,12 +17,18 @@ from flax import nnx
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from kiln.commands.hf_config import export_notes, hf_config, model_section
-from kiln.commands.hf_layout import hf_to_kiln, kiln_to_hf
 from kiln.config import config_from_dict, read_run_config
 from kiln.data.tokenizers import load_tokenizer
 from kiln.errors import KilnError
 from kiln.model import DTYPES, abstract_state, build_model
+from kiln.model.interop import (
+    describe,
+    export_notes,
+    hf_config,
+    hf_to_kiln,
+    kiln_to_hf,
+    model_section,
+)
 from kiln.parallel.mesh import make_mesh, sharded_abstract
 from kiln.runs.checkpoint import Checkpointer, abstract_like, restore_params
 from kiln.training.runner import checkpoint_tree
@@ -242,12 +249,8 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> str:
     # Written last: a directory with config.yaml is a complete run.
     (out / "config.yaml").write_text(config.to_yaml())
     m = config.model
-    experts = ""
-    if m.family == "moe":
-        experts = f", {m.moe.num_experts} experts (top {m.moe.experts_per_token})"
-        experts += f" after {m.moe.first_dense_layers} dense" if m.moe.first_dense_layers else ""
     return (
-        f"imported {hf_dir} ({hf['model_type']}) to {out}: {m.num_layers} layers{experts}, "
+        f"imported {hf_dir} ({hf['model_type']}) to {out}: {m.num_layers} layers{describe(m)}, "
         f"d_model {m.d_model}, {m.num_heads} heads ({m.kv_heads} key/value), "
         f"vocab {m.vocab_size}, {m.param_dtype}; checkpoint step 0"
         + (f"; tokenizer {', '.join(copied)}" if copied else "; no tokenizer file found")

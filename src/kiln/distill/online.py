@@ -62,15 +62,7 @@ from kiln.parallel.mesh import sharded_init
 from kiln.runs.remote import local_run
 from kiln.training import train
 from kiln.training.runner import execute
-from kiln.training.train import (
-    Batch,
-    Objective,
-    TrainState,
-    aux_loss_keys,
-    aux_results,
-    token_mean,
-    with_aux_loss,
-)
+from kiln.training.train import Batch, Objective, TrainState, token_mean
 
 # Tags under distill/ that every step reports (besides the scheduled alpha, temperature, beta).
 METRICS = (
@@ -116,7 +108,7 @@ def student_builder(config: Config, teacher_cfg: Config) -> Callable[[], Languag
             rngs = nnx.Rngs(params=jax.random.fold_in(jax.random.key(seed), 1))
             dtype = DTYPES[config.model.param_dtype]
             projection = FeatureProjection(pairs, d_s, d_t, rngs=rngs, dtype=dtype)
-        student = student_class(FAMILIES[config.model.family])
+        student = student_class(FAMILIES[config.model.family].model)
         return student(config.model, rngs=nnx.Rngs(seed), projection=projection)
 
     return build
@@ -247,28 +239,30 @@ class DistillObjective(Objective):
             hidden, head, t_hidden, t_head, targets, weights, teacher_softcap=cap, **kw
         )
 
-    def loss_sums(self, model, batch: Batch, coefficients):
+    def collect(self) -> tuple[int, ...]:
+        """The student blocks whose features the feature loss reads (`distillation.layer_map`)."""
+        layers = tuple(s for s, _ in self.config.distillation.layer_map)
+        if layers and self.offline:  # create_offline refuses it first: never dropped silently
+            raise KilnError(OFFLINE_FEATURES.format(len(layers)))
+        return layers
+
+    def sums(self, model, out, batch: Batch, coefficients):
         """Weighted loss sums of one micro-batch and `c . (hard, soft, feature)` to differentiate.
 
         Hard and soft losses come from one pass over the student's logits. With coefficients
         known before the pass (given, or constant under balance=none) the pass makes one
         combined logit gradient; otherwise (dynamic balancing on one micro-batch) it makes
-        both and the coefficients follow from this micro-batch's own sums.
+        both and the coefficients follow from this micro-batch's own sums. The student's own
+        loss terms (an MoE router's) are added by `Objective`, outside the balance.
         """
         dist = self.config.distillation
         if coefficients is None and not self.needs_global_sums:
             # balance=none: the coefficients do not depend on the sums.
             coefficients = self.coefficients(dict.fromkeys(self.sum_keys, jnp.zeros(())))
-        layers = [s for s, _ in dist.layer_map]
-        if layers and self.offline:  # create_offline refuses it first: never dropped silently
-            raise KilnError(OFFLINE_FEATURES.format(len(layers)))
         teacher = None if self.offline else self._teacher_outputs(batch)
-        out = model.hidden_states(
-            batch["inputs"], batch["positions"], batch["segment_ids"], collect=layers
-        )
         fused = self._soft_and_hard(model, out.hidden, batch, teacher, coefficients)
         feature_sum = jnp.zeros((), jnp.float32)
-        if layers:
+        if dist.layer_map:
             t_feats = teacher[1]
             per_token = losses.feature_loss(model.project(out.features), t_feats, dist.feature_loss)
             feature_sum = jnp.sum(per_token * batch["weights"].astype(jnp.float32))
@@ -279,14 +273,12 @@ class DistillObjective(Objective):
             "soft_sum": fused["soft_sum"],
             "feature_sum": feature_sum,
             **{k: fused[k] for k in self.sum_keys if k.startswith("teacher_")},
-            **out.aux,
         }
         if coefficients is None:
             c = self.coefficients(sums)
             value = c[0] * sums["hard_sum"] + c[1] * sums["soft_sum"] + c[2] * feature_sum
         else:
             value = fused["objective_sum"] + coefficients[2] * feature_sum
-        value = with_aux_loss(value, sums)  # the student's own (an MoE router's), unbalanced
         return value, sums
 
     def _means(self, sums):
@@ -309,19 +301,15 @@ class DistillObjective(Objective):
         means = self._means(jax.lax.stop_gradient(sums))
         return jax.grad(lambda *m: self._total(*m)[0], argnums=(0, 1, 2))(*means)
 
-    def finalize(self, sums):
+    def result(self, sums):
         hard, soft, feature = self._means(sums)
         total, scales = self._total(hard, soft, feature)
-        for k in aux_loss_keys(sums):  # the student's own loss terms (an MoE router's)
-            total = total + token_mean(sums[k], sums)
         aux = {
             "learning/z_loss": token_mean(sums["z_loss_sum"], sums),
             "learning/total_weights": sums["weight_sum"],
-            **aux_results(self.config, sums),
             "distill/hard_loss": hard,
             "distill/soft_loss": soft,
             "distill/feature_loss": feature,
-            "distill/total_loss": total,
             "distill/feature_mag_scale": scales["feature_mag_scale"],
             "distill/kd_mag_scale": scales["kd_mag_scale"],
             **{f"distill/{k[:-4]}": token_mean(sums[k], sums) for k in self.sum_keys
@@ -329,6 +317,11 @@ class DistillObjective(Objective):
             **{f"distill/{k}": v for k, v in self.knobs.items()},
         }  # fmt: skip
         return total, aux
+
+    def finalize(self, sums):
+        """The base's loss (with the student's own loss terms) is `distill/total_loss`."""
+        loss, aux = super().finalize(sums)
+        return loss, {**aux, "distill/total_loss": loss}
 
     def flops_per_token(self) -> float:
         """Student training FLOPs plus the teacher's forward pass (1/3 of its training FLOPs)."""

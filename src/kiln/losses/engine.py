@@ -69,157 +69,101 @@ def _varying(tiling: Tiling, x):
     return jax.lax.pcast(x, axes, to="varying") if tiling.mesh is not None and axes else x
 
 
-def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
-    """The chunk loop on local tokens [B, S] and a local vocabulary slice of the heads."""
-    hs, ws, targets, weights, ht, wt, temp, top = inputs
-    batch, seq, d_model = hs.shape
-    vocab_local = ws.shape[1]
-    plan = tiling.schedule
-    assert plan.rows == batch * seq and vocab_local % plan.vocab_chunk == 0, (plan, hs.shape)
-    chunk, block, vchunk = plan.chunk, plan.block, plan.vocab_chunk
-    n_vchunks = vocab_local // vchunk
-    axes, losses = tiling.axes.vocab, tiling.losses
-    dtype = ws.dtype  # the head matmuls' input dtype, as in `logits`
-    columns = jnp.arange(vocab_local)
-    if axes:
-        columns = columns + jax.lax.axis_index(axes) * vocab_local
-    offsets = np.cumsum([0] + [len(s) for s in tiling.sets])
+class _Chunks:
+    """What every chunk schedule reads of one shard: its inputs, the plan, and the work on one
+    chunk of tokens (its logits on a vocabulary chunk, the losses' statistics and per-token
+    terms, the logit gradients and their products with the head and the hidden states)."""
 
-    def vslice(x, k):
+    def __init__(self, tiling: Tiling, with_grads: bool, inputs: Inputs, coefs):
+        self.hs, self.ws, self.targets, self.weights, self.ht, self.wt, self.temp, self.top = inputs
+        self.tiling, self.with_grads, self.coefs = tiling, with_grads, coefs
+        self.batch, self.seq, self.d_model = self.hs.shape
+        self.vocab_local = self.ws.shape[1]
+        plan = self.plan = tiling.schedule
+        assert plan.rows == self.batch * self.seq and self.vocab_local % plan.vocab_chunk == 0, (
+            plan,
+            self.hs.shape,
+        )
+        self.chunk, self.block, self.vchunk = plan.chunk, plan.block, plan.vocab_chunk
+        self.n_vchunks = self.vocab_local // self.vchunk
+        self.axes, self.losses = tiling.axes.vocab, tiling.losses
+        self.dtype = self.ws.dtype  # the head matmuls' input dtype, as in `logits`
+        columns = jnp.arange(self.vocab_local)
+        if self.axes:
+            columns = columns + jax.lax.axis_index(self.axes) * self.vocab_local
+        self.columns = columns
+        self.offsets = np.cumsum([0] + [len(s) for s in tiling.sets])
+
+    def vslice(self, x, k):
         """Vocabulary chunk k of x along its last axis (all of it without vocabulary chunks)."""
-        return x if k is None else jax.lax.dynamic_slice_in_dim(x, k * vchunk, vchunk, axis=-1)
+        if k is None:
+            return x
+        return jax.lax.dynamic_slice_in_dim(x, k * self.vchunk, self.vchunk, axis=-1)
 
-    def head_logits(h_n, g_n, k):
+    def head_logits(self, h_n, g_n, k):
         """The student's (and the teacher's) logits of tokens [n] on vocabulary chunk k."""
-        x_s = logits(h_n, vslice(ws, k), softcap=tiling.student_cap)
-        x_t = None if wt is None else logits(g_n, vslice(wt, k), softcap=tiling.teacher_cap)
+        tiling = self.tiling
+        x_s = logits(h_n, self.vslice(self.ws, k), softcap=tiling.student_cap)
+        x_t = (
+            None
+            if self.wt is None
+            else logits(g_n, self.vslice(self.wt, k), softcap=tiling.teacher_cap)
+        )
         return x_s, x_t
 
-    def view(x_s, x_t, y_n, top_n, k) -> ChunkLogits:
-        whole = k is None and vocab_local == tiling.vocab  # each row's whole vocabulary
+    def view(self, x_s, x_t, y_n, top_n, k) -> ChunkLogits:
+        whole = k is None and self.vocab_local == self.tiling.vocab  # each row's whole vocabulary
         target = y_n if whole else None
-        cols = vslice(columns, k)
+        cols = self.vslice(self.columns, k)
         top_col = None if top_n is None else block_columns(top_n.ids, cols[0], cols.shape[0])
-        return ChunkLogits(x_s, x_t, cols == y_n[:, None], temp, target, top_n, top_col)
+        return ChunkLogits(x_s, x_t, cols == y_n[:, None], self.temp, target, top_n, top_col)
 
-    def chunk_logits(h_n, g_n, y_n, top_n, k) -> ChunkLogits:
-        return view(*head_logits(h_n, g_n, k), y_n, top_n, k)
+    def chunk_logits(self, h_n, g_n, y_n, top_n, k) -> ChunkLogits:
+        return self.view(*self.head_logits(h_n, g_n, k), y_n, top_n, k)
 
-    def logit_grads(lg, stats, w_n):
+    def logit_grads(self, lg, stats, w_n):
         """Per gradient set: the gradient of its losses w.r.t. the student's logits [n, c],
         in the head's dtype (the products' operands)."""
         grads = []
-        for k, names in enumerate(tiling.sets):
-            cts = {t: w_n * coefs[offsets[k] + i] for i, t in enumerate(names)}
-            parts = [loss.dlogits(lg, st, cts) for loss, st in zip(losses, stats)]
+        for k, names in enumerate(self.tiling.sets):
+            cts = {t: w_n * self.coefs[self.offsets[k] + i] for i, t in enumerate(names)}
+            parts = [loss.dlogits(lg, st, cts) for loss, st in zip(self.losses, stats)]
             g = sum(p for p in parts if p is not None)
-            grads.append(softcap_grad(g, lg.student, tiling.student_cap).astype(dtype))
+            grads.append(softcap_grad(g, lg.student, self.tiling.student_cap).astype(self.dtype))
         return tuple(grads)
 
-    def products(grads, h_n, w_Dc):
+    def products(self, grads, h_n, w_Dc):
         """Each logit gradient [n, c] times the head and the hidden states: K-tuples of [n, D]
         and [D, c] float32 (plain 2-D dots: a batched einsum over K made XLA's CPU dots twice
         as slow); accumulation in float32."""
-        h_Dn = h_n.T.astype(dtype)
+        h_Dn = h_n.T.astype(self.dtype)
         dh = tuple(jnp.dot(g, w_Dc.T, preferred_element_type=f32) for g in grads)
         dw = tuple(jnp.dot(h_Dn, g, preferred_element_type=f32) for g in grads)
         return dh, dw
 
-    def add(xs, ys):
-        return tuple(x + y for x, y in zip(xs, ys))
+    def chunk_sums(self, lg, stats):
+        return tuple(loss.sums(lg, st) for loss, st in zip(self.losses, stats))
 
-    def chunk_sums(lg, stats):
-        return tuple(loss.sums(lg, st) for loss, st in zip(losses, stats))
-
-    def token_terms(stats, sums, y_n, w_n):
-        ok = scored(y_n, w_n, tiling.vocab)
+    def token_terms(self, stats, sums, y_n, w_n):
+        ok = scored(y_n, w_n, self.tiling.vocab)
         terms = {}
-        for loss, st, sm in zip(losses, stats, sums):
-            terms.update(loss.values(st, sm, ok, temp))
+        for loss, st, sm in zip(self.losses, stats, sums):
+            terms.update(loss.values(st, sm, ok, self.temp))
         return terms
 
-    def rows(x_s, x_t, y_n, w_n, top_n):
+    def rows(self, x_s, x_t, y_n, w_n, top_n):
         """Per-token terms and logit gradients of rows whose logits hold the shard's vocabulary."""
-        lg = view(x_s, x_t, y_n, top_n, None)
-        stats = tuple(loss.stats(lg, axes) for loss in losses)
-        terms = token_terms(stats, psum(chunk_sums(lg, stats), axes), y_n, w_n)
-        return terms, (logit_grads(lg, stats, w_n) if with_grads else None)
+        lg = self.view(x_s, x_t, y_n, top_n, None)
+        stats = tuple(loss.stats(lg, self.axes) for loss in self.losses)
+        terms = self.token_terms(stats, psum(self.chunk_sums(lg, stats), self.axes), y_n, w_n)
+        return terms, (self.logit_grads(lg, stats, w_n) if self.with_grads else None)
 
-    def whole_vocabulary(h_n, g_n, y_n, w_n, top_n, bufs):
-        """One chunk's logits made whole (one product per model), then its element-wise work in
-        blocks of `block` rows (the `cpu_blocked` schedule), each block's logit gradients written
-        into its rows of `bufs` (one [chunk, c] buffer per gradient set, reused from chunk to
-        chunk)."""
-        x_s, x_t = head_logits(h_n, g_n, None)
-        xs = (x_s, x_t, y_n, w_n, top_n)
-        if block == chunk:
-            return rows(*xs)
-
-        def one_block(bufs, i):
-            # The block is sliced in the loop body, not handed in as a scanned input: the
-            # element-wise passes then read its rows where they lie (a scanned input is copied
-            # out first, and its unrolled pair once more).
-            b = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * block, block), xs)
-            terms, grads = rows(*b)
-            put = functools.partial(jax.lax.dynamic_update_slice_in_dim, axis=0)
-            return tuple(put(buf, g, i * block) for buf, g in zip(bufs, grads or ())), terms
-
-        # Two blocks per iteration: their independent work can run on two threads at once.
-        bufs, terms = jax.lax.scan(one_block, bufs, jnp.arange(chunk // block), unroll=2)
-        return {t: v.reshape(chunk) for t, v in terms.items()}, (bufs if with_grads else None)
-
-    def step(carry, xs):
-        dw, bufs = carry
-        h_n, g_n, y_n, w_n, top_n = xs
-        dh_n = None
-        if n_vchunks == 1:
-            terms, grads = whole_vocabulary(h_n, g_n, y_n, w_n, top_n, bufs)
-            if with_grads:
-                dh_n, dw_add = products(grads, h_n, ws)
-                dw = add(dw, dw_add)
-                bufs = grads if block < chunk else bufs
-            return (dw, bufs), (terms, dh_n)
-
-        def merge_chunk(acc, k):
-            lg = chunk_logits(h_n, g_n, y_n, top_n, k)
-            return tuple(ls.merge(a, ls.stats(lg, ())) for ls, a in zip(losses, acc)), None
-
-        lg0 = chunk_logits(h_n, g_n, y_n, top_n, 0)
-        first = tuple(loss.stats(lg0, ()) for loss in losses)
-        stats, _ = jax.lax.scan(merge_chunk, first, jnp.arange(1, n_vchunks))
-        stats = tuple(loss.reduce(st, axes) for loss, st in zip(losses, stats))
-        zero = jax.tree.map(
-            lambda s: _varying(tiling, jnp.zeros(s.shape, s.dtype)),
-            jax.eval_shape(chunk_sums, lg0, stats),
-        )
-        needs_pass = with_grads or jax.tree.leaves(zero)
-
-        def second_pass(carry, k):
-            sums, dh_n, dw = carry
-            lg = chunk_logits(h_n, g_n, y_n, top_n, k)
-            sums = jax.tree.map(jnp.add, sums, chunk_sums(lg, stats))
-            if with_grads:
-                dh_k, dw_k = products(logit_grads(lg, stats, w_n), h_n, vslice(ws, k))
-                dw = tuple(
-                    jax.lax.dynamic_update_slice_in_dim(a, vslice(a, k) + b, k * vchunk, -1)
-                    for a, b in zip(dw, dw_k)
-                )
-                dh_n = add(dh_n, dh_k)
-            return (sums, dh_n, dw), None
-
-        sums = zero
-        if needs_pass:
-            dh0 = tuple(_varying(tiling, jnp.zeros((chunk, d_model), f32)) for _ in tiling.sets)
-            carry = (zero, dh0 if with_grads else None, dw)
-            (sums, dh_n, dw), _ = jax.lax.scan(second_pass, carry, jnp.arange(n_vchunks))
-        terms = token_terms(stats, psum(sums, axes), y_n, w_n)
-        return (dw, bufs), (terms, dh_n)
-
-    def cut(x, fill=None):
+    def cut(self, x, fill=None):
         """[B, S, ...] -> [chunks, chunk, ...]; a last chunk the rows do not fill takes copies of
         the last row (`fill`: a constant instead), which weight 0 keeps out of every result."""
         if x is None:
             return None
+        plan = self.plan
         flat = x.reshape(plan.rows, *x.shape[2:])
         if plan.padding:
             widths = [(0, plan.padding)] + [(0, 0)] * (flat.ndim - 1)
@@ -227,35 +171,140 @@ def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
                 flat = jnp.pad(flat, widths, mode="edge")
             else:
                 flat = jnp.pad(flat, widths, constant_values=fill)
-        return flat.reshape(plan.num_chunks, chunk, *flat.shape[1:])
+        return flat.reshape(plan.num_chunks, self.chunk, *flat.shape[1:])
 
-    def uncut(x):
+    def uncut(self, x):
         """[chunks, chunk, ...] -> the shard's rows [B * S, ...], padding dropped."""
-        return x.reshape(plan.num_chunks * chunk, *x.shape[2:])[: plan.rows]
+        return x.reshape(self.plan.num_chunks * self.chunk, *x.shape[2:])[: self.plan.rows]
 
-    dw0, bufs0 = None, ()
-    if with_grads:
-        dw0 = tuple(_varying(tiling, jnp.zeros((d_model, vocab_local), f32)) for _ in tiling.sets)
-        if n_vchunks == 1 and block < chunk:
-            # The logit gradients of every chunk's blocks land in the same buffers.
-            bufs0 = tuple(
-                _varying(tiling, jnp.zeros((chunk, vocab_local), dtype)) for _ in tiling.sets
+
+def _add(xs, ys):
+    return tuple(x + y for x, y in zip(xs, ys))
+
+
+def _whole_vocabulary_step(c: _Chunks, carry, xs):
+    """One token chunk whose logits hold the shard's vocabulary, made by one product per model;
+    its element-wise work in blocks of `block` rows when `block < chunk` (the `cpu_blocked`
+    schedule), each block's logit gradients written into its rows of `bufs` (one [chunk, c]
+    buffer per gradient set, reused from chunk to chunk)."""
+    dw, bufs = carry
+    h_n, g_n, y_n, w_n, top_n = xs
+    x_s, x_t = c.head_logits(h_n, g_n, None)
+    rows_in = (x_s, x_t, y_n, w_n, top_n)
+    if c.block == c.chunk:
+        terms, grads = c.rows(*rows_in)
+    else:
+
+        def one_block(bufs, i):
+            # The block is sliced in the loop body, not handed in as a scanned input: the
+            # element-wise passes then read its rows where they lie (a scanned input is copied
+            # out first, and its unrolled pair once more).
+            b = jax.tree.map(
+                lambda a: jax.lax.dynamic_slice_in_dim(a, i * c.block, c.block), rows_in
             )
-    w = weights.astype(f32)
-    xs = (cut(hs), cut(ht), cut(targets), cut(w, fill=0.0), jax.tree.map(cut, top))
-    (dw, _), (terms, dh) = jax.lax.scan(step, (dw0, bufs0), xs)
-    terms = {k: uncut(v).reshape(batch, seq) for k, v in terms.items()}
-    token_axes = tiling.axes.tokens
+            terms, grads = c.rows(*b)
+            put = functools.partial(jax.lax.dynamic_update_slice_in_dim, axis=0)
+            return tuple(put(buf, g, i * c.block) for buf, g in zip(bufs, grads or ())), terms
+
+        # Two blocks per iteration: their independent work can run on two threads at once.
+        bufs_out, terms = jax.lax.scan(one_block, bufs, jnp.arange(c.chunk // c.block), unroll=2)
+        terms = {t: v.reshape(c.chunk) for t, v in terms.items()}
+        grads = bufs_out if c.with_grads else None
+    dh_n = None
+    if c.with_grads:
+        dh_n, dw_add = c.products(grads, h_n, c.ws)
+        dw = _add(dw, dw_add)
+        bufs = grads if c.block < c.chunk else bufs
+    return (dw, bufs), (terms, dh_n)
+
+
+def _vocabulary_chunks_step(c: _Chunks, carry, xs):
+    """One token chunk over vocabulary chunks: a first pass merges the losses' statistics of
+    each chunk's logits (an online logsumexp), a second makes them again for the sums and the
+    gradients."""
+    dw, bufs = carry
+    h_n, g_n, y_n, w_n, top_n = xs
+    losses, n_vchunks = c.losses, c.n_vchunks
+
+    def merge_chunk(acc, k):
+        lg = c.chunk_logits(h_n, g_n, y_n, top_n, k)
+        return tuple(ls.merge(a, ls.stats(lg, ())) for ls, a in zip(losses, acc)), None
+
+    lg0 = c.chunk_logits(h_n, g_n, y_n, top_n, 0)
+    first = tuple(loss.stats(lg0, ()) for loss in losses)
+    stats, _ = jax.lax.scan(merge_chunk, first, jnp.arange(1, n_vchunks))
+    stats = tuple(loss.reduce(st, c.axes) for loss, st in zip(losses, stats))
+    zero = jax.tree.map(
+        lambda s: _varying(c.tiling, jnp.zeros(s.shape, s.dtype)),
+        jax.eval_shape(c.chunk_sums, lg0, stats),
+    )
+    needs_pass = c.with_grads or jax.tree.leaves(zero)
+
+    def second_pass(carry, k):
+        sums, dh_n, dw = carry
+        lg = c.chunk_logits(h_n, g_n, y_n, top_n, k)
+        sums = jax.tree.map(jnp.add, sums, c.chunk_sums(lg, stats))
+        if c.with_grads:
+            dh_k, dw_k = c.products(c.logit_grads(lg, stats, w_n), h_n, c.vslice(c.ws, k))
+            dw = tuple(
+                jax.lax.dynamic_update_slice_in_dim(a, c.vslice(a, k) + b, k * c.vchunk, -1)
+                for a, b in zip(dw, dw_k)
+            )
+            dh_n = _add(dh_n, dh_k)
+        return (sums, dh_n, dw), None
+
+    sums, dh_n = zero, None
+    if needs_pass:
+        dh0 = tuple(_varying(c.tiling, jnp.zeros((c.chunk, c.d_model), f32)) for _ in c.tiling.sets)
+        carry = (zero, dh0 if c.with_grads else None, dw)
+        (sums, dh_n, dw), _ = jax.lax.scan(second_pass, carry, jnp.arange(n_vchunks))
+    terms = c.token_terms(stats, psum(sums, c.axes), y_n, w_n)
+    return (dw, bufs), (terms, dh_n)
+
+
+def _epilogue(c: _Chunks, terms, dh, dw, w) -> Local:
+    """Every schedule's end: per-token terms back to [B, S], their weighted sums and the head
+    and hidden-state gradients combined over the mesh."""
+    batch, seq = c.batch, c.seq
+    terms = {k: c.uncut(v).reshape(batch, seq) for k, v in terms.items()}
+    token_axes = c.tiling.axes.tokens
     sums = {f"{k}_sum": psum(weighted_sum(v, w), token_axes) for k, v in terms.items()}
     sums["weight_sum"] = psum(jnp.sum(w), token_axes)
-    if not with_grads:
+    if not c.with_grads:
         return Local(terms, sums, None, None)
-    dh = psum(jnp.stack([uncut(g).reshape(batch, seq, d_model) for g in dh]), axes)
-    scatter = tiling.axes.scatter
+    dh = psum(jnp.stack([c.uncut(g).reshape(batch, seq, c.d_model) for g in dh]), c.axes)
+    scatter = c.tiling.axes.scatter
     dw = psum(jnp.stack(dw), tuple(a for a in token_axes if a not in scatter))
     if scatter:
         dw = jax.lax.psum_scatter(dw, scatter, scatter_dimension=1, tiled=True)
     return Local(terms, sums, dh, dw)
+
+
+def _local(tiling: Tiling, with_grads: bool, inputs: Inputs, coefs) -> Local:
+    """The chunk loop on local tokens [B, S] and a local vocabulary slice of the heads: a scan
+    over token chunks of the schedule's step, then the shared epilogue."""
+    c = _Chunks(tiling, with_grads, inputs, coefs)
+    dw0, bufs0 = None, ()
+    if with_grads:
+        dw0 = tuple(
+            _varying(tiling, jnp.zeros((c.d_model, c.vocab_local), f32)) for _ in tiling.sets
+        )
+        if c.n_vchunks == 1 and c.block < c.chunk:
+            # The logit gradients of every chunk's blocks land in the same buffers.
+            bufs0 = tuple(
+                _varying(tiling, jnp.zeros((c.chunk, c.vocab_local), c.dtype)) for _ in tiling.sets
+            )
+    step = _whole_vocabulary_step if c.n_vchunks == 1 else _vocabulary_chunks_step
+    w = c.weights.astype(f32)
+    xs = (
+        c.cut(c.hs),
+        c.cut(c.ht),
+        c.cut(c.targets),
+        c.cut(w, fill=0.0),
+        jax.tree.map(c.cut, c.top),
+    )
+    (dw, _), (terms, dh) = jax.lax.scan(functools.partial(step, c), (dw0, bufs0), xs)
+    return _epilogue(c, terms, dh, dw, w)
 
 
 def _reshard(a, spec, mesh):

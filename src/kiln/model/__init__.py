@@ -5,14 +5,18 @@ implements `LanguageModel`, so the trainer, the distillation objective, Hugging 
 and the size summary never name a concrete class.
 
 Modules: `interface` (`LanguageModel`, `ModelOutput`, `KVCache`), `llama` (the decoder-only
-Transformer), `moe` (llama's blocks with routed experts), `attention` (XLA, cuDNN and Pallas attention kernels behind one call), `project`
-(projections with their gradient-reduction dtype), `student` (the distillation student's extra
-parameters). A new family is one module here and one line in `FAMILIES`.
+Transformer, and Llama/Qwen3 on Hugging Face), `moe` (llama's blocks with routed experts, and
+Qwen3-MoE/Mixtral), `attention` (XLA, cuDNN and Pallas attention kernels behind one call),
+`project` (projections with their gradient-reduction dtype), `student` (the distillation
+student's extra parameters), `hf` (what every family's Hugging Face format shares), `interop`
+(config.json and state dicts through each family's format). A new family is one module or
+package here and one line in `FAMILIES` (its class and its `HFFormat`), plus its config
+section's line in `kiln.config.FAMILY_SECTIONS`.
 
 May import: `kiln.errors`, `kiln.util`, `kiln.data`, `kiln.config`, `kiln.parallel`,
 `kiln.losses` (the head's logits).
 
-Public names: `FAMILIES`, `LanguageModel`, `build_model`, `create_model`, `flops_per_token`,
+Public names: `FAMILIES`, `Family`, `LanguageModel`, `build_model`, `create_model`, `flops_per_token`,
 `summary`, `expert_split`, `state_size`, `state_bytes_per_device`, `check_state_memory`,
 `DTYPES`, `KVCache`, `ModelOutput`; `interface.ROLES`, the roles a parameter declares
 (`nnx.Param(..., role=...)`) for the optimizers.
@@ -21,19 +25,20 @@ Public names: `FAMILIES`, `LanguageModel`, `build_model`, `create_model`, `flops
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from kiln.config import ModelConfig
 from kiln.config.axes import entry_axes
 from kiln.errors import KilnError
+from kiln.model.hf import HFFormat
 from kiln.model.interface import DTYPES, KVCache, LanguageModel, ModelOutput, logits_dtype
-from kiln.model.llama import Transformer
-from kiln.model.moe import MoeTransformer
+from kiln.model.llama import LlamaHF, Transformer
+from kiln.model.moe import MoeHF, MoeTransformer
 from kiln.parallel.mesh import (
     device_memory,
     logical_spec,
@@ -44,16 +49,27 @@ from kiln.parallel.mesh import (
 )
 from kiln.util.humanize import gigabytes, plural
 
-# model.family -> the class that implements it; built as cls(model_cfg, rngs=...).
-FAMILIES: dict[str, type[LanguageModel]] = {
-    "llama": Transformer,
-    "moe": MoeTransformer,
+
+class Family(NamedTuple):
+    """What is a model family's own: the class that implements it (built as
+    `model(model_cfg, rngs=...)`; its parameters declare their roles, its `init_cache` its
+    cache layout) and its Hugging Face format. Its config section is the registry line in
+    `kiln.config.FAMILY_SECTIONS`."""
+
+    model: type[LanguageModel]
+    hf: HFFormat
+
+
+# model.family -> its entry (one line per family).
+FAMILIES: dict[str, Family] = {
+    "llama": Family(Transformer, LlamaHF()),
+    "moe": Family(MoeTransformer, MoeHF()),
 }
 
 
 def build_model(model_cfg: ModelConfig, *, rngs: nnx.Rngs) -> LanguageModel:
     """The configured family's model, initialised eagerly from `rngs` (unsharded)."""
-    return FAMILIES[model_cfg.family](model_cfg, rngs=rngs)
+    return FAMILIES[model_cfg.family].model(model_cfg, rngs=rngs)
 
 
 def create_model(config: Any, mesh, seed: int) -> LanguageModel:
@@ -80,7 +96,7 @@ def param_count(model_cfg: ModelConfig) -> int:
 
 def aux_metrics(model_cfg: ModelConfig, sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """The configured family's scalars from a step's global aux sums (`ModelOutput.aux`)."""
-    return FAMILIES[model_cfg.family].aux_metrics(model_cfg, sums)
+    return FAMILIES[model_cfg.family].model.aux_metrics(model_cfg, sums)
 
 
 def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
@@ -111,20 +127,17 @@ def _shards(state: Any, config: Any, sizes: dict[str, int], derived: bool = Fals
         yield elements, jnp.dtype(x.dtype).itemsize
 
 
-# How `summary` names each optimizer's state (`optim.name`).
-OPTIMIZER_STATE = {
-    "adamw": "AdamW moments",
-    "muon": "Muon momentum + AdamW moments",
-    "adafactor": "Adafactor statistics",
-    "lion": "Lion momentum",
-}
+# An optimizer as the summary and the memory check see it: `init(params) -> state` (traced
+# with shapes only) and the name of the state it keeps ("AdamW moments"). The optimizers live
+# in `kiln.training.optim` (`OPTIMIZERS`); this layer never names one.
+OptimizerInit = Callable[[Any], Any]
 
 
 def summary(
-    config: Any, optimizer: optax.GradientTransformation, num_devices: int | None = None
+    config: Any, init: OptimizerInit, state_name: str, num_devices: int | None = None
 ) -> str:
     """Parameters, FLOPs per token and per-device state memory for the configured mesh:
-    parameters, gradients and the state of `optimizer` (the one `config.optim` makes).
+    parameters, gradients and the optimizer state `init` makes (named `state_name`).
 
     A mesh size of -1 takes the rest of `num_devices` (default: the local devices).
     """
@@ -135,7 +148,7 @@ def summary(
     embed = m.vocab_size * m.d_model
     flops = model.flops_per_token(config.data.seq_len)
     gib = per_device * itemsize / 2**30
-    opt_gib = optimizer_state_bytes(config, optimizer, sizes) / 2**30
+    opt_gib = optimizer_state_bytes(config, init, sizes) / 2**30
     mesh_text = " x ".join(f"{a}={s}" for a, s in sizes.items())
     inactive = model.inactive_params()
     active = [
@@ -155,7 +168,7 @@ def summary(
             *_expert_lines(config, sizes),
             f"memory per device: {per_device:,} parameters x {itemsize} bytes ({m.param_dtype})",
             f"  params {gib:.2f} GiB + grads {gib:.2f} GiB + "
-            f"{OPTIMIZER_STATE[config.optim.name]} {opt_gib:.2f} GiB "
+            f"{state_name} {opt_gib:.2f} GiB "
             f"= {2 * gib + opt_gib:.2f} GiB (state, before activations)",
         ]
     )
@@ -195,15 +208,14 @@ def state_bytes_per_device(state: Any, config: Any, sizes: dict[str, int]) -> in
     return sum(n * itemsize for n, itemsize in _shards(state, config, sizes, derived=True))
 
 
-def optimizer_state_bytes(
-    config: Any, optimizer: optax.GradientTransformation, sizes: dict[str, int]
-) -> int:
-    """Bytes one device holds of `optimizer`'s state for `config.model` on a mesh of `sizes`."""
-    state = jax.eval_shape(optimizer.init, abstract_state(config.model))
+def optimizer_state_bytes(config: Any, init: OptimizerInit, sizes: dict[str, int]) -> int:
+    """Bytes one device holds of the optimizer state `init` makes for `config.model` on a mesh
+    of `sizes`."""
+    state = jax.eval_shape(init, abstract_state(config.model))
     return state_bytes_per_device(state, config, sizes)
 
 
-def check_state_memory(config: Any, mesh, optimizer: optax.GradientTransformation) -> None:
+def check_state_memory(config: Any, mesh, init: OptimizerInit, state_name: str) -> None:
     """KilnError, before any parameter is allocated, when the train state (`summary`'s
     parameters, gradients and optimizer state) cannot fit in the memory of this process's
     devices of `mesh`."""
@@ -214,7 +226,7 @@ def check_state_memory(config: Any, mesh, optimizer: optax.GradientTransformatio
     available, what = memory
     sizes = dict(mesh.shape)
     total, per_device, itemsize = state_size(config, sizes)
-    per_device_bytes = 2 * per_device * itemsize + optimizer_state_bytes(config, optimizer, sizes)
+    per_device_bytes = 2 * per_device * itemsize + optimizer_state_bytes(config, init, sizes)
     needed = per_device_bytes * len(local)
     if needed > available:
         m = config.model
@@ -222,7 +234,7 @@ def check_state_memory(config: Any, mesh, optimizer: optax.GradientTransformatio
             f"model: the train state of {total:,} parameters (d_model={m.d_model}, "
             f"num_layers={m.num_layers}, vocab_size={m.vocab_size}, {m.param_dtype}) needs "
             f"{gigabytes(needed)} for parameters, gradients and "
-            f"{OPTIMIZER_STATE[config.optim.name]}, more than the "
+            f"{state_name}, more than the "
             f"{gigabytes(available)} of {what}; shrink the model or add devices (`kiln config "
             "CONFIG --summary` shows the state per device)"
         )
@@ -231,6 +243,7 @@ def check_state_memory(config: Any, mesh, optimizer: optax.GradientTransformatio
 __all__ = [
     "DTYPES",
     "FAMILIES",
+    "Family",
     "KVCache",
     "LanguageModel",
     "ModelOutput",

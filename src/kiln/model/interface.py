@@ -34,8 +34,9 @@ ROLES = {
 class ModelOutput(NamedTuple):
     """hidden [B,S,D] after the final norm (compute dtype); features [P,B,S,D] or None; aux.
 
-    aux: float32 sums over the call's tokens, keyed by metric tag, which add across
-    micro-batches. A scalar is divided by the global token weight and logged under its tag;
+    aux: float32 sums over the call's tokens (segment id > 0), keyed by metric tag, which add
+    across micro-batches. A scalar is divided by the global count of those tokens (not by the
+    loss weights) and logged under its tag;
     one whose tag ends in `_loss` (e.g. `learning/router_z_loss`, already times its weight)
     is also added to the loss, so it gets gradients. An array (e.g. per-layer counts) is a
     statistic that the family's `aux_metrics` turns into scalars, and `update_balance` reads.
@@ -82,6 +83,11 @@ class LanguageModel(Protocol):
 
     def init_cache(self, batch: int, length: int) -> KVCache:
         """An empty cache of `length` slots per row (zeros; index 0)."""
+        ...
+
+    def constrain_cache(self, cache: KVCache) -> KVCache:
+        """`cache` pinned to the family's layout on the mesh (rows split like the batch), so
+        each decode step keeps one sharding."""
         ...
 
     def extend(

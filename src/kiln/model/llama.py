@@ -8,6 +8,7 @@ L layers.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from kiln.config import ModelConfig
 from kiln.errors import KilnError
 from kiln.losses import logits as head_logits
 from kiln.model.attention import attention, cached_attention, causal_attention
+from kiln.model.hf import HFFormat, Tensor, unsupported
 from kiln.model.interface import CACHE_LBTKH, DTYPES, KVCache, ModelOutput, logits_dtype
 from kiln.model.project import project
 from kiln.parallel.mesh import constrain
@@ -387,6 +389,15 @@ class Transformer(nnx.Module):
         segment_ids_BT = constrain(jnp.zeros((batch, length), jnp.int32), ("batch", None))
         return KVCache(kv, kv, segment_ids_BT, jnp.zeros((), jnp.int32))
 
+    def constrain_cache(self, cache: KVCache) -> KVCache:
+        """The cache pinned to its layout: rows split like the batch, heads like the keys'."""
+        return KVCache(
+            constrain(cache.k, CACHE_LBTKH),
+            constrain(cache.v, CACHE_LBTKH),
+            constrain(cache.segment_ids, ("batch", None)),
+            cache.index,
+        )
+
     def extend(self, inputs_BS, positions_BS, segment_ids_BS, cache: KVCache, *, fresh=False):
         """Hidden states [B,S,D] of new tokens written at `cache.index`, and the cache after.
 
@@ -492,3 +503,90 @@ def stacked_blocks(
         return block(cfg, rngs=layer_rngs)
 
     return make(rngs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face: Llama, and Qwen3 with model.qk_norm
+
+# HF name inside layer i, kiln path inside its stack, leading kiln dims that are HF's input
+# dims (None = a vector, same layout). Linear weights are [out, in] in HF: wq [D,N,H] ->
+# q_proj [N*H, D], wk/wv [D,K,H] -> [K*H, D], wo [N,H,D] -> o_proj [D, N*H], w_gate/w_up
+# [D,F] -> [F, D], w_down [F,D] -> [D, F], lm_head [D,V] -> [V, D]. Both use the rotate-half
+# rotary layout (HF's `rotate_half`, same frequencies), so q/k map without the head-dim
+# permutation HF's script applies to Meta's interleaved checkpoints (tests/test_hf.py).
+ATTENTION_TENSORS = (
+    ("self_attn.q_proj.weight", ("attn", "wq"), 1),
+    ("self_attn.k_proj.weight", ("attn", "wk"), 1),
+    ("self_attn.v_proj.weight", ("attn", "wv"), 1),
+    ("self_attn.o_proj.weight", ("attn", "wo"), 2),
+    ("input_layernorm.weight", ("attn_norm", "scale"), None),
+    ("post_attention_layernorm.weight", ("mlp_norm", "scale"), None),
+)
+MLP_TENSORS = (
+    ("mlp.gate_proj.weight", ("mlp", "w_gate"), 1),
+    ("mlp.up_proj.weight", ("mlp", "w_up"), 1),
+    ("mlp.down_proj.weight", ("mlp", "w_down"), 1),
+)
+# Qwen3's per-head query/key RMSNorm weights [H], for models with model.qk_norm.
+QK_NORM_TENSORS = (
+    ("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), None),
+    ("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), None),
+)
+FULL_ATTENTION = {"use_sliding_window": False, "sliding_window": None}
+
+
+class LlamaHF(HFFormat):
+    """Hugging Face's Llama; with `model.qk_norm`, Qwen3 (Llama's attention plus an RMSNorm of
+    each query and key head over head_dim, weighted per channel, before the rotary
+    embedding), with every layer on full attention (no sliding window)."""
+
+    architectures: ClassVar[dict[str, str]] = {
+        "llama": "LlamaForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+    }
+
+    def model_type(self, m) -> str:
+        return "qwen3" if m.qk_norm else "llama"
+
+    def config_fields(self, m, kind: str) -> dict:
+        qwen3 = {
+            **FULL_ATTENTION,
+            "max_window_layers": m.num_layers,
+            "layer_types": ["full_attention"] * m.num_layers,
+        }
+        fields = {"intermediate_size": m.d_ff, "attention_bias": False, "mlp_bias": False}
+        return {**(qwen3 if kind == "qwen3" else {}), **fields}
+
+    def check_import(self, hf, path, kind: str) -> None:
+        full_attention_only(hf, path)
+
+    def section(self, hf, path, kind: str) -> dict:
+        return {"qk_norm": kind.startswith("qwen3")}
+
+    def attention_tensors(self, m, layer: int, stack: str, index: int) -> list[Tensor]:
+        names = ATTENTION_TENSORS + (QK_NORM_TENSORS if m.qk_norm else ())
+        return [
+            Tensor(f"model.layers.{layer}.{name}", (stack, *path), (index,), n_in)
+            for name, path, n_in in names
+        ]
+
+    def mlp_tensors(self, layer: int, stack: str, index: int) -> list[Tensor]:
+        return [
+            Tensor(f"model.layers.{layer}.{name}", (stack, *path), (index,), n_in)
+            for name, path, n_in in MLP_TENSORS
+        ]
+
+    def layer_tensors(self, m, kind: str, layer: int) -> list[Tensor]:
+        attention = self.attention_tensors(m, layer, "blocks", layer)
+        return attention + self.mlp_tensors(layer, "blocks", layer)
+
+
+def full_attention_only(hf, path) -> None:
+    """KilnError unless a Qwen3-shaped config.json has every layer on full attention."""
+    if not str(hf.get("model_type", "")).startswith("qwen3"):
+        return
+    sliding = hf.get("use_sliding_window", False)
+    layer_types = set(hf.get("layer_types") or ["full_attention"])
+    if sliding or layer_types != {"full_attention"}:
+        field, value = ("use_sliding_window", sliding) if sliding else ("layer_types", layer_types)
+        raise unsupported(path, field, value, "full attention in every layer")

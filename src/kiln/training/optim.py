@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -128,37 +128,63 @@ def match_adamw_rms(rms_scale: float) -> optax.GradientTransformation:
     return optax.stateless(lambda updates, params=None: _per_parameter(scaled, updates))
 
 
-def _direction(cfg: OptimConfig) -> optax.GradientTransformation:
-    """The configured optimizer's update direction, before weight decay and learning rate."""
-    adam = optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
-    if cfg.name == "adamw":
-        return adam
-    if cfg.name == "muon":
-        m = cfg.muon
-        matrices = optax.chain(
-            scale_by_muon(
-                ns_steps=m.ns_steps,
-                beta=m.beta,
-                nesterov=m.nesterov,
-                weight_dimension_numbers=_muon_dimension_tree,
-            ),
-            match_adamw_rms(m.rms_scale),
+def _adamw(cfg: OptimConfig) -> optax.GradientTransformation:
+    return optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+
+
+def _muon(cfg: OptimConfig) -> optax.GradientTransformation:
+    m = cfg.muon
+    matrices = optax.chain(
+        scale_by_muon(
+            ns_steps=m.ns_steps,
+            beta=m.beta,
+            nesterov=m.nesterov,
+            weight_dimension_numbers=_muon_dimension_tree,
+        ),
+        match_adamw_rms(m.rms_scale),
+    )
+    return optax.partition({"muon": matrices, "adamw": _adamw(cfg)}, muon_labels)
+
+
+def _adafactor(cfg: OptimConfig) -> optax.GradientTransformation:
+    a = cfg.adafactor
+    parts = [
+        optax.scale_by_factored_rms(
+            factored=a.factored,
+            decay_rate=a.decay_rate,
+            min_dim_size_to_factor=a.min_dim_size_to_factor,
+            epsilon=a.eps,
         )
-        return optax.partition({"muon": matrices, "adamw": adam}, muon_labels)
-    if cfg.name == "adafactor":
-        a = cfg.adafactor
-        parts = [
-            optax.scale_by_factored_rms(
-                factored=a.factored,
-                decay_rate=a.decay_rate,
-                min_dim_size_to_factor=a.min_dim_size_to_factor,
-                epsilon=a.eps,
-            )
-        ]
-        if a.clipping_threshold is not None:
-            parts.append(optax.clip_by_block_rms(a.clipping_threshold))
-        return optax.chain(*parts)
+    ]
+    if a.clipping_threshold is not None:
+        parts.append(optax.clip_by_block_rms(a.clipping_threshold))
+    return optax.chain(*parts)
+
+
+def _lion(cfg: OptimConfig) -> optax.GradientTransformation:
     return optax.scale_by_lion(b1=cfg.lion.b1, b2=cfg.lion.b2)
+
+
+class Optimizer(NamedTuple):
+    """An `optim.name`: its update direction (before weight decay and learning rate) and how
+    `kiln config --summary` names the state it keeps."""
+
+    direction: Callable[[OptimConfig], optax.GradientTransformation]
+    state: str
+
+
+# optim.name -> its optimizer (one line per optimizer; the schema's `optim.name` lists these).
+OPTIMIZERS: dict[str, Optimizer] = {
+    "adamw": Optimizer(_adamw, "AdamW moments"),
+    "muon": Optimizer(_muon, "Muon momentum + AdamW moments"),
+    "adafactor": Optimizer(_adafactor, "Adafactor statistics"),
+    "lion": Optimizer(_lion, "Lion momentum"),
+}
+
+
+def state_name(cfg: OptimConfig) -> str:
+    """How the summary and the memory check name the configured optimizer's state."""
+    return OPTIMIZERS[cfg.name].state
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
@@ -172,7 +198,7 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     parts = []
     if cfg.grad_clip is not None:
         parts.append(optax.clip_by_global_norm(cfg.grad_clip))
-    parts.append(_direction(cfg))
+    parts.append(OPTIMIZERS[cfg.name].direction(cfg))
     if cfg.weight_decay:
         parts.append(optax.add_decayed_weights(cfg.weight_decay, mask=lambda p: decay_mask(p, cfg)))
     return optax.chain(*parts)

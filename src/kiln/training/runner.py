@@ -43,7 +43,7 @@ from kiln.runs.rundir import RunComplete, keep_config_history, move_aside, resta
 from kiln.training import train
 from kiln.training.loop import Loop, checkpoint_tree
 from kiln.training.metrics import MetricsLogger
-from kiln.training.optim import make_optimizer
+from kiln.training.optim import make_optimizer, state_name
 from kiln.training.profiling import compilation_cache_for
 from kiln.training.resume import check_start, starts_over
 from kiln.training.scoring import Evaluator, load_tasks
@@ -281,7 +281,7 @@ def _prepare(config, build, command, check, lock, started, restart, wrap) -> Pre
     notes = resume_notes(config, restart)
     mesh = make_mesh(config)
     # Before data is read or a parameter allocated.
-    check_state_memory(config, mesh, make_optimizer(config.optim))
+    check_state_memory(config, mesh, make_optimizer(config.optim).init, state_name(config.optim))
     check_attention(config.model.attention, mesh.devices.flat[0].platform, config.model.dtype)
     check_wandb(config)
     if check is not None:

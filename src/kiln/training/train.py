@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from kiln import losses
 from kiln.config import Config
 from kiln.errors import KilnError
-from kiln.model import aux_metrics, build_model, create_model, flops_per_token
+from kiln.model import ModelOutput, aux_metrics, build_model, create_model, flops_per_token
 from kiln.model.project import grad_reduce_dtype
 from kiln.parallel.mesh import (
     InMesh,
@@ -104,16 +104,25 @@ def shardings_of(tree):
 class Objective(struct.PyTreeNode):
     """What a step optimises, as weighted sums over tokens that add across micro-batches.
 
-    An objective names its sums (`sum_keys`, always with `weight_sum`, the token weight) and
-    implements `loss_sums(model, batch, coefficients) -> (value, sums)`: float32 scalar sums of
-    one micro-batch and a scalar `value` whose gradient, summed over the micro-batches and
-    divided once by the global `weight_sum`, is the gradient of `finalize(global sums)[0]`.
-    `finalize(sums) -> (loss, aux)` turns the global sums into the loss and its diagnostics
-    (aux keys containing "/" are logged as metrics under that tag). An objective whose value
-    weights its sums by coefficients that depend on the *global* sums (dynamic balancing) sets
+    The objective calls the model (`loss_sums`) and adds the model's own terms (`ModelOutput.aux`:
+    an MoE router's losses and statistics) to what a subclass computes, so that no subclass
+    mentions them. A subclass names its sums (`sum_keys`, always with `weight_sum`, the token
+    weight) and implements two methods:
+
+    - `sums(model, out, batch, coefficients) -> (value, sums)`: from the model's output `out`
+      (`ModelOutput`) on one micro-batch, float32 scalar sums and a scalar `value` whose
+      gradient, summed over the micro-batches and divided once by the global `weight_sum`, is
+      the gradient of `result(global sums)[0]`;
+    - `result(sums) -> (loss, metrics)`: the loss and its diagnostics from the global sums
+      (keys containing "/" are logged as metrics under that tag).
+
+    The model's aux scalars are sums over the tokens it ran (segment id > 0, counted in
+    `token_sum`), so they are divided by those tokens, not by the loss weights: a batch whose
+    prompts weigh 0 keeps its router losses at their scale. An objective whose value weights
+    its sums by coefficients that depend on the *global* sums (dynamic balancing) sets
     `needs_global_sums` and implements `coefficients(sums)`: with several micro-batches a
-    forward pass computes the global sums first; with one, `loss_sums` gets None and derives
-    them from its own sums. Arrays an objective holds (e.g. a teacher's parameters) are pytree
+    forward pass computes the global sums first; with one, `sums` gets None and derives them
+    from its own sums. Arrays an objective holds (e.g. a teacher's parameters) are pytree
     fields, passed to the jitted step as arguments; settings are static fields.
     """
 
@@ -129,14 +138,46 @@ class Objective(struct.PyTreeNode):
         """This objective at a (traced) train step, for settings on a schedule."""
         return self
 
-    def loss_sums(self, model, batch: Batch, coefficients: Any) -> tuple[jax.Array, Sums]:
+    def collect(self) -> tuple[int, ...]:
+        """The blocks (0-based) whose residual stream `sums` reads as `out.features`."""
+        return ()
+
+    def sums(
+        self, model, out: ModelOutput, batch: Batch, coefficients: Any
+    ) -> tuple[jax.Array, Sums]:
+        raise NotImplementedError
+
+    def result(self, sums: Sums) -> tuple[jax.Array, dict[str, jax.Array]]:
         raise NotImplementedError
 
     def coefficients(self, sums: Sums) -> Any:
         raise NotImplementedError(f"{type(self).__name__} does not use global coefficients")
 
+    def loss_sums(
+        self, model, batch: Batch, coefficients: Any = None, totals: Batch | None = None
+    ) -> tuple[jax.Array, Sums]:
+        """(value, sums) of one micro-batch: the subclass's, with the model's aux sums and
+        `token_sum` added, and the model's loss terms in the value. `totals` (`batch_totals`
+        of the global batch; None: of `batch`) scale those terms so that the one division by
+        the global weight leaves them per token the model ran."""
+        out = model.hidden_states(
+            batch["inputs"], batch["positions"], batch["segment_ids"], collect=self.collect()
+        )
+        value, sums = self.sums(model, out, batch, coefficients)
+        totals = batch_totals(batch) if totals is None else totals
+        sums = {**sums, **out.aux, "token_sum": batch_totals(batch)["token_sum"]}
+        for k in aux_loss_keys(out.aux):
+            value = value + out.aux[k] * _per_model_token(totals)
+        return value, sums
+
     def finalize(self, sums: Sums) -> tuple[jax.Array, dict[str, jax.Array]]:
-        raise NotImplementedError
+        """(loss, aux) of the global sums: the subclass's result plus the model's loss terms
+        per token it ran, and its aux scalars and statistics (`aux_results`)."""
+        loss, metrics = self.result(sums)
+        model = aux_results(self.config, sums)
+        for k in aux_loss_keys(sums):
+            loss = loss + model[k]
+        return loss, {**metrics, **model}
 
     def pinned_inputs(self) -> dict[str, Any]:
         """Inputs beyond the data that a resumed run must keep (recorded in inputs.json)."""
@@ -147,10 +188,33 @@ class Objective(struct.PyTreeNode):
         return flops_per_token(self.config.model, self.config.data.seq_len)
 
 
+def batch_totals(batch: Batch) -> Sums:
+    """float32 `weight_sum` (the loss weights) and `token_sum` (tokens with segment id > 0,
+    those a model's aux sums are over) of a batch."""
+    return {
+        "weight_sum": jnp.sum(batch["weights"].astype(jnp.float32)),
+        "token_sum": jnp.sum((batch["segment_ids"] > 0).astype(jnp.float32)),
+    }
+
+
+def _per_model_token(totals: Sums) -> jax.Array:
+    """The factor that turns a sum over model tokens, once divided by the weight as every
+    gradient is (`token_mean`), into a sum per model token: weight / tokens (0 without tokens)."""
+    weight, tokens = totals["weight_sum"], totals["token_sum"]
+    weight = jnp.where(weight > 0, weight, 1.0)
+    return jnp.where(tokens > 0, weight / jnp.where(tokens > 0, tokens, 1.0), 0.0)
+
+
 def token_mean(total: jax.Array, sums: Sums) -> jax.Array:
     """A sum divided by the token weight `sums["weight_sum"]` (0 for a batch of only padding)."""
     weight = sums["weight_sum"]
     return total / jnp.where(weight > 0, weight, 1.0)
+
+
+def model_token_mean(total: jax.Array, sums: Sums) -> jax.Array:
+    """A sum of the model's aux divided by the tokens it ran, `sums["token_sum"]`."""
+    tokens = sums["token_sum"]
+    return total / jnp.where(tokens > 0, tokens, 1.0)
 
 
 def aux_loss_keys(sums: Sums) -> list[str]:
@@ -158,19 +222,12 @@ def aux_loss_keys(sums: Sums) -> list[str]:
     return [k for k, v in sums.items() if "/" in k and k.endswith("_loss") and jnp.ndim(v) == 0]
 
 
-def with_aux_loss(total: jax.Array, sums: Sums) -> jax.Array:
-    """`total` plus the model's loss terms among the sums; `total` itself when it has none."""
-    for k in aux_loss_keys(sums):
-        total = total + sums[k]
-    return total
-
-
 def aux_results(config: Config, sums: Sums) -> dict[str, jax.Array]:
     """What `finalize` reports of the model's aux sums (`ModelOutput.aux`): each scalar per
-    token under its tag, the family's `aux_metrics` of the arrays, and the arrays themselves
-    (global sums, for `update_balance`)."""
+    token the model ran under its tag, the family's `aux_metrics` of the arrays, and the
+    arrays themselves (global sums, for `update_balance`)."""
     model_sums = {k: v for k, v in sums.items() if "/" in k}
-    scalars = {k: token_mean(v, sums) for k, v in model_sums.items() if jnp.ndim(v) == 0}
+    scalars = {k: model_token_mean(v, sums) for k, v in model_sums.items() if jnp.ndim(v) == 0}
     arrays = {k: v for k, v in model_sums.items() if jnp.ndim(v) > 0}
     return {**scalars, **(aux_metrics(config.model, arrays) if arrays else {}), **arrays}
 
@@ -194,24 +251,21 @@ def lm_loss_sums(config: Config, hidden_BSD, head_DV, batch: Batch, mesh) -> Sum
 
 
 class LMObjective(Objective):
-    """Pre-training: the language-model loss (cross-entropy with z-loss) per token, plus the
-    model's own loss terms (`ModelOutput.aux`, e.g. an MoE router's z-loss)."""
+    """Pre-training: the language-model loss (cross-entropy with z-loss) per token; the model's
+    own loss terms (an MoE router's) join it in `Objective`."""
 
     sum_keys: ClassVar[tuple[str, ...]] = ("loss_sum", "z_loss_sum", "weight_sum")
 
-    def loss_sums(self, model, batch: Batch, coefficients: Any = None):
-        out = model.hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"])
+    def sums(self, model, out, batch: Batch, coefficients: Any = None):
         sums = lm_loss_sums(self.config, out.hidden, model.head_weight(), batch, self.mesh)
-        sums = {**sums, **out.aux}
-        return with_aux_loss(sums["loss_sum"], sums), sums
+        return sums["loss_sum"], sums
 
-    def finalize(self, sums: Sums):
+    def result(self, sums: Sums):
         aux = {
             "learning/z_loss": token_mean(sums["z_loss_sum"], sums),
             "learning/total_weights": sums["weight_sum"],
-            **aux_results(self.config, sums),
         }
-        return token_mean(with_aux_loss(sums["loss_sum"], sums), sums), aux
+        return token_mean(sums["loss_sum"], sums), aux
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,8 +293,10 @@ def objective_loss_and_grads(objective: Objective, state: TrainState, batch: Bat
     objective = objective.for_step(state.step)
     accum = config.train.gradient_accumulation_steps
 
+    totals = batch_totals(batch)  # of the global batch: the model's loss terms per its tokens
+
     def loss_sums(params, mb, coefficients):
-        return objective.loss_sums(state.model(params), mb, coefficients)
+        return objective.loss_sums(state.model(params), mb, coefficients, totals)
 
     reduce_dtype = None if config.train.grad_reduce_dtype == "compute" else jnp.float32
 

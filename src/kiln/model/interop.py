@@ -1,0 +1,148 @@
+"""Hugging Face config.json and state dicts <-> kiln models, through each family's `HFFormat`
+(`kiln.model.FAMILIES`): the commands name no family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from kiln.errors import KilnError
+from kiln.model import FAMILIES, Family, abstract_state
+from kiln.model.hf import (
+    IGNORED_SUFFIXES,
+    TOP_TENSORS,
+    Tensor,
+    common_config,
+    common_section,
+    from_hf,
+    get,
+    hf_shape,
+    put,
+    to_hf,
+    unsupported,
+)
+
+
+def architectures() -> dict[str, str]:
+    """Every model_type kiln reads and writes, with its architecture class, family by family."""
+    return {k: v for family in FAMILIES.values() for k, v in family.hf.architectures.items()}
+
+
+def _family_of(kind: str) -> Family:
+    return next(f for f in FAMILIES.values() if kind in f.hf.architectures)
+
+
+def model_type(model_cfg) -> str:
+    """The Hugging Face model_type a kiln model exports as."""
+    return FAMILIES[model_cfg.family].hf.model_type(model_cfg)
+
+
+def hf_config(model_cfg, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
+    """config.json of the Hugging Face model equal to kiln's (`model_type`); KilnError if HF
+    cannot hold it."""
+    fmt = FAMILIES[model_cfg.family].hf
+    kind = fmt.model_type(model_cfg)
+    fmt.check_exportable(model_cfg, kind)
+    common = common_config(model_cfg, kind, fmt.architectures[kind])
+    head = {k: common.pop(k) for k in ("architectures", "model_type")}
+    return {
+        **head,
+        **fmt.config_fields(model_cfg, kind),
+        **common,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "use_cache": True,
+    }
+
+
+def export_notes(model_cfg) -> list[str]:
+    """What an export leaves behind that changes no inference result."""
+    return FAMILIES[model_cfg.family].hf.export_notes(model_cfg)
+
+
+def model_section(hf: Mapping[str, Any], path: Path, param_dtype: str) -> dict[str, Any]:
+    """kiln's `model` section from a config.json of a model_type some family reads; KilnError
+    naming what kiln cannot hold."""
+    known = architectures()
+    kind = hf.get("model_type")
+    if kind not in known:
+        raise unsupported(path, "model_type", kind, "'" + "', '".join(known) + "'")
+    arch = hf.get("architectures") or [known[kind]]
+    if arch != [known[kind]]:
+        raise unsupported(path, "architectures", arch, f"[{known[kind]!r}]")
+    fmt = _family_of(kind).hf
+    fmt.check_import(hf, path, kind)
+    section = common_section(hf, path, param_dtype)
+    return {**section, **fmt.section(hf, path, kind)}
+
+
+def describe(model_cfg) -> str:
+    """The family's shape as `kiln import-hf` reports it after the layer count."""
+    return FAMILIES[model_cfg.family].hf.describe(model_cfg)
+
+
+def _tensors(model_cfg) -> list[Tensor]:
+    """Every tensor of the model, in order: for each kiln array, its items in index order."""
+    m = model_cfg
+    fmt = FAMILIES[m.family].hf
+    kind = fmt.model_type(m)
+    out = [
+        Tensor(name, path, (), n_in)
+        for name, path, n_in in TOP_TENSORS
+        if not (path == ("lm_head",) and m.tie_embeddings)
+    ]
+    for i in range(m.num_layers):
+        out += fmt.layer_tensors(m, kind, i)
+    return out
+
+
+def kiln_to_hf(model_cfg, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """HF state dict (numpy) from kiln's pure parameter dict (stacked blocks)."""
+    return {
+        t.name: to_hf(np.asarray(get(params, t.path))[t.index], t.n_in) for t in _tensors(model_cfg)
+    }
+
+
+def hf_to_kiln(model_cfg, tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """kiln's pure parameter dict from an HF state dict; KilnError naming a bad tensor."""
+    shapes = _shapes(nnx.to_pure_dict(abstract_state(model_cfg)))
+    expected = _tensors(model_cfg)
+    names = {t.name for t in expected}
+    if model_cfg.tie_embeddings:
+        names.add("lm_head.weight")  # stored by some tied checkpoints; HF ignores it too
+    unexpected = sorted(n for n in tensors if n not in names and not n.endswith(IGNORED_SUFFIXES))
+    if unexpected:
+        raise KilnError(
+            f"unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all); the "
+            f"{architectures()[model_type(model_cfg)]} config.json describes has no such tensor "
+            "(kiln holds no biases)"
+        )
+    items: dict[tuple[str, ...], list[np.ndarray]] = {}
+    for t in expected:
+        full = get(shapes, t.path)
+        shape = full[len(t.index) :]
+        want = hf_shape(shape, t.n_in)
+        if t.name not in tensors:
+            raise KilnError(f"missing tensor {t.name!r} (expected shape {list(want)})")
+        w = tensors[t.name]
+        if tuple(w.shape) != want:
+            raise KilnError(
+                f"tensor {t.name!r} has shape {list(w.shape)}, but config.json implies {list(want)}"
+            )
+        items.setdefault(t.path, []).append(from_hf(w, shape, t.n_in))
+    out: dict[str, Any] = {}
+    for path, arrays in items.items():
+        # One array per index, in index order: stacked, they are kiln's array.
+        put(out, path, np.stack(arrays).reshape(get(shapes, path)))
+    return out
+
+
+def _shapes(tree):
+    if isinstance(tree, Mapping):
+        return {k: _shapes(v) for k, v in tree.items()}
+    return tuple(tree.shape)
