@@ -45,7 +45,7 @@ class Arm:
         self.batch = train.place_batch(raw, mesh, c)
         compiled = self.step.lower(self.state, self.batch).compile()
         self.memory = compiled.memory_analysis()
-        self.state_bytes = optimizer_state_bytes(c, make_optimizer(c.optim), dict(mesh.shape))
+        self.state_bytes = optimizer_state_bytes(c, make_optimizer(c.optim).init, dict(mesh.shape))
 
     def run(self, n: int) -> list[float]:
         times = []

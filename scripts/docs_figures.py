@@ -370,7 +370,7 @@ def disagreements(records: dict[str, dict[str, Any]]) -> list[str]:
     from kiln.commands.compile import StepReport, summary_lines
     from kiln.config import load_config
     from kiln.model import summary
-    from kiln.training.optim import make_optimizer
+    from kiln.training.optim import make_optimizer, state_name
 
     out = {name: record["output"] for name, record in records.items()}
     problems = []
@@ -382,7 +382,9 @@ def disagreements(records: dict[str, dict[str, Any]]) -> list[str]:
         overrides = [a for a in args if "=" in a]
         config = load_config(REPO / args[1], overrides)
         report = StepReport(**out[compiled])
-        want = summary(config, make_optimizer(config.optim), report.devices).splitlines()
+        optimizer = make_optimizer(config.optim)
+        want = summary(config, optimizer.init, state_name(config.optim), report.devices)
+        want = want.splitlines()
         want += summary_lines(report, hbm_gb).splitlines()
         if out[name] != want:
             problems.append(f"{name}: the recorded summary is not the one of the {compiled} record")

@@ -235,8 +235,25 @@ def test_import_refusals_name_the_field(hf_dirs, tmp_path, kind, config, drop, m
         ({"qk_norm": True, "moe": {"num_shared_experts": 1}}, "model.moe.num_shared_experts: 1"),
         ({"moe": {"first_dense_layers": 1}}, "model.moe.first_dense_layers: 1, but Mixtral"),
         ({"moe": {"norm_topk_prob": False}}, "model.moe.norm_topk_prob: false, but Mixtral"),
+        ({"qk_norm": True, "moe": {"score": "sigmoid"}}, "model.moe.score: sigmoid, but"),
+        (
+            {"moe": {"num_experts": 8, "n_group": 4, "topk_group": 2}},
+            "model.moe.n_group: 4, but Hugging Face MixtralForCausalLM routes by a softmax",
+        ),
+        (
+            {"qk_norm": True, "moe": {"routed_scaling_factor": 2.5}},
+            "model.moe.routed_scaling_factor: 2.5",
+        ),
     ],
-    ids=["aux_free", "shared_experts", "mixtral_dense_layers", "mixtral_norm_topk_prob"],
+    ids=[
+        "aux_free",
+        "shared_experts",
+        "mixtral_dense_layers",
+        "mixtral_norm_topk_prob",
+        "sigmoid",
+        "groups",
+        "scaling",
+    ],
 )
 def test_export_refuses_what_hf_moe_cannot_hold(tmp_path, model, message):
     # Refused from config.yaml alone, before any checkpoint is read.

@@ -47,24 +47,44 @@ def _silu(x):
     return x / (1 + np.exp(-x))
 
 
+def choose(scores, bias, moe):
+    """A token's experts, as DeepSeek-V3's router picks them (softmax routers too): the top-k
+    of scores + bias within the topk_group groups whose two best biased scores sum highest."""
+    choice = scores + bias
+    if moe.n_group > 1:
+        groups = choice.reshape(moe.n_group, -1)
+        worth = np.sort(groups, axis=-1)[:, -2:].sum(-1)
+        kept = np.argsort(-worth, kind="stable")[: moe.topk_group]
+        mask = np.zeros(moe.n_group, bool)
+        mask[kept] = True
+        choice = np.where(np.repeat(mask, groups.shape[1]), choice, -np.inf)
+    return np.argsort(-choice, kind="stable")[: moe.experts_per_token]
+
+
 def reference(p, x, moe, g):
-    """(y, dL/dx, dL/dparams) in float64 for L = sum(g * y), token by token."""
+    """(y, dL/dx, dL/dparams) in float64 for L = sum(g * y), token by token; `p["bias"]`: the
+    aux_free bias (not differentiated)."""
     x, g = np.asarray(x, np.float64).reshape(-1, D), np.asarray(g, np.float64).reshape(-1, D)
     p = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    bias = p.pop("bias", np.zeros(moe.num_experts))
     grads = {k: np.zeros_like(v) for k, v in p.items()}
     y, dx = np.zeros_like(x), np.zeros_like(x)
+    scale = moe.routed_scaling_factor
     for t in range(x.shape[0]):
         logits = x[t] @ p["router"]
-        probs = np.exp(logits - logits.max())
-        probs /= probs.sum()
-        top = np.argsort(-probs, kind="stable")[: moe.experts_per_token]
+        if moe.score == "sigmoid":
+            probs = 1 / (1 + np.exp(-logits))
+        else:
+            probs = np.exp(logits - logits.max())
+            probs /= probs.sum()
+        top = choose(probs, bias, moe)
         total = probs[top].sum() if moe.norm_topk_prob else 1.0
         dw = np.zeros(len(top))
         for j, e in enumerate(top):
             gate, up = x[t] @ p["w_gate"][e], x[t] @ p["w_up"][e]
             h = _silu(gate) * up
             out = h @ p["w_down"][e]
-            w = probs[e] / total
+            w = scale * probs[e] / total
             y[t] += w * out
             dw[j] = g[t] @ out
             # Through the expert, scaled by its weight.
@@ -88,13 +108,17 @@ def reference(p, x, moe, g):
             grads["shared_gate"] += np.outer(x[t], dgate)
             grads["shared_up"] += np.outer(x[t], dup)
             dx[t] += p["shared_gate"] @ dgate + p["shared_up"] @ dup
-        # Through the weights: w_j = p_j / total (renormalised) or p_j, p = softmax(logits).
+        # Through the weights: w_j = scale * p_j / total (renormalised) or scale * p_j, with
+        # p = softmax(logits) or sigmoid(logits).
         dp = np.zeros_like(probs)
         if moe.norm_topk_prob:
-            dp[top] = (dw - np.sum(dw * probs[top]) / total) / total
+            dp[top] = scale * (dw - np.sum(dw * probs[top]) / total) / total
         else:
-            dp[top] = dw
-        dlogits = probs * (dp - np.sum(dp * probs))
+            dp[top] = scale * dw
+        if moe.score == "sigmoid":
+            dlogits = dp * probs * (1 - probs)
+        else:
+            dlogits = probs * (dp - np.sum(dp * probs))
         grads["router"] += np.outer(x[t], dlogits)
         dx[t] += p["router"] @ dlogits
     return y, dx, grads
@@ -138,6 +162,16 @@ SETTINGS = {
     "E8 k2 shared 1": {"num_shared_experts": 1},
     "E8 k3 raw probs": {"experts_per_token": 3, "norm_topk_prob": False},
     "E8 k2 ragged_dot": {"grouped_matmul": "ragged_dot"},
+    # DeepSeek-V3's router: sigmoid scores, 2 of 4 groups, scaled weights, a routing bias.
+    "E8 k2 sigmoid groups": {
+        "score": "sigmoid",
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 2.5,
+        "balance": "aux_free",
+        "num_shared_experts": 1,
+    },
+    "E8 k3 sigmoid raw": {"score": "sigmoid", "experts_per_token": 3, "norm_topk_prob": False},
 }
 
 
@@ -154,12 +188,36 @@ def test_layer_and_its_gradients_equal_the_float64_per_token_reference(inputs, s
     x, g, segments = inputs
     cfg = moe_config(**SETTINGS[setting]).model
     layer = MoeMlp(cfg, rngs=nnx.Rngs(1))
-    want_y, want_dx, want_grads = reference(layer_params(layer), x, cfg.moe, g)
+    params = layer_params(layer)
+    if layer.bias is not None:  # a bias that changes the choices (scores lie in 0..1)
+        layer.bias[...] = jnp.asarray(np.random.default_rng(2).uniform(-0.3, 0.3, 8), jnp.float32)
+        params["bias"] = layer.bias[...]
+    want_y, want_dx, want_grads = reference(params, x, cfg.moe, g)
     y, dx, grads = run_layer(layer, x, g, segments)
     assert rel_err(y.reshape(-1, D), want_y) <= 1e-5  # tolerance: 1e-5 relative (float32)
     assert rel_err(dx.reshape(-1, D), want_dx) <= 1e-5  # tolerance: 1e-5 relative (float32)
     for name, want in want_grads.items():
         assert rel_err(grads[name], want) <= 1e-5, name  # tolerance: 1e-5 relative (float32)
+
+
+def test_groups_and_the_bias_change_which_experts_a_token_takes(inputs):
+    """kiln's choices are the reference's, token by token, and the groups and the bias are not
+    idle: each changes some token's experts."""
+    from kiln.model.moe import route
+
+    x, _, _ = inputs
+    cfg = moe_config(**SETTINGS["E8 k2 sigmoid groups"]).model
+    moe = cfg.moe
+    router = np.random.default_rng(3).standard_normal((D, 8)).astype(np.float32) / np.sqrt(D)
+    bias = np.random.default_rng(2).uniform(-0.3, 0.3, 8).astype(np.float32)
+    experts, *_ = route(jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias), 2, True, moe)
+    logits = x.reshape(-1, D).astype(np.float64) @ router.astype(np.float64)
+    scores = 1 / (1 + np.exp(-logits))
+    plain = moe.model_copy(update={"n_group": 1, "topk_group": 1})
+    want = [set(choose(s, bias, moe)) for s in scores]
+    assert [set(e) for e in np.asarray(experts).reshape(-1, 2).tolist()] == want
+    assert want != [set(choose(s, bias, plain)) for s in scores]  # the groups choose
+    assert want != [set(choose(s, 0 * bias, moe)) for s in scores]  # the bias chooses
 
 
 @pytest.mark.parametrize("setting", ["E8 k2", "E8 k2 shared 1", "E8 k2 ragged_dot"])
@@ -310,8 +368,10 @@ def test_aux_free_bias_moves_towards_equal_load_outside_the_gradient():
     step = train.make_train_step(config, mesh, train.shardings_of(state))
     state, metrics = step(state, batch)
     bias = np.asarray(state.params["blocks"]["mlp"]["bias"].get_value())
-    want = 0.01 * np.sign(loads.mean(-1, keepdims=True) - loads)
-    assert np.array_equal(bias, want.astype(np.float32))  # exact: one step from zero
+    move = np.sign(loads.mean(-1, keepdims=True) - loads)
+    want = 0.01 * (move - move.mean(-1, keepdims=True))  # centred: the biases never drift together
+    assert np.abs(bias - want).max() <= 1e-9  # one float32 step from zero: within rounding
+    assert np.abs(bias.sum(-1)).max() <= 1e-8
     ratio = loads.max(-1) / loads.mean(-1)
     assert float(metrics["moe/expert_load_max_over_mean"]) == pytest.approx(ratio.max(), rel=1e-6)
     assert "moe/expert_tokens" not in metrics  # arrays feed update_balance, not the logs
@@ -468,7 +528,8 @@ def test_router_losses_are_per_routed_token_whatever_the_loss_weights():
     out = state.model().hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"])
     z_want = np.float64(out.aux["learning/router_z_loss"]) / real.sum()
     for accumulation in (1, 2):
-        want_loss, want_grads = jax.value_and_grad(direct)(state.params, accumulation)
+        reference = jax.jit(jax.value_and_grad(direct), static_argnums=1)
+        want_loss, want_grads = reference(state.params, accumulation)
         cfg = config.model_copy(
             update={
                 "train": config.train.model_copy(

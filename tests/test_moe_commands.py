@@ -110,8 +110,29 @@ def test_qwen3_30b_a3b_has_the_published_size_without_allocating():
             ["mesh.expert: 4", "model.moe.num_experts=6", "1, 2, 3, 6"],
         ),
         (["mesh.rules.experts=[expert,tensor]"], ["mesh.rules.experts", "at most one mesh axis"]),
+        (
+            ["model.moe.num_experts=8", "model.moe.n_group=3"],
+            ["model.moe", "n_group (3) does not divide num_experts (8)", "a divisor"],
+        ),
+        (
+            ["model.moe.num_experts=8", "model.moe.n_group=4", "model.moe.topk_group=5"],
+            ["model.moe", "topk_group (5) exceeds n_group (4)", "1..n_group"],
+        ),
+        (
+            ["model.moe.num_experts=8", "model.moe.experts_per_token=3", "model.moe.n_group=4"],
+            ["model.moe", "experts_per_token (3) exceeds the 2 experts of topk_group=1"],
+        ),
+        (["model.moe.score=softmax2"], ["model.moe.score", "softmax2", "sigmoid"]),
     ],
-    ids=["first_dense_layers", "num_experts", "two_axes"],
+    ids=[
+        "first_dense_layers",
+        "num_experts",
+        "two_axes",
+        "n_group",
+        "topk_group",
+        "groups_k",
+        "score",
+    ],
 )
 def test_expert_settings_that_cannot_work_exit_2_with_one_line(overrides, needles):
     proc = kiln_main("config", MOE_TINY, *overrides)

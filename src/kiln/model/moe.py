@@ -54,21 +54,46 @@ _EXPERT_OUT = ("experts", "mlp", "embed")
 # Routing
 
 
-def route(x_BSD, router_DE, bias_E, k: int, norm_topk_prob: bool):
+def route(x_BSD, router_DE, bias_E, k: int, norm_topk_prob: bool, moe=None):
     """(experts [B,S,K] int32, weights [B,S,K], probabilities [B,S,E], logits [B,S,E]), float32.
 
-    probabilities = softmax(x W_router); the top-k of probabilities + bias choose the experts
-    (`bias_E` None = no bias), and the unbiased probabilities of the chosen ones weight them,
-    divided by their sum if `norm_topk_prob`.
+    scores = softmax(x W_router), or sigmoid(x W_router) with `moe.score: sigmoid`; the top-k
+    of scores + bias choose the experts (`bias_E` None = no bias), within the `moe.topk_group`
+    best of `moe.n_group` groups (a group's worth: the sum of its two best biased scores), and
+    the unbiased scores of the chosen ones weight them, divided by their sum if
+    `norm_topk_prob`, times `moe.routed_scaling_factor`. probabilities: the scores (sigmoid
+    ones normalised over the experts), for the load-balance loss.
     """
     logits_BSE = jnp.einsum("BSD,DE->BSE", x_BSD.astype(jnp.float32), router_DE.astype(jnp.float32))
-    probs_BSE = jax.nn.softmax(logits_BSE, axis=-1)
-    scores_BSE = probs_BSE if bias_E is None else probs_BSE + jax.lax.stop_gradient(bias_E)
-    _, experts_BSK = jax.lax.top_k(scores_BSE, k)
-    weights_BSK = jnp.take_along_axis(probs_BSE, experts_BSK, axis=-1)
+    sigmoid = moe is not None and moe.score == "sigmoid"
+    if sigmoid:
+        scores_BSE = jax.nn.sigmoid(logits_BSE)
+        probs_BSE = scores_BSE / jnp.sum(scores_BSE, axis=-1, keepdims=True)
+    else:
+        scores_BSE = probs_BSE = jax.nn.softmax(logits_BSE, axis=-1)
+    choice_BSE = scores_BSE if bias_E is None else scores_BSE + jax.lax.stop_gradient(bias_E)
+    if moe is not None and moe.n_group > 1:
+        choice_BSE = _group_limited(jax.lax.stop_gradient(choice_BSE), moe.n_group, moe.topk_group)
+    _, experts_BSK = jax.lax.top_k(choice_BSE, k)
+    weights_BSK = jnp.take_along_axis(scores_BSE, experts_BSK, axis=-1)
     if norm_topk_prob:
-        weights_BSK = weights_BSK / jnp.sum(weights_BSK, axis=-1, keepdims=True)
+        total_BS1 = jnp.sum(weights_BSK, axis=-1, keepdims=True)
+        weights_BSK = weights_BSK / (total_BS1 + 1e-20 if sigmoid else total_BS1)
+    if moe is not None and moe.routed_scaling_factor != 1.0:
+        weights_BSK = weights_BSK * moe.routed_scaling_factor
     return experts_BSK.astype(jnp.int32), weights_BSK, probs_BSE, logits_BSE
+
+
+def _group_limited(choice_BSE, n_group: int, topk_group: int):
+    """The choice scores with every expert outside each token's `topk_group` best groups at
+    -inf; a group's worth is the sum of its two best scores (DeepSeek-V3)."""
+    b, s, e = choice_BSE.shape
+    grouped_BSGe = choice_BSE.reshape(b, s, n_group, e // n_group)
+    best = jax.lax.top_k(grouped_BSGe, min(2, e // n_group))[0]
+    _, groups_BSk = jax.lax.top_k(jnp.sum(best, axis=-1), topk_group)
+    keep_BSG = jnp.sum(jax.nn.one_hot(groups_BSk, n_group, dtype=jnp.bool_), axis=2) > 0
+    keep_BSE = jnp.repeat(keep_BSG, e // n_group, axis=-1)
+    return jnp.where(keep_BSE, choice_BSE, -jnp.inf)
 
 
 def ranks(e_A: jax.Array, groups: int) -> tuple[jax.Array, jax.Array]:
@@ -242,7 +267,7 @@ class MoeMlp(nnx.Module):
         moe, dt = self.moe, self.dtype
         bias = None if self.bias is None else self.bias[...]
         experts_BSK, weights_BSK, probs_BSE, logits_BSE = route(
-            h_BSD, self.router[...], bias, moe.experts_per_token, moe.norm_topk_prob
+            h_BSD, self.router[...], bias, moe.experts_per_token, moe.norm_topk_prob, moe
         )
         weights = tuple(w[...] for w in (self.w_gate, self.w_up, self.w_down))
         real_BS = segment_ids_BS > 0
@@ -413,14 +438,18 @@ class MoeTransformer(Transformer):
 
     def update_balance(self, aux) -> None:
         """balance: aux_free: each expert's bias moves by bias_update_rate towards equal load,
-        from the step's global `moe/expert_tokens` (DeepSeek-V3: up if below the mean)."""
+        from the step's global `moe/expert_tokens` (DeepSeek-V3: up if below the mean), centred:
+        the mean move of a layer's biases is taken out, so they never drift together (a shift
+        common to every expert chooses nothing)."""
         moe = self.cfg.moe
         if moe.balance != "aux_free":
             return
         tokens_LE = aux["moe/expert_tokens"]
         mean_L1 = jnp.mean(tokens_LE, axis=-1, keepdims=True)
+        move_LE = jnp.sign(mean_L1 - tokens_LE)
+        move_LE = move_LE - jnp.mean(move_LE, axis=-1, keepdims=True)
         bias = self.blocks.mlp.bias
-        bias[...] = bias[...] + moe.bias_update_rate * jnp.sign(mean_L1 - tokens_LE)
+        bias[...] = bias[...] + moe.bias_update_rate * move_LE
 
     @staticmethod
     def aux_metrics(cfg: ModelConfig, sums) -> dict[str, jax.Array]:
@@ -503,6 +532,19 @@ class MoeHF(LlamaHF):
                 f"Hugging Face {name} chooses experts without a routing bias",
                 "model.moe.balance=aux_loss",
             )
+        routing = (
+            ("score", moe.score, "softmax"),
+            ("n_group", moe.n_group, 1),
+            ("routed_scaling_factor", moe.routed_scaling_factor, 1.0),
+        )
+        for field, value, plain in routing:
+            if value != plain:
+                raise export_error(
+                    f"model.moe.{field}",
+                    value,
+                    f"Hugging Face {name} routes by a softmax over every expert, unscaled",
+                    f"model.moe.{field}={plain}",
+                )
         if moe.num_shared_experts:
             raise export_error(
                 "model.moe.num_shared_experts",

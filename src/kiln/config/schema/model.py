@@ -64,6 +64,25 @@ class MoeConfig(Section):
         0,
         description="The first blocks keep a dense SwiGLU MLP of width model.d_ff (DeepSeek style); the rest route to experts. Less than model.num_layers.",
     )
+    score: Literal["softmax", "sigmoid"] = Field(
+        "softmax",
+        description="The router's scores of the experts: softmax over the experts (Qwen3-MoE, Mixtral) or an independent sigmoid per expert (DeepSeek-V3). The load-balance loss reads sigmoid scores normalised over the experts, as DeepSeek-V3's sequence-wise balance loss does.",
+    )
+    n_group: PositiveInt = Field(
+        1,
+        description="Group-limited routing (DeepSeek-V3): the experts form n_group equal groups; a token first picks the topk_group groups with the highest sum of their two best scores (bias included), then its top-k experts within those. 1 = no groups. Must divide num_experts.",
+    )
+    topk_group: PositiveInt = Field(
+        1,
+        description="Groups each token may route to (at most n_group); with n_group > 1 the top-k must fit in them (experts_per_token <= topk_group * num_experts / n_group).",
+    )
+    routed_scaling_factor: float = Field(
+        1.0,
+        gt=0,
+        le=1e3,
+        allow_inf_nan=False,
+        description="Each token's expert weights are multiplied by this after the top-k (DeepSeek-V3: 2.5); 1 = none.",
+    )
     norm_topk_prob: bool = Field(
         True,
         description="Divide each token's top-k router probabilities by their sum (Qwen3-MoE's norm_topk_prob; Mixtral's softmax over the top-k logits is the same); false = the raw softmax probabilities.",
@@ -111,6 +130,23 @@ class MoeConfig(Section):
             raise ValueError(
                 f"experts_per_token ({self.experts_per_token}) exceeds num_experts "
                 f"({self.num_experts}); allowed: 1..num_experts"
+            )
+        if self.num_experts % self.n_group:
+            raise ValueError(
+                f"n_group ({self.n_group}) does not divide num_experts ({self.num_experts}); "
+                "allowed: a divisor of num_experts"
+            )
+        if self.topk_group > self.n_group:
+            raise ValueError(
+                f"topk_group ({self.topk_group}) exceeds n_group ({self.n_group}); "
+                "allowed: 1..n_group"
+            )
+        reachable = self.topk_group * (self.num_experts // self.n_group)
+        if self.experts_per_token > reachable:
+            raise ValueError(
+                f"experts_per_token ({self.experts_per_token}) exceeds the {reachable} experts of "
+                f"topk_group={self.topk_group} groups of {self.num_experts // self.n_group}; "
+                "allowed: more groups (topk_group) or a smaller top-k"
             )
         return self
 
