@@ -459,7 +459,7 @@ class ToyFamily(Transformer):
 
 @pytest.fixture
 def toy_family(monkeypatch):
-    monkeypatch.setitem(FAMILY_SECTIONS, "toy", None)
+    monkeypatch.setitem(FAMILY_SECTIONS, "toy", ())
     monkeypatch.setitem(FAMILIES, "toy", Family(ToyFamily, FAMILIES["llama"].hf))
 
 

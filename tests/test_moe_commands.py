@@ -347,3 +347,9 @@ def test_distillation_from_a_moe_teacher_counts_its_active_flops(teachers):
     moe = layers * (4 * d * d + d * e + k * 3 * d * f) + d * vocab
     want = (6 * dense + attention) + (6 * moe + attention) / 3
     assert objective.flops_per_token() == pytest.approx(want, rel=1e-12)  # integers, reordered
+
+
+def test_a_section_of_a_family_the_config_does_not_use_is_refused():
+    """`model.moe` on a llama model would be silently ignored: it is refused in one line."""
+    proc = kiln_main("config", "configs/tiny.yaml", "model.moe.num_experts=4", cwd=REPO)
+    assert_user_error(proc, "model.moe is set but model.family is llama", "model.family: moe")

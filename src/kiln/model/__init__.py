@@ -10,8 +10,8 @@ Qwen3-MoE/Mixtral), `attention` (XLA, cuDNN and Pallas attention kernels behind 
 `project` (projections with their gradient-reduction dtype), `student` (the distillation
 student's extra parameters), `hf` (what every family's Hugging Face format shares), `interop`
 (config.json and state dicts through each family's format). A new family is one module or
-package here and one line in `FAMILIES` (its class and its `HFFormat`), plus its config
-section's line in `kiln.config.FAMILY_SECTIONS`.
+package here and one line in `FAMILIES` (its class and its `HFFormat`), plus its line in
+`kiln.config.FAMILY_SECTIONS` (the config sections it reads).
 
 May import: `kiln.errors`, `kiln.util`, `kiln.data`, `kiln.config`, `kiln.parallel`,
 `kiln.losses` (the head's logits).
@@ -53,7 +53,7 @@ from kiln.util.humanize import gigabytes, plural
 class Family(NamedTuple):
     """What is a model family's own: the class that implements it (built as
     `model(model_cfg, rngs=...)`; its parameters declare their roles, its `init_cache` its
-    cache layout) and its Hugging Face format. Its config section is the registry line in
+    cache layout) and its Hugging Face format. The config sections it reads are its line in
     `kiln.config.FAMILY_SECTIONS`."""
 
     model: type[LanguageModel]

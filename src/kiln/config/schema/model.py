@@ -151,9 +151,10 @@ class MoeConfig(Section):
         return self
 
 
-# model.family -> the name of its own section of ModelConfig (None: the shared fields are all
-# it has). kiln.model.FAMILIES holds the implementations under the same names.
-FAMILY_SECTIONS: dict[str, str | None] = {"llama": None, "moe": "moe"}
+# model.family -> the sections of ModelConfig it reads besides the shared fields (a family may
+# read another's: one with routed experts reads `moe`). kiln.model.FAMILIES holds the
+# implementations under the same names.
+FAMILY_SECTIONS: dict[str, tuple[str, ...]] = {"llama": (), "moe": ("moe",)}
 FAMILY_HELP = {
     "llama": "pre-norm RMSNorm blocks, grouped-query attention with rotary embeddings, SwiGLU MLP",
     "moe": "llama's blocks with the MLP replaced by routed experts (model.moe)",
@@ -282,12 +283,13 @@ class ModelConfig(Section):
     @model_validator(mode="after")
     def _family_section(self) -> ModelConfig:
         own = FAMILY_SECTIONS[self.family]
-        for family, section in FAMILY_SECTIONS.items():
-            if section is not None and section != own and getattr(self, section) is not None:
-                raise ValueError(
-                    f"model.{section} is set but model.family is {self.family}; allowed: "
-                    f"model.family: {family} with model.{section}, or no model.{section}"
-                )
+        for family, sections in FAMILY_SECTIONS.items():
+            for section in sections:
+                if section not in own and getattr(self, section) is not None:
+                    raise ValueError(
+                        f"model.{section} is set but model.family is {self.family}; allowed: "
+                        f"model.family: {family} with model.{section}, or no model.{section}"
+                    )
         return self
 
     @model_validator(mode="before")
@@ -296,9 +298,9 @@ class ModelConfig(Section):
         # The family's own section with its defaults when not given, so config.yaml records
         # every value the run used.
         if isinstance(data, dict):
-            own = FAMILY_SECTIONS.get(data.get("family", "llama"))
-            if own is not None and data.get(own) is None:
-                data = {**data, own: {}}
+            for own in FAMILY_SECTIONS.get(data.get("family", "llama"), ()):
+                if data.get(own) is None:
+                    data = {**data, own: {}}
         return data
 
     @pydantic.field_validator("vocab_size", mode="plain")
