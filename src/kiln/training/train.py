@@ -164,8 +164,9 @@ class Objective(struct.PyTreeNode):
             batch["inputs"], batch["positions"], batch["segment_ids"], collect=self.collect()
         )
         value, sums = self.sums(model, out, batch, coefficients)
-        totals = batch_totals(batch) if totals is None else totals
-        sums = {**sums, **out.aux, "token_sum": batch_totals(batch)["token_sum"]}
+        own = batch_totals(batch)
+        totals = own if totals is None else totals
+        sums = {**sums, **out.aux, "token_sum": own["token_sum"]}
         for k in aux_loss_keys(out.aux):
             value = value + out.aux[k] * _per_model_token(totals)
         return value, sums
