@@ -573,6 +573,26 @@ def test_flops_per_token_follows_maxtext_accounting():
     assert abs(flops_per_token(config.model, seq) - want) / want < 1e-12
 
 
+@pytest.mark.parametrize("family", ["llama", "moe"])
+def test_summary_reports_the_decode_cache_init_cache_allocates(family):
+    """The summary's bytes per token are what one more slot of `init_cache` holds, but its
+    segment id (int32): the cache that `kiln generate` fills."""
+    from kiln.model import abstract_model
+
+    model_cfg = {**VARIANTS["untied"], "family": family, "dtype": "bfloat16"}
+    config = make_config(model_cfg, MESHES["fsdp8"])
+    model = abstract_model(config.model)
+
+    def held(slots):
+        cache = jax.eval_shape(lambda: model.init_cache(1, slots))
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+
+    per_token, what = model.cache_bytes_per_token()
+    assert per_token == held(2) - held(1) - 4  # one slot: keys, values and an int32 segment id
+    text = summary(config, make_optimizer(config.optim).init, state_name(config.optim))
+    assert f"decode cache:      {per_token:,} bytes per token (kiln generate: {what})" in text
+
+
 def test_summary_memory_matches_the_real_shards(fsdp8_model):
     model, _, config = fsdp8_model
     text = summary(config, make_optimizer(config.optim).init, state_name(config.optim))

@@ -151,6 +151,7 @@ def summary(
     opt_gib = optimizer_state_bytes(config, init, sizes) / 2**30
     mesh_text = " x ".join(f"{a}={s}" for a, s in sizes.items())
     inactive = model.inactive_params()
+    cache_bytes, cache_what = model.cache_bytes_per_token()
     active = [
         f"active per token:  {total - inactive:,} ({(total - inactive) / 1e9:.3f}B; all but the "
         f"{inactive:,} of the routed experts beyond each token's top-k)"
@@ -164,6 +165,7 @@ def summary(
             f"FLOPs per token:   {flops:.4g} (training, seq_len {config.data.seq_len}; "
             f"6 x {model.matmul_params():,} {'active ' if inactive else ''}matmul params + "
             "causal attention)",
+            f"decode cache:      {cache_bytes:,} bytes per token (kiln generate: {cache_what})",
             f"mesh:              {mesh_text} ({plural(math.prod(sizes.values()), 'device')})",
             *_expert_lines(config, sizes),
             f"memory per device: {per_device:,} parameters x {itemsize} bytes ({m.param_dtype})",

@@ -90,6 +90,11 @@ class LanguageModel(Protocol):
         each decode step keeps one sharding."""
         ...
 
+    def cache_bytes_per_token(self) -> tuple[int, str]:
+        """(bytes one token's entry of the cache holds, what they are), for `kiln config
+        --summary`."""
+        ...
+
     def extend(
         self,
         inputs_BS: jax.Array,

@@ -389,6 +389,16 @@ class Transformer(nnx.Module):
         segment_ids_BT = constrain(jnp.zeros((batch, length), jnp.int32), ("batch", None))
         return KVCache(kv, kv, segment_ids_BT, jnp.zeros((), jnp.int32))
 
+    def cache_bytes_per_token(self) -> tuple[int, str]:
+        """Keys and values of every layer: 2 x layers x key/value heads x head_dim values."""
+        c = self.cfg
+        itemsize = jnp.dtype(DTYPES[c.dtype]).itemsize
+        what = (
+            f"keys and values, {c.num_layers} layers x {c.kv_heads} heads x "
+            f"{c.resolved_head_dim}, {c.dtype}"
+        )
+        return 2 * c.num_layers * c.kv_heads * c.resolved_head_dim * itemsize, what
+
     def constrain_cache(self, cache: KVCache) -> KVCache:
         """The cache pinned to its layout: rows split like the batch, heads like the keys'."""
         return KVCache(
