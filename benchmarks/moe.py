@@ -77,7 +77,7 @@ def kiln_layer(moe):
     """kiln's MoE MLP without shared experts: route, then the dropless grouped matmuls."""
 
     def layer(x, router, w_gate, w_up, w_down):
-        experts, weights, _, _ = route(x, router, None, moe.experts_per_token, moe.norm_topk_prob)
+        experts, weights, _, _ = route(x, router, None, moe)
         y, _ = routed(x, experts, weights, (w_gate, w_up, w_down), moe)
         return y
 

@@ -210,7 +210,7 @@ def test_groups_and_the_bias_change_which_experts_a_token_takes(inputs):
     moe = cfg.moe
     router = np.random.default_rng(3).standard_normal((D, 8)).astype(np.float32) / np.sqrt(D)
     bias = np.random.default_rng(2).uniform(-0.3, 0.3, 8).astype(np.float32)
-    experts, *_ = route(jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias), 2, True, moe)
+    experts, *_ = route(jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias), moe)
     logits = x.reshape(-1, D).astype(np.float64) @ router.astype(np.float64)
     scores = 1 / (1 + np.exp(-logits))
     plain = moe.model_copy(update={"n_group": 1, "topk_group": 1})

@@ -54,32 +54,32 @@ _EXPERT_OUT = ("experts", "mlp", "embed")
 # Routing
 
 
-def route(x_BSD, router_DE, bias_E, k: int, norm_topk_prob: bool, moe=None):
+def route(x_BSD, router_DE, bias_E, moe):
     """(experts [B,S,K] int32, weights [B,S,K], probabilities [B,S,E], logits [B,S,E]), float32.
 
-    scores = softmax(x W_router), or sigmoid(x W_router) with `moe.score: sigmoid`; the top-k
-    of scores + bias choose the experts (`bias_E` None = no bias), within the `moe.topk_group`
-    best of `moe.n_group` groups (a group's worth: the sum of its two best biased scores), and
-    the unbiased scores of the chosen ones weight them, divided by their sum if
-    `norm_topk_prob`, times `moe.routed_scaling_factor`. probabilities: the scores (sigmoid
+    scores = softmax(x W_router), or sigmoid(x W_router) with `moe.score: sigmoid`; the top
+    `moe.experts_per_token` of scores + bias choose the experts (`bias_E` None = no bias),
+    within the `moe.topk_group` best of `moe.n_group` groups (a group's worth: the sum of its
+    two best biased scores), and the unbiased scores of the chosen ones weight them, divided by
+    their sum if `moe.norm_topk_prob`, times `moe.routed_scaling_factor`. probabilities: the scores (sigmoid
     ones normalised over the experts), for the load-balance loss.
     """
     logits_BSE = jnp.einsum("BSD,DE->BSE", x_BSD.astype(jnp.float32), router_DE.astype(jnp.float32))
-    sigmoid = moe is not None and moe.score == "sigmoid"
+    sigmoid = moe.score == "sigmoid"
     if sigmoid:
         scores_BSE = jax.nn.sigmoid(logits_BSE)
         probs_BSE = scores_BSE / jnp.sum(scores_BSE, axis=-1, keepdims=True)
     else:
         scores_BSE = probs_BSE = jax.nn.softmax(logits_BSE, axis=-1)
     choice_BSE = scores_BSE if bias_E is None else scores_BSE + jax.lax.stop_gradient(bias_E)
-    if moe is not None and moe.n_group > 1:
+    if moe.n_group > 1:
         choice_BSE = _group_limited(jax.lax.stop_gradient(choice_BSE), moe.n_group, moe.topk_group)
-    _, experts_BSK = jax.lax.top_k(choice_BSE, k)
+    _, experts_BSK = jax.lax.top_k(choice_BSE, moe.experts_per_token)
     weights_BSK = jnp.take_along_axis(scores_BSE, experts_BSK, axis=-1)
-    if norm_topk_prob:
+    if moe.norm_topk_prob:
         total_BS1 = jnp.sum(weights_BSK, axis=-1, keepdims=True)
         weights_BSK = weights_BSK / (total_BS1 + 1e-20 if sigmoid else total_BS1)
-    if moe is not None and moe.routed_scaling_factor != 1.0:
+    if moe.routed_scaling_factor != 1.0:
         weights_BSK = weights_BSK * moe.routed_scaling_factor
     return experts_BSK.astype(jnp.int32), weights_BSK, probs_BSE, logits_BSE
 
@@ -266,9 +266,7 @@ class MoeMlp(nnx.Module):
     def __call__(self, h_BSD, segment_ids_BS) -> tuple[jax.Array, dict[str, jax.Array]]:
         moe, dt = self.moe, self.dtype
         bias = None if self.bias is None else self.bias[...]
-        experts_BSK, weights_BSK, probs_BSE, logits_BSE = route(
-            h_BSD, self.router[...], bias, moe.experts_per_token, moe.norm_topk_prob, moe
-        )
+        experts_BSK, weights_BSK, probs_BSE, logits_BSE = route(h_BSD, self.router[...], bias, moe)
         weights = tuple(w[...] for w in (self.w_gate, self.w_up, self.w_down))
         real_BS = segment_ids_BS > 0
         y_BSD, dropped = routed(h_BSD, experts_BSK, weights_BSK, real_BS, weights, moe, dt)

@@ -154,7 +154,7 @@ class Objective(struct.PyTreeNode):
         raise NotImplementedError(f"{type(self).__name__} does not use global coefficients")
 
     def loss_sums(
-        self, model, batch: Batch, coefficients: Any = None, totals: Batch | None = None
+        self, model, batch: Batch, coefficients: Any = None, totals: Sums | None = None
     ) -> tuple[jax.Array, Sums]:
         """(value, sums) of one micro-batch: the subclass's, with the model's aux sums and
         `token_sum` added, and the model's loss terms in the value. `totals` (`batch_totals`
