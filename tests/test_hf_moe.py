@@ -119,13 +119,14 @@ def test_import_matches_transformers_and_round_trips_bitwise(imported, tmp_path)
     np.testing.assert_allclose(hf_logits(out, inputs, ARCH[kind]), ours, atol=TOL, rtol=0)
 
 
-def hf_greedy(hf_dir, kind, prompts, max_new_tokens, eos_id):
-    """transformers' greedy continuation of each prompt (ending at EOS, if any)."""
+def hf_greedy(hf_dir, kind, prompts, max_new_tokens, eos_id, architecture=None):
+    """transformers' greedy continuation of each prompt (ending at EOS, if any), by the
+    architecture of `kind` (or `architecture`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    assert type(model).__name__ == ARCH[kind]
+    assert type(model).__name__ == (architecture or ARCH[kind])
     out = []
     for prompt in prompts:
         ids = torch.tensor([prompt])

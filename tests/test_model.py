@@ -328,8 +328,9 @@ def test_collect_returns_the_residual_stream(unsharded, batch):
     tokens, positions, segments = batch
     out = run(model, tokens, positions, segments)
     assert isinstance(out, ModelOutput) and out.features is None and out.aux == {}
-    hidden, feats, aux = run(model, tokens, positions, segments, collect=(1, 0))
-    assert aux == {}
+    out = run(model, tokens, positions, segments, collect=(1, 0))
+    hidden, feats, aux = out.hidden, out.features, out.aux
+    assert aux == {} and out.ahead == ()
     assert feats.shape == (2, B, S, TINY["d_model"])
     _, want = reference(model, tokens[2], positions[2], segments[2])
     # 1e-5 relative: float32 vs float64 reference, as above.

@@ -203,7 +203,7 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> str:
         )
     _empty_dir(out, "--out")
     tensors = read_hf_tensors(hf_dir)
-    model = model_section(hf, config_path, _param_dtype(tensors))
+    model = model_section(hf, config_path, _param_dtype(tensors), tensors.keys())
     tokenizer = _tokenizer_source(hf_dir)
     raw = {
         "model": model,

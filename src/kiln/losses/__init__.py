@@ -23,13 +23,15 @@ from kiln.losses.distill import (
     top_k_distill_loss_sums,
 )
 from kiln.losses.kl import soft_loss
-from kiln.losses.lm import lm_loss
+from kiln.losses.lm import ahead, ahead_targets, lm_loss
 from kiln.losses.schedule import CpuBlocked
 from kiln.losses.top_k import top_k_soft_loss
 
 __all__ = [
     "CpuBlocked",
     "TopK",
+    "ahead",
+    "ahead_targets",
     "cross_entropy",
     "distill_loss_sums",
     "distillation_loss",

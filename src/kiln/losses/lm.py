@@ -72,3 +72,24 @@ def lm_loss(
         "z_loss_sum": weighted_sum(z_loss, w),
         "weight_sum": jnp.sum(w),
     }
+
+
+def ahead(x_BS: jax.Array, depth: int) -> jax.Array:
+    """x moved `depth` positions left along the sequence, 0 in the last `depth` positions:
+    position i holds x[i + depth] (the token a multi-token prediction module reads)."""
+    b, s = x_BS.shape
+    depth = min(depth, s)
+    fill = jnp.zeros((b, depth), x_BS.dtype)
+    return jnp.concatenate([x_BS[:, depth:], fill], axis=1)
+
+
+def ahead_targets(
+    targets_BS: jax.Array, weights_BS: jax.Array, segment_ids_BS: jax.Array, depth: int
+) -> tuple[jax.Array, jax.Array]:
+    """Targets and weights `depth` tokens further ahead (multi-token prediction): position i
+    gets targets[i + depth] and weights[i + depth] when i + depth is inside the sequence and
+    the same document (segment id > 0 and equal), else target 0 with weight 0."""
+    same_BS = (ahead(segment_ids_BS, depth) == segment_ids_BS) & (segment_ids_BS > 0)
+    targets = jnp.where(same_BS, ahead(targets_BS, depth), 0)
+    weights = jnp.where(same_BS, ahead(weights_BS, depth), jnp.zeros((), weights_BS.dtype))
+    return targets, weights

@@ -16,9 +16,9 @@ package here and one line in `FAMILIES` (its class and its `HFFormat`), plus its
 May import: `kiln.errors`, `kiln.util`, `kiln.data`, `kiln.config`, `kiln.parallel`,
 `kiln.losses` (the head's logits).
 
-Public names: `FAMILIES`, `Family`, `LanguageModel`, `build_model`, `create_model`, `flops_per_token`,
-`summary`, `expert_split`, `state_size`, `state_bytes_per_device`, `check_state_memory`,
-`DTYPES`, `KVCache`, `ModelOutput`; `interface.ROLES`, the roles a parameter declares
+Public names: `FAMILIES`, `Family`, `LanguageModel`, `build_model`, `create_model`,
+`flops_per_token`, `summary`, `expert_split`, `aux_metrics`, `predicts_ahead`, `state_size`,
+`state_bytes_per_device`, `check_state_memory`, `DTYPES`, `KVCache`, `ModelOutput`; `interface.ROLES`, the roles a parameter declares
 (`nnx.Param(..., role=...)`) for the optimizers.
 """
 
@@ -99,6 +99,11 @@ def aux_metrics(model_cfg: ModelConfig, sums: dict[str, jax.Array]) -> dict[str,
     return FAMILIES[model_cfg.family].model.aux_metrics(model_cfg, sums)
 
 
+def predicts_ahead(model_cfg: ModelConfig) -> tuple[int, float]:
+    """(multi-token prediction modules, their loss weight) of the configured family."""
+    return FAMILIES[model_cfg.family].model.predicts_ahead(model_cfg)
+
+
 def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token of the configured family (`LanguageModel.flops_per_token`)."""
     return abstract_model(model_cfg).flops_per_token(seq_len)
@@ -151,16 +156,23 @@ def summary(
     opt_gib = optimizer_state_bytes(config, init, sizes) / 2**30
     mesh_text = " x ".join(f"{a}={s}" for a, s in sizes.items())
     inactive = model.inactive_params()
+    beside = model.auxiliary_params()
+    main = total - beside  # the decoder generate runs
     cache_bytes, cache_what = model.cache_bytes_per_token()
     active = [
-        f"active per token:  {total - inactive:,} ({(total - inactive) / 1e9:.3f}B; all but the "
+        f"active per token:  {main - inactive:,} ({(main - inactive) / 1e9:.3f}B; all but the "
         f"{inactive:,} of the routed experts beyond each token's top-k)"
+    ]
+    modules = [
+        f"mtp modules:       {beside:,} more ({beside / 1e9:.3f}B; multi-token prediction, "
+        "trained and saved with the model, not run by kiln generate)"
     ]
     return "\n".join(
         [
-            f"parameters:        {total:,} ({total / 1e9:.3f}B; embedding {embed:,}, "
+            f"parameters:        {main:,} ({main / 1e9:.3f}B; embedding {embed:,}, "
             f"LM head {'tied' if m.tie_embeddings else f'{embed:,}'}, "
-            f"non-embedding {total - embed * (1 if m.tie_embeddings else 2):,})",
+            f"non-embedding {main - embed * (1 if m.tie_embeddings else 2):,})",
+            *(modules if beside else []),
             *(active if inactive else []),
             f"FLOPs per token:   {flops:.4g} (training, seq_len {config.data.seq_len}; "
             f"6 x {model.matmul_params():,} {'active ' if inactive else ''}matmul params + "
@@ -260,6 +272,7 @@ __all__ = [
     "logits_dtype",
     "optimizer_state_bytes",
     "param_count",
+    "predicts_ahead",
     "state_bytes_per_device",
     "state_size",
     "summary",

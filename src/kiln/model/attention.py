@@ -3,8 +3,9 @@
 Every implementation is `fn(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS) -> out_BSNH`: causal
 self-attention that stays inside each packed document (equal segment ids; padding is segment
 0 and attends only to padding), grouped-query (query head n reads key/value head n // G),
-softmax(q k^T / sqrt(H)) v with float32 scores. Einsum letters as in `kiln.model.llama`,
-plus R = C*G query rows of one key/value head and P sequence shards.
+softmax(q k^T / sqrt(H)) v with float32 scores. Values may be narrower than queries and keys
+(multi-head latent attention): the output has the values' width. Einsum letters as in
+`kiln.model.llama`, plus R = C*G query rows of one key/value head and P sequence shards.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _rows(q_BCKGH, idx_C, seg_BC, k_BTKH, v_BTKH, seg_BT):
     scores_BKRT = jnp.where(mask_BRT[:, None], scores_BKRT, MASKED)
     probs_BKRT = jax.nn.softmax(scores_BKRT, axis=-1).astype(v_BTKH.dtype)
     out_BKRH = jnp.einsum("BKRT,BTKH->BKRH", probs_BKRT, v_BTKH)
-    return out_BKRH.reshape(b, k, c, g, h).transpose(0, 2, 1, 3, 4)
+    return out_BKRH.reshape(b, k, c, g, v_BTKH.shape[-1]).transpose(0, 2, 1, 3, 4)
 
 
 def dense_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, *, query_block: int = QUERY_BLOCK):
@@ -61,7 +62,7 @@ def dense_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, *, query_block: int 
     block is split evenly when the sequence is sharded.
     """
     b, s, n, h = q_BSNH.shape
-    k = k_BTKH.shape[2]
+    k, hv = k_BTKH.shape[2], v_BTKH.shape[-1]
     # Every query shard reads all keys and values: gathered along length once, here.
     k_BTKH, v_BTKH = constrain(k_BTKH, _KV_WHOLE), constrain(v_BTKH, _KV_WHOLE)
     q_BSKGH = q_BSNH.reshape(b, s, k, n // k, h)
@@ -70,7 +71,7 @@ def dense_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, *, query_block: int 
 
     blocks = s // query_block if s > query_block and s % query_block == 0 else 1
     if blocks == 1:
-        return rows(q_BSKGH, key_idx_T, segment_ids_BS).reshape(b, s, n, h)
+        return rows(q_BSKGH, key_idx_T, segment_ids_BS).reshape(b, s, n, hv)
     # Row c * blocks + j goes to block j.
     q_JBCKGH = jnp.moveaxis(q_BSKGH.reshape(b, s // blocks, blocks, k, n // k, h), 2, 0)
     idx_JC = key_idx_T.reshape(s // blocks, blocks).T
@@ -78,7 +79,7 @@ def dense_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, *, query_block: int 
     out_JBCKGH = jax.lax.map(
         jax.checkpoint(lambda a: rows(*a), prevent_cse=False), (q_JBCKGH, idx_JC, seg_JBC)
     )
-    return jnp.moveaxis(out_JBCKGH, 0, 2).reshape(b, s, n, h)
+    return jnp.moveaxis(out_JBCKGH, 0, 2).reshape(b, s, n, hv)
 
 
 def cached_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, segment_ids_BT, index):
@@ -93,7 +94,7 @@ def cached_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, segment_ids_BT, ind
     idx_S = index + jnp.arange(s)
     q_BSKGH = q_BSNH.reshape(b, s, k, n // k, h)
     out = _rows(q_BSKGH, idx_S, segment_ids_BS, k_BTKH, v_BTKH, segment_ids_BT)
-    return out.reshape(b, s, n, h)
+    return out.reshape(b, s, n, v_BTKH.shape[-1])
 
 
 def sequence_shards() -> int:
@@ -193,7 +194,7 @@ def _fold_step(xs, k_BPNUKH, v_BPNUKH, seg_BPNU, *, copies: bool):
     outs = []
     for own in owns:
         out_BPKRH = jnp.where(own[..., None], out_BPEKRH, 0.0).sum(axis=2)
-        out_BPKCGH = out_BPKRH.reshape(b, p, k, c, g, h).astype(v_BPNUKH.dtype)
+        out_BPKCGH = out_BPKRH.reshape(b, p, k, c, g, -1).astype(v_BPNUKH.dtype)
         outs.append(out_BPKCGH.transpose(0, 1, 3, 2, 4, 5))
     return tuple(outs)
 
@@ -260,7 +261,7 @@ def causal_attention(
     step = jax.checkpoint(lambda xs: _fold_step(xs, *kv_tiles, copies=p > 1), prevent_cse=False)
     out_lo, out_hi = jax.lax.map(step, xs)
     out_LBPCKGH = jnp.concatenate([out_lo, jnp.flip(out_hi, 0)], axis=0)
-    return jnp.moveaxis(out_LBPCKGH, 0, 2).reshape(b, s, n, h)
+    return jnp.moveaxis(out_LBPCKGH, 0, 2).reshape(b, s, n, v_BTKH.shape[-1])
 
 
 def cudnn_arguments(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS) -> dict:
@@ -396,7 +397,20 @@ def resolve(name: str, dtype) -> str:
 
 
 def attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, *, implementation: str = "auto"):
-    """Causal, same-document, grouped-query attention by `implementation` (a `model.attention`)."""
-    return IMPLEMENTATIONS[resolve(implementation, q_BSNH.dtype)](
-        q_BSNH, k_BTKH, v_BTKH, segment_ids_BS
-    )
+    """Causal, same-document, grouped-query attention by `implementation` (a `model.attention`).
+
+    Values narrower than the queries go through `xla` as they are; the fused kernels (splash,
+    cuDNN) take one head width, so they get the values zero-padded to it and the output is
+    cut back (the padded columns of the output are exactly 0).
+    """
+    name = resolve(implementation, q_BSNH.dtype)
+    h, hv = q_BSNH.shape[-1], v_BTKH.shape[-1]
+    if name == "xla" or hv == h:
+        return IMPLEMENTATIONS[name](q_BSNH, k_BTKH, v_BTKH, segment_ids_BS)
+    if hv > h:
+        raise KilnError(
+            f"model.attention: {name!r} needs values no wider than queries, got {hv} > {h}; "
+            "use 'xla'"
+        )
+    v_BTKH = jnp.pad(v_BTKH, ((0, 0), (0, 0), (0, 0), (0, h - hv)))
+    return IMPLEMENTATIONS[name](q_BSNH, k_BTKH, v_BTKH, segment_ids_BS)[..., :hv]

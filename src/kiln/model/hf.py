@@ -9,7 +9,7 @@ dispatches on it. Conversion is a reshape and a transpose, so values are copied 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
@@ -29,12 +29,15 @@ TOP_TENSORS = (
 
 class Tensor(NamedTuple):
     """One HF tensor: kiln's array at `path`, indexed by `index` (layer in its stack, expert);
-    `n_in`: how many leading kiln dims are HF's input dims (None: a vector, same layout)."""
+    `n_in`: how many leading kiln dims are HF's input dims (None: a vector, same layout);
+    `order`: kiln's last axis is HF's (reshaped to kiln's shape) taken in this order, or None
+    for the same order (a rotary layout that differs)."""
 
     name: str
     path: tuple[str, ...]
     index: tuple[int, ...]
     n_in: int | None
+    order: tuple[int, ...] | None = None
 
 
 class HFFormat:
@@ -71,13 +74,30 @@ class HFFormat:
         """KilnError naming a config.json field whose value the family cannot hold, checked
         before the fields every family reads (`common_section`)."""
 
-    def section(self, hf: Mapping[str, Any], path: Path, kind: str) -> dict[str, Any]:
-        """The family's fields of kiln's `model` section (with `family`) from a config.json."""
+    def common_view(self, hf: Mapping[str, Any], path: Path) -> Mapping[str, Any]:
+        """The config.json that `common_section` reads: the file, less what the family reads
+        its own way (`section`)."""
+        return hf
+
+    def section(
+        self, hf: Mapping[str, Any], path: Path, kind: str, names: Collection[str]
+    ) -> dict[str, Any]:
+        """The family's fields of kiln's `model` section (with `family`) from a config.json
+        and the `names` of the tensors the checkpoint holds."""
         return {}
 
     def layer_tensors(self, m, kind: str, layer: int) -> list[Tensor]:
         """The tensors of one layer, in order."""
         raise NotImplementedError
+
+    def extra_tensors(self, m, kind: str) -> list[Tensor]:
+        """Tensors after the layers (none by default)."""
+        return []
+
+    def copies(self, m, kind: str) -> list[Tensor]:
+        """Tensors the format stores twice: written as copies of kiln's array at `path` on
+        export, and on import checked equal to the tensor that array came from."""
+        return []
 
     def describe(self, m) -> str:
         """What `kiln import-hf` says of the family's shape after the layer count ("" if none)."""
@@ -189,14 +209,22 @@ def hf_shape(kiln_shape: tuple[int, ...], n_in: int | None) -> tuple[int, ...]:
     return (math.prod(kiln_shape[n_in:]), math.prod(kiln_shape[:n_in]))
 
 
-def to_hf(x: np.ndarray, n_in: int | None) -> np.ndarray:
+def to_hf(x: np.ndarray, n_in: int | None, order: tuple[int, ...] | None = None) -> np.ndarray:
+    if order is not None:
+        x = x[..., np.argsort(order)]
     if n_in is None:
         return np.ascontiguousarray(x)
     return np.ascontiguousarray(x.reshape(math.prod(x.shape[:n_in]), -1).T)
 
 
-def from_hf(w: np.ndarray, kiln_shape: tuple[int, ...], n_in: int | None) -> np.ndarray:
-    return w if n_in is None else np.ascontiguousarray(w.T.reshape(kiln_shape))
+def from_hf(
+    w: np.ndarray,
+    kiln_shape: tuple[int, ...],
+    n_in: int | None,
+    order: tuple[int, ...] | None = None,
+) -> np.ndarray:
+    x = w if n_in is None else w.T.reshape(kiln_shape)
+    return np.ascontiguousarray(x if order is None else x[..., list(order)])
 
 
 def get(tree: Mapping[str, Any], path: tuple[str, ...]):

@@ -32,7 +32,10 @@ ROLES = {
 
 
 class ModelOutput(NamedTuple):
-    """hidden [B,S,D] after the final norm (compute dtype); features [P,B,S,D] or None; aux.
+    """hidden [B,S,D] after the final norm (compute dtype); features [P,B,S,D] or None; aux;
+    ahead: the multi-token prediction modules' hidden states (after their norms), module d's
+    at position i predicting the token d further ahead than `hidden`'s (targets[i + d]) through
+    the same LM head; () for a model without them.
 
     aux: float32 sums over the call's tokens (segment id > 0), keyed by metric tag, which add
     across micro-batches. A scalar is divided by the global count of those tokens (not by the
@@ -45,6 +48,7 @@ class ModelOutput(NamedTuple):
     hidden: jax.Array
     features: jax.Array | None
     aux: dict[str, jax.Array]
+    ahead: tuple[jax.Array, ...] = ()
 
 
 class KVCache(NamedTuple):
@@ -132,6 +136,17 @@ class LanguageModel(Protocol):
     @staticmethod
     def aux_metrics(cfg: ModelConfig, sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """float32 scalars to log from the global aux sums that are arrays."""
+        ...
+
+    @staticmethod
+    def predicts_ahead(cfg: ModelConfig) -> tuple[int, float]:
+        """(multi-token prediction modules, the weight of the mean of their losses in the
+        loss); (0, 0.0) without them."""
+        ...
+
+    def auxiliary_params(self) -> int:
+        """Parameters trained beside the decoder but not run by generate (multi-token
+        prediction modules; 0 if none)."""
         ...
 
     def matmul_params(self) -> int:

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +50,11 @@ def hf_config(model_cfg, bos_id: int | None, eos_id: int | None) -> dict[str, An
     fmt.check_exportable(model_cfg, kind)
     common = common_config(model_cfg, kind, fmt.architectures[kind])
     head = {k: common.pop(k) for k in ("architectures", "model_type")}
+    own = fmt.config_fields(model_cfg, kind)  # a family's value of a shared field wins
     return {
         **head,
-        **fmt.config_fields(model_cfg, kind),
-        **common,
+        **own,
+        **{k: v for k, v in common.items() if k not in own},
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
         "use_cache": True,
@@ -65,9 +66,11 @@ def export_notes(model_cfg) -> list[str]:
     return FAMILIES[model_cfg.family].hf.export_notes(model_cfg)
 
 
-def model_section(hf: Mapping[str, Any], path: Path, param_dtype: str) -> dict[str, Any]:
-    """kiln's `model` section from a config.json of a model_type some family reads; KilnError
-    naming what kiln cannot hold."""
+def model_section(
+    hf: Mapping[str, Any], path: Path, param_dtype: str, names: Collection[str] = ()
+) -> dict[str, Any]:
+    """kiln's `model` section from a config.json of a model_type some family reads (and the
+    `names` of the tensors beside it); KilnError naming what kiln cannot hold."""
     known = architectures()
     kind = hf.get("model_type")
     if kind not in known:
@@ -77,8 +80,8 @@ def model_section(hf: Mapping[str, Any], path: Path, param_dtype: str) -> dict[s
         raise unsupported(path, "architectures", arch, f"[{known[kind]!r}]")
     fmt = _family_of(kind).hf
     fmt.check_import(hf, path, kind)
-    section = common_section(hf, path, param_dtype)
-    return {**section, **fmt.section(hf, path, kind)}
+    section = common_section(fmt.common_view(hf, path), path, param_dtype)
+    return {**section, **fmt.section(hf, path, kind, names)}
 
 
 def describe(model_cfg) -> str:
@@ -98,13 +101,19 @@ def _tensors(model_cfg) -> list[Tensor]:
     ]
     for i in range(m.num_layers):
         out += fmt.layer_tensors(m, kind, i)
-    return out
+    return out + fmt.extra_tensors(m, kind)
+
+
+def _copies(model_cfg) -> list[Tensor]:
+    fmt = FAMILIES[model_cfg.family].hf
+    return fmt.copies(model_cfg, fmt.model_type(model_cfg))
 
 
 def kiln_to_hf(model_cfg, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """HF state dict (numpy) from kiln's pure parameter dict (stacked blocks)."""
     return {
-        t.name: to_hf(np.asarray(get(params, t.path))[t.index], t.n_in) for t in _tensors(model_cfg)
+        t.name: to_hf(np.asarray(get(params, t.path))[t.index], t.n_in, t.order)
+        for t in _tensors(model_cfg) + _copies(model_cfg)
     }
 
 
@@ -112,7 +121,8 @@ def hf_to_kiln(model_cfg, tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
     """kiln's pure parameter dict from an HF state dict; KilnError naming a bad tensor."""
     shapes = _shapes(nnx.to_pure_dict(abstract_state(model_cfg)))
     expected = _tensors(model_cfg)
-    names = {t.name for t in expected}
+    copies = _copies(model_cfg)
+    names = {t.name for t in expected + copies}
     if model_cfg.tie_embeddings:
         names.add("lm_head.weight")  # stored by some tied checkpoints; HF ignores it too
     unexpected = sorted(n for n in tensors if n not in names and not n.endswith(IGNORED_SUFFIXES))
@@ -134,7 +144,15 @@ def hf_to_kiln(model_cfg, tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
             raise KilnError(
                 f"tensor {t.name!r} has shape {list(w.shape)}, but config.json implies {list(want)}"
             )
-        items.setdefault(t.path, []).append(from_hf(w, shape, t.n_in))
+        items.setdefault(t.path, []).append(from_hf(w, shape, t.n_in, t.order))
+    sources = {(t.path, t.index): t.name for t in expected}
+    for t in copies:
+        source = sources[(t.path, t.index)]
+        if t.name in tensors and not np.array_equal(tensors[t.name], tensors[source]):
+            raise KilnError(
+                f"tensor {t.name!r} differs from {source!r}; kiln shares one array for both "
+                "(the format stores it twice)"
+            )
     out: dict[str, Any] = {}
     for path, arrays in items.items():
         # One array per index, in index order: stacked, they are kiln's array.

@@ -232,14 +232,18 @@ class Block(nnx.Module):
     """Pre-norm Transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
 
     Returns (x, aux): aux holds the block's auxiliary sums (`ModelOutput.aux`), none for the
-    dense MLP; a family with another MLP overrides `_mlp`.
+    dense MLP; a family with another MLP overrides `_make_mlp` and `_mlp`, one with another
+    attention `_make_attention` (a module with `__call__` and `cached` as `Attention`'s).
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, "norm", cfg)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = self._make_attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, "norm", cfg)
         self.mlp = self._make_mlp(cfg, rngs)
+
+    def _make_attention(self, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+        return Attention(cfg, rngs=rngs)
 
     def _make_mlp(self, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
         return Mlp(cfg, rngs=rngs)
@@ -340,6 +344,12 @@ class Transformer(nnx.Module):
         block (0-based), before the final norm; otherwise features is None. aux: the blocks'
         auxiliary sums, combined by `_aux` (none for this family).
         """
+        x_BSD, features, aux = self.trunk(inputs_BS, positions_BS, segment_ids_BS, collect=collect)
+        return ModelOutput(self.final_norm(x_BSD), features, self._aux(aux))
+
+    def trunk(self, inputs_BS, positions_BS, segment_ids_BS, *, collect: Sequence[int] = ()):
+        """(the residual stream after the last block, before the final norm; the features of
+        `collect` as in `hidden_states`, or None; each stack's per-layer aux, in order)."""
         cfg = self.cfg
         collect = tuple(int(i) for i in collect)
         for i in collect:
@@ -363,7 +373,7 @@ class Transformer(nnx.Module):
             all_LBSD.append(all_BSD)
             aux.append(stack_aux)
         features = _join(all_LBSD)[jnp.asarray(collect)] if collect else None
-        return ModelOutput(self.final_norm(x_BSD), features, self._aux(aux))
+        return x_BSD, features, aux
 
     def _stacks(self) -> list[nnx.Module]:
         """The scanned stacks of blocks, in order (each with a leading `layers` axis)."""
@@ -448,7 +458,7 @@ class Transformer(nnx.Module):
         k = jax.lax.dynamic_update_slice(cache.k, _join(new_k).astype(cache.k.dtype), at)
         v = jax.lax.dynamic_update_slice(cache.v, _join(new_v).astype(cache.v.dtype), at)
         index = cache.index + inputs_BS.shape[1]
-        cache = KVCache(constrain(k, CACHE_LBTKH), constrain(v, CACHE_LBTKH), segment_ids_BT, index)
+        cache = self.constrain_cache(KVCache(k, v, segment_ids_BT, index))
         return self.final_norm(x_BSD), cache
 
     def head_weight(self, dtype=None) -> jax.Array:
@@ -477,6 +487,15 @@ class Transformer(nnx.Module):
     def aux_metrics(cfg: ModelConfig, sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """No statistics beyond the scalar aux sums (this family has none)."""
         return {}
+
+    @staticmethod
+    def predicts_ahead(cfg: ModelConfig) -> tuple[int, float]:
+        """No multi-token prediction modules."""
+        return 0, 0.0
+
+    def auxiliary_params(self) -> int:
+        """Parameters beside the decoder (none)."""
+        return 0
 
     def inactive_params(self) -> int:
         """Parameters a token does not use (none in a dense model)."""
@@ -570,7 +589,7 @@ class LlamaHF(HFFormat):
     def check_import(self, hf, path, kind: str) -> None:
         full_attention_only(hf, path)
 
-    def section(self, hf, path, kind: str) -> dict:
+    def section(self, hf, path, kind: str, names=()) -> dict:
         return {"qk_norm": kind.startswith("qwen3")}
 
     def attention_tensors(self, m, layer: int, stack: str, index: int) -> list[Tensor]:

@@ -35,6 +35,7 @@ from kiln.model.llama import (
     LlamaHF,
     Mlp,
     Transformer,
+    _join,
     _param,
     stacked_blocks,
 )
@@ -412,6 +413,10 @@ class MoeTransformer(Transformer):
     capacity, the assignments dropped per layer (`moe/dropped_tokens` [L_moe]).
     """
 
+    # The blocks of the two stacks (a family with another attention overrides both).
+    dense_block: ClassVar[type[Block]] = Block
+    moe_block: ClassVar[type[Block]] = MoeBlock
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         moe = cfg.moe
         if moe is None or not 0 <= moe.first_dense_layers < cfg.num_layers:
@@ -422,14 +427,21 @@ class MoeTransformer(Transformer):
         super().__init__(cfg, rngs=rngs)
         # Replaces the dense stack the base class built with the two stacks.
         dense = moe.first_dense_layers
-        self.dense_blocks = stacked_blocks(cfg, rngs, Block, dense) if dense else None
-        self.blocks = stacked_blocks(cfg, rngs, MoeBlock, cfg.num_layers - dense)
+        self.dense_blocks = stacked_blocks(cfg, rngs, self.dense_block, dense) if dense else None
+        self.blocks = stacked_blocks(cfg, rngs, self.moe_block, cfg.num_layers - dense)
 
     def _stacks(self) -> list[nnx.Module]:
         return [b for b in (self.dense_blocks, self.blocks) if b is not None]
 
+    def _routed(self) -> list[nnx.Module]:
+        """The stacks of routed-expert MLPs, in the order of their rows in the aux arrays."""
+        return [self.blocks.mlp]
+
     def _aux(self, per_stack):
-        aux = per_stack[-1]  # the MoE stack's, [L_moe, ...] per key
+        """The routed stacks' per-layer aux joined along layers ([L_moe, ...] per key; the
+        dense stack has none): statistics as arrays, losses summed."""
+        routed = [aux for aux in per_stack if aux]
+        aux = {k: _join([a[k] for a in routed]) for k in (routed[0] if routed else ())}
         out = {k: v for k, v in aux.items() if k.startswith("moe/")}
         out.update({k: jnp.sum(v) for k, v in aux.items() if not k.startswith("moe/")})
         return out
@@ -446,8 +458,12 @@ class MoeTransformer(Transformer):
         mean_L1 = jnp.mean(tokens_LE, axis=-1, keepdims=True)
         move_LE = jnp.sign(mean_L1 - tokens_LE)
         move_LE = move_LE - jnp.mean(move_LE, axis=-1, keepdims=True)
-        bias = self.blocks.mlp.bias
-        bias[...] = bias[...] + moe.bias_update_rate * move_LE
+        first = 0
+        for mlp in self._routed():
+            bias = mlp.bias
+            rows = bias.shape[0]
+            bias[...] = bias[...] + moe.bias_update_rate * move_LE[first : first + rows]
+            first += rows
 
     @staticmethod
     def aux_metrics(cfg: ModelConfig, sums) -> dict[str, jax.Array]:
@@ -604,11 +620,11 @@ class MoeHF(LlamaHF):
             "attention_bias": False,
         }
 
-    def section(self, hf, path, kind: str) -> dict:
+    def section(self, hf, path, kind: str, names=()) -> dict:
         return {
             "family": "moe",
             "moe": _moe_section(hf, path, kind),
-            **super().section(hf, path, kind),
+            **super().section(hf, path, kind, names),
         }
 
     def layer_tensors(self, m, kind: str, layer: int) -> list[Tensor]:

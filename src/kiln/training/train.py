@@ -24,7 +24,14 @@ from jax.sharding import PartitionSpec as P
 from kiln import losses
 from kiln.config import Config
 from kiln.errors import KilnError
-from kiln.model import ModelOutput, aux_metrics, build_model, create_model, flops_per_token
+from kiln.model import (
+    ModelOutput,
+    aux_metrics,
+    build_model,
+    create_model,
+    flops_per_token,
+    predicts_ahead,
+)
 from kiln.model.project import grad_reduce_dtype
 from kiln.parallel.mesh import (
     InMesh,
@@ -116,6 +123,11 @@ class Objective(struct.PyTreeNode):
     - `result(sums) -> (loss, metrics)`: the loss and its diagnostics from the global sums
       (keys containing "/" are logged as metrics under that tag).
 
+    A model with multi-token prediction modules (`ModelOutput.ahead`) gets their LM losses
+    here too, each through the same loss engine on the targets d tokens further ahead, as a
+    mean per token of its own weights (`learning/mtp_loss`, the mean over the modules), added
+    to the loss times the family's weight (`kiln.model.predicts_ahead`).
+
     The model's aux scalars are sums over the tokens it ran (segment id > 0, counted in
     `token_sum`), so they are divided by those tokens, not by the loss weights: a batch whose
     prompts weigh 0 keeps its router losses at their scale. An objective whose value weights
@@ -164,11 +176,24 @@ class Objective(struct.PyTreeNode):
             batch["inputs"], batch["positions"], batch["segment_ids"], collect=self.collect()
         )
         value, sums = self.sums(model, out, batch, coefficients)
-        own = batch_totals(batch)
+        own = batch_totals(batch, len(out.ahead))
         totals = own if totals is None else totals
         sums = {**sums, **out.aux, "token_sum": own["token_sum"]}
         for k in aux_loss_keys(out.aux):
             value = value + out.aux[k] * _per_model_token(totals)
+        if out.ahead:
+            _, weight = predicts_ahead(self.config.model)
+            head_DV = model.head_weight()
+            for d, hidden_BSD in enumerate(out.ahead, 1):
+                targets, weights = losses.ahead_targets(
+                    batch["targets"], batch["weights"], batch["segment_ids"], d
+                )
+                ahead_batch = {"targets": targets, "weights": weights}
+                lm = lm_loss_sums(self.config, hidden_BSD, head_DV, ahead_batch, self.mesh)
+                sums[f"ahead_{d}_loss_sum"] = lm["loss_sum"]
+                sums[f"ahead_{d}_weight_sum"] = lm["weight_sum"]
+                per_weight = _ratio(totals["weight_sum"], totals[f"ahead_{d}_weight_sum"])
+                value = value + weight / len(out.ahead) * lm["loss_sum"] * per_weight
         return value, sums
 
     def finalize(self, sums: Sums) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -178,6 +203,17 @@ class Objective(struct.PyTreeNode):
         model = aux_results(self.config, sums)
         for k in aux_loss_keys(sums):
             loss = loss + model[k]
+        depth, weight = predicts_ahead(self.config.model)
+        if depth:
+            mtp = (
+                sum(
+                    _ratio(sums[f"ahead_{d}_loss_sum"], sums[f"ahead_{d}_weight_sum"])
+                    for d in range(1, depth + 1)
+                )
+                / depth
+            )
+            loss = loss + weight * mtp
+            model["learning/mtp_loss"] = mtp
         return loss, {**metrics, **model}
 
     def pinned_inputs(self) -> dict[str, Any]:
@@ -189,13 +225,25 @@ class Objective(struct.PyTreeNode):
         return flops_per_token(self.config.model, self.config.data.seq_len)
 
 
-def batch_totals(batch: Batch) -> Sums:
+def batch_totals(batch: Batch, ahead: int = 0) -> Sums:
     """float32 `weight_sum` (the loss weights) and `token_sum` (tokens with segment id > 0,
-    those a model's aux sums are over) of a batch."""
-    return {
+    those a model's aux sums are over) of a batch; with `ahead`, each multi-token prediction
+    module's weight `ahead_{d}_weight_sum` (`kiln.losses.ahead_targets`), d = 1..ahead."""
+    out = {
         "weight_sum": jnp.sum(batch["weights"].astype(jnp.float32)),
         "token_sum": jnp.sum((batch["segment_ids"] > 0).astype(jnp.float32)),
     }
+    for d in range(1, ahead + 1):
+        _, weights = losses.ahead_targets(
+            batch["targets"], batch["weights"], batch["segment_ids"], d
+        )
+        out[f"ahead_{d}_weight_sum"] = jnp.sum(weights.astype(jnp.float32))
+    return out
+
+
+def _ratio(total: jax.Array, weight: jax.Array) -> jax.Array:
+    """total / weight, 0 for a weight of 0 (and the gradient finite)."""
+    return total / jnp.where(weight > 0, weight, 1.0)
 
 
 def _per_model_token(totals: Sums) -> jax.Array:
@@ -294,7 +342,8 @@ def objective_loss_and_grads(objective: Objective, state: TrainState, batch: Bat
     objective = objective.for_step(state.step)
     accum = config.train.gradient_accumulation_steps
 
-    totals = batch_totals(batch)  # of the global batch: the model's loss terms per its tokens
+    # Of the global batch: the model's loss terms per its tokens, the modules' per their weight.
+    totals = batch_totals(batch, predicts_ahead(config.model)[0])
 
     def loss_sums(params, mb, coefficients):
         return objective.loss_sums(state.model(params), mb, coefficients, totals)
@@ -449,8 +498,10 @@ def make_update(config: Config) -> Callable:
         lr = schedule(state.step)
 
         def apply(operand):
-            params, opt_state = operand
-            updates, opt_state = tx.update(grads, opt_state, params)
+            params, old_state = operand
+            updates, opt_state = tx.update(grads, old_state, params)
+            # The state keeps its dtypes (model.param_dtype's moments) under float32 gradients.
+            opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, old_state)
             updates = jax.tree.map(lambda u: -lr * u, updates)
             model = state.model(optax.apply_updates(params, updates))
             model.update_balance(aux)
