@@ -64,6 +64,7 @@ MOE_CANARY = (
 B1 = "configs/models/llama3-1b.yaml"
 B8 = "configs/models/llama3-8b.yaml"
 QWEN = "configs/models/qwen3-30b-a3b.yaml"
+DEEPSEEK = "configs/models/deepseek-v3-671b.yaml"
 TINY = "configs/tiny.yaml"
 # The small models of docs/scaling.md's collectives section (tests/test_compile.py's).
 TENSOR_PARALLEL = (
@@ -99,6 +100,28 @@ class Entry:
 SUMMARY_8B = ("config", B8, "--summary", "--devices", "8", "--hbm-gb", "80")
 SUMMARY_1B = ("config", B1, "--summary", "--hbm-gb", "16", "mesh.fsdp=8")
 SUMMARY_QWEN = ("config", QWEN, "--summary", "--topology", "v5p-64", "--hbm-gb", "95")
+SUMMARY_DEEPSEEK = ("config", DEEPSEEK, "--summary", "--topology", "v5p-512", "--hbm-gb", "95")
+# DeepSeek-V3 cut as MOE_CANARY cuts Qwen3-MoE: 2 layers (the first dense), 16 experts in 8
+# groups, a latent attention of width 256 (the latents are split 256 ways like embed over the
+# 256 chips of a v5p-512), one sequence of 256 tokens per chip per micro-batch.
+DEEPSEEK_CANARY = (
+    "model.num_layers=2",
+    "model.moe.first_dense_layers=1",
+    "model.d_model=256",
+    "model.d_ff=512",
+    "model.num_heads=4",
+    "model.vocab_size=2048",
+    "model.moe.num_experts=16",
+    "model.moe.d_ff_expert=128",
+    "model.deepseek.q_lora_rank=256",
+    "model.deepseek.kv_lora_rank=256",
+    "model.deepseek.qk_nope_head_dim=32",
+    "model.deepseek.qk_rope_head_dim=16",
+    "model.deepseek.v_head_dim=32",
+    "data.seq_len=256",
+    "train.global_batch_size=512",
+    "train.gradient_accumulation_steps=2",
+)
 
 
 def small(overrides: tuple[str, ...], target: str) -> Entry:
@@ -131,6 +154,10 @@ ENTRIES = {
         ("compile", QWEN, "--topology", "v5p-64"), canary=True, tpu=True, cut=MOE_CANARY
     ),
     "qwen3-30b-a3b-summary": Entry(SUMMARY_QWEN, derived=True, tpu=True),
+    "deepseek-v3-671b-v5p-512": Entry(
+        ("compile", DEEPSEEK, "--topology", "v5p-512"), canary=True, tpu=True, cut=DEEPSEEK_CANARY
+    ),
+    "deepseek-v3-671b-summary": Entry(SUMMARY_DEEPSEEK, derived=True, tpu=True),
     "qwen3-30b-a3b-fit": Entry(
         ("compile", QWEN, "--topology", "v5p-64", "--fit", "--hbm-gb", "90"),
         derived=True,
@@ -301,6 +328,16 @@ def quotes(records: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
             peak = small["memory"]["peak"] / 1e6
             found.append((scaling, f"| {label} | {shown} | {cells} | {peak:.2f} MB |"))
     found += _moe_quotes(out)
+    found += _deepseek_quotes(out)
+    return found
+
+
+def _deepseek_quotes(out: dict[str, Any]) -> list[tuple[str, str]]:
+    """docs/deepseek.md's DeepSeek-V3 section and the config's target line."""
+    page, compiled = "docs/deepseek.md", out["deepseek-v3-671b-v5p-512"]
+    found = [(page, line) for line in out["deepseek-v3-671b-summary"]]
+    found += [(page, line) for line in _report_lines(compiled, DEEPSEEK)]
+    found.append((DEEPSEEK, f"peak {_gb(compiled['memory']['peak'])} per device"))
     return found
 
 
@@ -378,6 +415,7 @@ def disagreements(records: dict[str, dict[str, Any]]) -> list[str]:
         ("8b-summary", SUMMARY_8B, "8b", 80.0),
         ("1b-summary", SUMMARY_1B, "1b", 16.0),
         ("qwen3-30b-a3b-summary", SUMMARY_QWEN, "qwen3-30b-a3b-v5p-64", 95.0),
+        ("deepseek-v3-671b-summary", SUMMARY_DEEPSEEK, "deepseek-v3-671b-v5p-512", 95.0),
     ):
         overrides = [a for a in args if "=" in a]
         config = load_config(REPO / args[1], overrides)

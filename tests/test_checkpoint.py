@@ -208,16 +208,34 @@ def test_kill_9_resumes_bitwise_with_each_optimizers_state(tmp_path, corpus, opt
     resume_to_step_12(config, run_dir, complete, want_losses, want_state)  # params and optimizer
 
 
-def test_kill_9_resumes_an_moe_run_bitwise_with_its_routing_biases(tmp_path, corpus):
-    """An moe run with balance: aux_free: the routing biases, moved outside the gradient after
-    every step, are saved with the parameters and restored exactly."""
-    moe = {"num_experts": 4, "experts_per_token": 2, "d_ff_expert": 16, "balance": "aux_free"}
-    model = {"family": "moe", "moe": {**moe, "router_z_loss": 1e-3, "load_balance_loss": 1e-2}}
+ROUTED = {"num_experts": 4, "experts_per_token": 2, "d_ff_expert": 16, "balance": "aux_free"}
+ROUTED_FAMILIES = {
+    "moe": {"family": "moe", "moe": {**ROUTED, "router_z_loss": 1e-3, "load_balance_loss": 1e-2}},
+    # DeepSeek-V3's routing, latent attention and a multi-token prediction module.
+    "deepseek": {
+        "family": "deepseek",
+        "moe": {**ROUTED, "score": "sigmoid", "n_group": 2, "topk_group": 1, "router_z_loss": 1e-3},
+        "deepseek": {
+            **{"q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8},
+            **{"qk_rope_head_dim": 4, "v_head_dim": 8, "mtp_num_layers": 1},
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("family", ROUTED_FAMILIES)
+def test_kill_9_resumes_a_routed_run_bitwise_with_its_routing_biases(tmp_path, corpus, family):
+    """An moe or deepseek run with balance: aux_free: the routing biases, moved outside the
+    gradient after every step, are saved with the parameters and restored exactly (deepseek:
+    its prediction module's too)."""
+    model = ROUTED_FAMILIES[family]
     (tmp_path / "straight").mkdir()
     straight = write_run_config(tmp_path / "straight", corpus, model=model)
     kiln_train(straight)
     want_losses, want_state = losses(tmp_path / "straight" / "runs" / "r"), final_params(straight)
     assert np.abs(want_state["params"]["blocks"]["mlp"]["bias"]).max() > 0
+    if family == "deepseek":
+        assert np.abs(want_state["params"]["mtp"]["block"]["mlp"]["bias"]).max() > 0
     config = write_run_config(tmp_path, corpus, model=model, checkpoint={"every_steps": 1})
     run_dir = tmp_path / "runs" / "r"
     complete = kill_9_after_step_5(config, run_dir)

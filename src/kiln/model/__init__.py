@@ -35,6 +35,7 @@ from flax import nnx
 from kiln.config import ModelConfig
 from kiln.config.axes import entry_axes
 from kiln.errors import KilnError
+from kiln.model.deepseek import DeepseekHF, DeepseekTransformer
 from kiln.model.hf import HFFormat
 from kiln.model.interface import DTYPES, KVCache, LanguageModel, ModelOutput, logits_dtype
 from kiln.model.llama import LlamaHF, Transformer
@@ -64,6 +65,7 @@ class Family(NamedTuple):
 FAMILIES: dict[str, Family] = {
     "llama": Family(Transformer, LlamaHF()),
     "moe": Family(MoeTransformer, MoeHF()),
+    "deepseek": Family(DeepseekTransformer, DeepseekHF()),
 }
 
 

@@ -16,7 +16,13 @@ from kiln.config.schema.base import (
 )
 from kiln.config.schema.data import PER_SOURCE, DataConfig
 from kiln.config.schema.distillation import DistillationConfig
-from kiln.config.schema.model import ATTENTION_KERNELS, FAMILY_SECTIONS, ModelConfig, MoeConfig
+from kiln.config.schema.model import (
+    ATTENTION_KERNELS,
+    FAMILY_SECTIONS,
+    DeepseekConfig,
+    ModelConfig,
+    MoeConfig,
+)
 from kiln.config.schema.runtime import DistributedConfig, LoggingConfig
 from kiln.config.schema.training import CheckpointConfig, LossConfig, OptimConfig, TrainConfig
 
@@ -31,6 +37,7 @@ __all__ = [
     "CheckpointConfig",
     "Count",
     "DataConfig",
+    "DeepseekConfig",
     "DistillationConfig",
     "DistributedConfig",
     "LoggingConfig",

@@ -151,13 +151,105 @@ class MoeConfig(Section):
         return self
 
 
+class YarnConfig(Section):
+    """YaRN's rescaling of the rotary frequencies (Hugging Face rope_type "yarn", as
+    DeepSeek-V3 uses it): wavelengths longer than the context trained for are interpolated,
+    short ones kept, a linear ramp between."""
+
+    factor: float = Field(
+        40.0, gt=0, allow_inf_nan=False, description="How much the context is extended."
+    )
+    original_max_position_embeddings: PositiveInt = Field(
+        4096, description="Context length the unscaled frequencies were trained for."
+    )
+    beta_fast: float = Field(
+        32.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Rotations over the original context below which a frequency is interpolated fully.",
+    )
+    beta_slow: float = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Rotations over the original context above which a frequency is kept.",
+    )
+    mscale: float = Field(
+        1.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="With mscale_all_dim: the rotary cos/sin are scaled by (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) + 1).",
+    )
+    mscale_all_dim: float = Field(
+        1.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="The softmax scale is multiplied by (0.1 mscale_all_dim ln(factor) + 1)^2 (0 = not); DeepSeek-V3: 1.",
+    )
+
+
+class DeepseekConfig(Section):
+    """The `deepseek` family's multi-head latent attention and multi-token prediction (its
+    routed experts are model.moe; docs/moe.md)."""
+
+    q_lora_rank: int | None = Field(
+        None,
+        gt=0,
+        le=INT32_MAX,
+        description="Width of the queries' low-rank bottleneck (projection down, RMSNorm, projection up); null = one full-rank query projection. DeepSeek-V3: 1536.",
+    )
+    kv_lora_rank: PositiveInt = Field(
+        64,
+        description="Width of the compressed latent the keys and values are projected from (and the decode cache holds). DeepSeek-V3: 512.",
+    )
+    qk_nope_head_dim: PositiveInt = Field(
+        32, description="Per-head query/key width without rotary embedding. DeepSeek-V3: 128."
+    )
+    qk_rope_head_dim: PositiveInt = Field(
+        16,
+        description="Per-head query width with rotary embedding; the rotary key of this width is shared by every head. Even. DeepSeek-V3: 64.",
+    )
+    v_head_dim: PositiveInt = Field(32, description="Per-head value width. DeepSeek-V3: 128.")
+    yarn: YarnConfig | None = Field(
+        None,
+        description="null = plain rotary frequencies; {factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim} = YaRN (DeepSeek-V3's long-context extension), which also scales the softmax.",
+    )
+    mtp_num_layers: Count = Field(
+        0,
+        le=16,
+        description="Multi-token prediction modules (DeepSeek-V3): module d combines the previous depth's hidden state with the embedding of the token d ahead and predicts the token d+1 ahead through the shared LM head; trained with the model, not run by kiln generate. 0 = none.",
+    )
+    mtp_loss_weight: float = Field(
+        0.3,
+        ge=0,
+        le=1e3,
+        allow_inf_nan=False,
+        description="Weight of the mean of the modules' losses in the loss (DeepSeek-V3's lambda: 0.3, then 0.1); logged as learning/mtp_loss before weighting.",
+    )
+
+    @model_validator(mode="after")
+    def _even_rope(self) -> DeepseekConfig:
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"qk_rope_head_dim ({self.qk_rope_head_dim}) is odd; allowed: an even width "
+                "(rotary pairs)"
+            )
+        return self
+
+
 # model.family -> the sections of ModelConfig it reads besides the shared fields (a family may
 # read another's: one with routed experts reads `moe`). kiln.model.FAMILIES holds the
 # implementations under the same names.
-FAMILY_SECTIONS: dict[str, tuple[str, ...]] = {"llama": (), "moe": ("moe",)}
+FAMILY_SECTIONS: dict[str, tuple[str, ...]] = {
+    "llama": (),
+    "moe": ("moe",),
+    "deepseek": ("moe", "deepseek"),
+}
 FAMILY_HELP = {
     "llama": "pre-norm RMSNorm blocks, grouped-query attention with rotary embeddings, SwiGLU MLP",
     "moe": "llama's blocks with the MLP replaced by routed experts (model.moe)",
+    "deepseek": "DeepSeek-V3: multi-head latent attention (model.deepseek), routed experts "
+    "(model.moe), multi-token prediction",
 }
 # model.attention -> what the kernel is; kiln.model.attention.IMPLEMENTATIONS holds the kernels
 # under the same names, and `auto` chooses among them per platform.
@@ -267,7 +359,11 @@ class ModelConfig(Section):
     )
     moe: MoeConfig | None = Field(
         None,
-        description="family: moe only: the routed experts (num_experts, experts_per_token, d_ff_expert, ...; see docs/moe.md); null with family moe = the defaults.",
+        description="family: moe or deepseek only: the routed experts (num_experts, experts_per_token, d_ff_expert, ...; see docs/moe.md); null with those families = the defaults.",
+    )
+    deepseek: DeepseekConfig | None = Field(
+        None,
+        description="family: deepseek only: multi-head latent attention and multi-token prediction (kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, yarn, mtp_num_layers, mtp_loss_weight; see docs/deepseek.md); null with family deepseek = the defaults.",
     )
 
     @pydantic.field_validator("family")
@@ -290,6 +386,24 @@ class ModelConfig(Section):
                         f"model.{section} is set but model.family is {self.family}; allowed: "
                         f"model.family: {family} with model.{section}, or no model.{section}"
                     )
+        return self
+
+    @model_validator(mode="after")
+    def _latent_attention(self) -> ModelConfig:
+        # Multi-head latent attention sets its own head widths and rotary scaling.
+        if self.family != "deepseek":
+            return self
+        given = (
+            ("num_kv_heads", self.num_kv_heads, "null (every head reads the shared latent)"),
+            ("head_dim", self.head_dim, "null (model.deepseek sets the head widths)"),
+            ("qk_norm", self.qk_norm or None, "false (the latents have their own RMSNorms)"),
+            ("rope_scaling", self.rope_scaling, "null (use model.deepseek.yarn)"),
+        )
+        for field, value, allowed in given:
+            if value is not None:
+                raise ValueError(
+                    f"model.{field} is {value} with model.family deepseek; allowed: {allowed}"
+                )
         return self
 
     @model_validator(mode="before")
