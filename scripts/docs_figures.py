@@ -103,7 +103,8 @@ SUMMARY_QWEN = ("config", QWEN, "--summary", "--topology", "v5p-64", "--hbm-gb",
 SUMMARY_DEEPSEEK = ("config", DEEPSEEK, "--summary", "--topology", "v5p-512", "--hbm-gb", "95")
 # DeepSeek-V3 cut as MOE_CANARY cuts Qwen3-MoE: 2 layers (the first dense), 16 experts in 8
 # groups, a latent attention of width 256 (the latents are split 256 ways like embed over the
-# 256 chips of a v5p-512), one sequence of 256 tokens per chip per micro-batch.
+# 256 chips of a v5p-512), one sequence of 128 tokens per chip, one micro-batch (libtpu
+# partitions for 256 devices: the cut compiles in about 30 s).
 DEEPSEEK_CANARY = (
     "model.num_layers=2",
     "model.moe.first_dense_layers=1",
@@ -118,9 +119,9 @@ DEEPSEEK_CANARY = (
     "model.deepseek.qk_nope_head_dim=32",
     "model.deepseek.qk_rope_head_dim=16",
     "model.deepseek.v_head_dim=32",
-    "data.seq_len=256",
-    "train.global_batch_size=512",
-    "train.gradient_accumulation_steps=2",
+    "data.seq_len=128",
+    "train.global_batch_size=256",
+    "train.gradient_accumulation_steps=1",
 )
 
 

@@ -216,7 +216,7 @@ ROUTED_FAMILIES = {
         "family": "deepseek",
         "moe": {**ROUTED, "score": "sigmoid", "n_group": 2, "topk_group": 1, "router_z_loss": 1e-3},
         "deepseek": {
-            **{"q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8},
+            **{"kv_lora_rank": 16, "qk_nope_head_dim": 8},
             **{"qk_rope_head_dim": 4, "v_head_dim": 8, "mtp_num_layers": 1},
         },
     },
