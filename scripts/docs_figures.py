@@ -101,13 +101,15 @@ SUMMARY_8B = ("config", B8, "--summary", "--devices", "8", "--hbm-gb", "80")
 SUMMARY_1B = ("config", B1, "--summary", "--hbm-gb", "16", "mesh.fsdp=8")
 SUMMARY_QWEN = ("config", QWEN, "--summary", "--topology", "v5p-64", "--hbm-gb", "95")
 SUMMARY_DEEPSEEK = ("config", DEEPSEEK, "--summary", "--topology", "v5p-512", "--hbm-gb", "95")
-# DeepSeek-V3 cut as MOE_CANARY cuts Qwen3-MoE: 2 layers (the first dense), 16 experts in 8
-# groups, a latent attention of width 256 (the latents are split 256 ways like embed over the
-# 256 chips of a v5p-512), one sequence of 128 tokens per chip, one micro-batch (libtpu
-# partitions for 256 devices: the cut compiles in about 30 s).
+# DeepSeek-V3 cut as MOE_CANARY cuts Qwen3-MoE: 2 routed layers, 16 experts in 8 groups, a
+# latent attention of width 256 (the latents are split 256 ways like embed over the 256 chips
+# of a v5p-512), one sequence of 128 tokens per chip, one micro-batch. libtpu partitions for
+# 256 devices, so the dense layers and the prediction module are cut too (14 s of compile,
+# not 24 s; both run in tests/test_deepseek.py on CPU).
 DEEPSEEK_CANARY = (
     "model.num_layers=2",
-    "model.moe.first_dense_layers=1",
+    "model.moe.first_dense_layers=0",
+    "model.deepseek.mtp_num_layers=0",
     "model.d_model=256",
     "model.d_ff=512",
     "model.num_heads=4",

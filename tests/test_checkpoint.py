@@ -190,56 +190,48 @@ def test_kill_9_during_async_saves_resumes_from_last_complete(tmp_path, corpus, 
     assert not [p.name for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name]
 
 
-@pytest.mark.parametrize(
-    "optim",
-    [{"name": "muon"}, {"name": "adafactor", "adafactor": {"min_dim_size_to_factor": 32}}],
-    ids=["muon", "adafactor"],
-)
-def test_kill_9_resumes_bitwise_with_each_optimizers_state(tmp_path, corpus, optim):
-    """Muon's momentum and Adafactor's factored statistics (replicated, see
-    `kiln.parallel.mesh.state_specs`) are saved and restored exactly as AdamW's moments."""
-    (tmp_path / "straight").mkdir()
-    straight = write_run_config(tmp_path / "straight", corpus, optim=optim)
-    kiln_train(straight)
-    want_losses, want_state = losses(tmp_path / "straight" / "runs" / "r"), final_params(straight)
-    config = write_run_config(tmp_path, corpus, optim=optim, checkpoint={"every_steps": 1})
-    run_dir = tmp_path / "runs" / "r"
-    complete = kill_9_after_step_5(config, run_dir)
-    resume_to_step_12(config, run_dir, complete, want_losses, want_state)  # params and optimizer
-
-
 ROUTED = {"num_experts": 4, "experts_per_token": 2, "d_ff_expert": 16, "balance": "aux_free"}
-ROUTED_FAMILIES = {
-    "moe": {"family": "moe", "moe": {**ROUTED, "router_z_loss": 1e-3, "load_balance_loss": 1e-2}},
-    # DeepSeek-V3's routing, latent attention and a multi-token prediction module.
+MOE = {"family": "moe", "moe": {**ROUTED, "router_z_loss": 1e-3, "load_balance_loss": 1e-2}}
+# DeepSeek-V3's routing, latent attention and a multi-token prediction module.
+DEEPSEEK = {
+    "family": "deepseek",
+    "moe": {**ROUTED, "score": "sigmoid", "n_group": 2, "topk_group": 1, "router_z_loss": 1e-3},
     "deepseek": {
-        "family": "deepseek",
-        "moe": {**ROUTED, "score": "sigmoid", "n_group": 2, "topk_group": 1, "router_z_loss": 1e-3},
-        "deepseek": {
-            **{"kv_lora_rank": 16, "qk_nope_head_dim": 8},
-            **{"qk_rope_head_dim": 4, "v_head_dim": 8, "mtp_num_layers": 1},
-        },
+        **{"kv_lora_rank": 16, "qk_nope_head_dim": 8},
+        **{"qk_rope_head_dim": 4, "v_head_dim": 8, "mtp_num_layers": 1},
     },
 }
 
 
-@pytest.mark.parametrize("family", ROUTED_FAMILIES)
-def test_kill_9_resumes_a_routed_run_bitwise_with_its_routing_biases(tmp_path, corpus, family):
-    """An moe or deepseek run with balance: aux_free: the routing biases, moved outside the
+@pytest.mark.parametrize(
+    ("optim", "model"),
+    [
+        ({"name": "muon"}, DEEPSEEK),
+        ({"name": "adafactor", "adafactor": {"min_dim_size_to_factor": 32}}, MOE),
+    ],
+    ids=["muon-deepseek", "adafactor-moe"],
+)
+def test_kill_9_resumes_bitwise_with_each_optimizers_and_familys_state(
+    tmp_path, corpus, optim, model
+):
+    """Muon's momentum and Adafactor's factored statistics (replicated, see
+    `kiln.parallel.mesh.state_specs`) are saved and restored exactly as AdamW's moments, each
+    on a routed family with balance: aux_free, whose routing biases, moved outside the
     gradient after every step, are saved with the parameters and restored exactly (deepseek:
-    its prediction module's too)."""
-    model = ROUTED_FAMILIES[family]
+    its latent attention, and its prediction module's biases too). Every optimizer and every
+    family is killed and resumed once (llama with AdamW above)."""
     (tmp_path / "straight").mkdir()
-    straight = write_run_config(tmp_path / "straight", corpus, model=model)
+    straight = write_run_config(tmp_path / "straight", corpus, optim=optim, model=model)
     kiln_train(straight)
     want_losses, want_state = losses(tmp_path / "straight" / "runs" / "r"), final_params(straight)
     assert np.abs(want_state["params"]["blocks"]["mlp"]["bias"]).max() > 0
-    if family == "deepseek":
+    if model["family"] == "deepseek":
         assert np.abs(want_state["params"]["mtp"]["block"]["mlp"]["bias"]).max() > 0
-    config = write_run_config(tmp_path, corpus, model=model, checkpoint={"every_steps": 1})
+    sections = {"optim": optim, "model": model, "checkpoint": {"every_steps": 1}}
+    config = write_run_config(tmp_path, corpus, **sections)
     run_dir = tmp_path / "runs" / "r"
     complete = kill_9_after_step_5(config, run_dir)
-    resume_to_step_12(config, run_dir, complete, want_losses, want_state)
+    resume_to_step_12(config, run_dir, complete, want_losses, want_state)  # params and optimizer
 
 
 def test_restore_onto_a_different_mesh(tmp_path, corpus, straight):
