@@ -206,10 +206,10 @@ DEEPSEEK = {
 @pytest.mark.parametrize(
     ("optim", "model"),
     [
-        ({"name": "muon"}, DEEPSEEK),
-        ({"name": "adafactor", "adafactor": {"min_dim_size_to_factor": 32}}, MOE),
+        ({"name": "muon"}, MOE),
+        ({"name": "adafactor", "adafactor": {"min_dim_size_to_factor": 32}}, DEEPSEEK),
     ],
-    ids=["muon-deepseek", "adafactor-moe"],
+    ids=["muon-moe", "adafactor-deepseek"],
 )
 def test_kill_9_resumes_bitwise_with_each_optimizers_and_familys_state(
     tmp_path, corpus, optim, model

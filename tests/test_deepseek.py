@@ -248,18 +248,24 @@ def test_multi_token_prediction_loss_equals_the_hand_written_one():
     graphdef = nnx.graphdef(model.mtp)
     head = model.head_weight()
     means = []
+
+    @jax.jit
+    def run_module(layer_params, h, shifted):
+        module = nnx.merge(graphdef, layer_params)
+        h, _ = module(h, model._embed(shifted), batch["positions"], seg)
+        return h, module.final_norm(h)
+
     for d in (1, 2):
         shifted = np.zeros_like(inputs)
         shifted[:, :-d] = inputs[:, d:]
-        module = nnx.merge(graphdef, jax.tree.map(lambda x, d=d: x[d - 1], params))
-        h, _ = module(h, model._embed(shifted), batch["positions"], seg)
+        h, normed = run_module(jax.tree.map(lambda x, d=d: x[d - 1], params), h, shifted)
         targets = np.zeros_like(inputs)
         weights = np.zeros_like(batch["weights"])
         for i in range(S - d):
             same = (seg[:, i + d] == seg[:, i]) & (seg[:, i] > 0)
             targets[:, i] = np.where(same, batch["targets"][:, i + d], 0)
             weights[:, i] = np.where(same, batch["weights"][:, i + d], 0.0)
-        total, weight = _ce64(module.final_norm(h), head, targets, weights)
+        total, weight = _ce64(normed, head, targets, weights)
         assert sums[f"ahead_{d}_weight_sum"] == pytest.approx(weight, rel=1e-6)  # float32 sum
         means.append(total / weight)
     want_mtp = sum(means) / 2
