@@ -37,8 +37,7 @@ RECORD = REPO / "docs" / "figures.json"
 GB = 1e9
 # A full-size model cut so that it compiles in seconds: 2 layers (XLA compiles a 1-layer scan
 # without its loop), small widths and vocabulary; one sequence of 1024 tokens (two query
-# blocks of 512) per device on 8 devices, in one micro-batch (a second one costs a fifth more
-# compile time and checks nothing the full-size records do not), the vocabulary tiling kept.
+# blocks of 512) per device per micro-batch on 8 devices, the vocabulary tiling kept.
 CANARY = (
     "model.num_layers=2",
     "model.d_model=256",
@@ -48,8 +47,8 @@ CANARY = (
     "model.vocab_size=2048",
     "data.seq_len=1024",
     "model.max_seq_len=1024",
-    "train.global_batch_size=8",
-    "train.gradient_accumulation_steps=1",
+    "train.global_batch_size=16",
+    "train.gradient_accumulation_steps=2",
 )
 # A Mixture-of-Experts model cut as CANARY cuts a dense one, its experts too (16 of 128), with a
 # batch that two micro-batches split over the 32 devices of a v5p-64; sequences of 256 tokens
