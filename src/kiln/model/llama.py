@@ -345,7 +345,13 @@ class Transformer(nnx.Module):
         auxiliary sums, combined by `_aux` (none for this family).
         """
         x_BSD, features, aux = self.trunk(inputs_BS, positions_BS, segment_ids_BS, collect=collect)
-        return ModelOutput(self.final_norm(x_BSD), features, self._aux(aux))
+        ahead, ahead_aux = self._ahead(x_BSD, inputs_BS, positions_BS, segment_ids_BS)
+        return ModelOutput(self.final_norm(x_BSD), features, self._aux(aux + ahead_aux), ahead)
+
+    def _ahead(self, x_BSD, inputs_BS, positions_BS, segment_ids_BS):
+        """(`ModelOutput.ahead`, the per-layer aux of the modules that make it, as one more
+        stack's) from the residual stream after the last block: none for this family."""
+        return (), []
 
     def trunk(self, inputs_BS, positions_BS, segment_ids_BS, *, collect: Sequence[int] = ()):
         """(the residual stream after the last block, before the final norm; the features of

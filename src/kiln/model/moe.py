@@ -486,16 +486,25 @@ class MoeTransformer(Transformer):
     def matmul_params(self) -> int:
         """Active parameters that multiply activations: attention, dense MLPs, the router and
         the K routed plus the shared experts each token passes through, and the LM head."""
-        m, moe = self.cfg, self.cfg.moe
+        m, dense = self.cfg, self.cfg.moe.first_dense_layers
+        layers = m.num_layers * self._attention_params() + dense * 3 * m.d_model * m.d_ff
+        routed = (m.num_layers - dense) * self._routed_layer_params()
+        return layers + routed + m.d_model * m.vocab_size
+
+    def _attention_params(self) -> int:
+        """Matmul parameters of one layer's attention (grouped-query: q, k, v and o)."""
+        m = self.cfg
         d, h, n, kv = m.d_model, m.resolved_head_dim, m.num_heads, m.kv_heads
-        attention = d * (n + 2 * kv) * h + n * h * d
-        dense = moe.first_dense_layers
-        expert = 3 * d * moe.d_ff_expert
-        routed_layer = (
-            d * moe.num_experts + (moe.experts_per_token + moe.num_shared_experts) * expert
+        return d * (n + 2 * kv) * h + n * h * d
+
+    def _routed_layer_params(self) -> int:
+        """Active matmul parameters of one routed MLP: the router, the K routed and the
+        shared experts a token passes through."""
+        m, moe = self.cfg, self.cfg.moe
+        expert = 3 * m.d_model * moe.d_ff_expert
+        return (
+            m.d_model * moe.num_experts + (moe.experts_per_token + moe.num_shared_experts) * expert
         )
-        layers = m.num_layers * attention + dense * 3 * d * m.d_ff
-        return layers + (m.num_layers - dense) * routed_layer + d * m.vocab_size
 
     def inactive_params(self) -> int:
         """Parameters a token does not use: the routed experts beyond its top-k, every layer."""

@@ -256,14 +256,12 @@ def _per_model_token(totals: Sums) -> jax.Array:
 
 def token_mean(total: jax.Array, sums: Sums) -> jax.Array:
     """A sum divided by the token weight `sums["weight_sum"]` (0 for a batch of only padding)."""
-    weight = sums["weight_sum"]
-    return total / jnp.where(weight > 0, weight, 1.0)
+    return _ratio(total, sums["weight_sum"])
 
 
 def model_token_mean(total: jax.Array, sums: Sums) -> jax.Array:
     """A sum of the model's aux divided by the tokens it ran, `sums["token_sum"]`."""
-    tokens = sums["token_sum"]
-    return total / jnp.where(tokens > 0, tokens, 1.0)
+    return _ratio(total, sums["token_sum"])
 
 
 def aux_loss_keys(sums: Sums) -> list[str]:

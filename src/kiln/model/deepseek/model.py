@@ -13,7 +13,6 @@ its hidden states predict the token d+1 ahead through the shared embedding and L
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import ClassVar
 
 import jax
@@ -23,7 +22,7 @@ from flax import nnx
 from kiln.config import ModelConfig
 from kiln.losses import ahead
 from kiln.model.deepseek.mla import LatentAttention, attention_params
-from kiln.model.interface import DTYPES, KVCache, ModelOutput
+from kiln.model.interface import DTYPES, KVCache
 from kiln.model.llama import (
     ACT_BSD,
     REMAT_POLICIES,
@@ -99,26 +98,12 @@ class DeepseekTransformer(MoeTransformer):
     def _routed(self) -> list[nnx.Module]:
         return [self.blocks.mlp] + ([] if self.mtp is None else [self.mtp.block.mlp])
 
-    def hidden_states(
-        self,
-        inputs_BS: jax.Array,
-        positions_BS: jax.Array,
-        segment_ids_BS: jax.Array,
-        *,
-        collect: Sequence[int] = (),
-    ) -> ModelOutput:
-        """As `Transformer.hidden_states`, and `ahead`: the modules' hidden states."""
-        x_BSD, features, aux = self.trunk(inputs_BS, positions_BS, segment_ids_BS, collect=collect)
-        if self.mtp is None:
-            return ModelOutput(self.final_norm(x_BSD), features, self._aux(aux))
-        ahead_MBSD, mtp_aux = self._predict_ahead(x_BSD, inputs_BS, positions_BS, segment_ids_BS)
-        out = ModelOutput(self.final_norm(x_BSD), features, self._aux([*aux, mtp_aux]))
-        return out._replace(ahead=tuple(ahead_MBSD))
-
-    def _predict_ahead(self, h_BSD, inputs_BS, positions_BS, segment_ids_BS):
-        """The modules in order, scanned: (their final-normed hidden states [M,B,S,D], their
-        blocks' aux stacked along [M])."""
+    def _ahead(self, h_BSD, inputs_BS, positions_BS, segment_ids_BS):
+        """The modules in order, scanned: (their final-normed hidden states, one [B,S,D] per
+        module; their blocks' aux stacked along [M], as one more routed stack's)."""
         m = self.cfg.deepseek.mtp_num_layers
+        if not m:
+            return (), []
         e_MBSD = jnp.stack([self._embed(ahead(inputs_BS, d)) for d in range(1, m + 1)])
         graphdef, params = nnx.split(self.mtp)
 
@@ -132,7 +117,7 @@ class DeepseekTransformer(MoeTransformer):
         if remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
         _, (ahead_MBSD, aux) = jax.lax.scan(body, h_BSD, (params, e_MBSD))
-        return ahead_MBSD, aux
+        return tuple(ahead_MBSD), [aux]
 
     @staticmethod
     def predicts_ahead(cfg: ModelConfig) -> tuple[int, float]:
@@ -170,27 +155,16 @@ class DeepseekTransformer(MoeTransformer):
         )
         return width * c.num_layers * itemsize, what
 
-    def _module_params(self) -> int:
-        """Matmul parameters of one multi-token prediction module: projection, latent
-        attention, routed block (K routed and the shared experts), and the LM head it uses."""
-        m, moe = self.cfg, self.cfg.moe
-        d = m.d_model
-        expert = 3 * d * moe.d_ff_expert
-        routed = d * moe.num_experts + (moe.experts_per_token + moe.num_shared_experts) * expert
-        return 2 * d * d + attention_params(m) + routed + d * m.vocab_size
+    def _attention_params(self) -> int:
+        return attention_params(self.cfg)
 
     def matmul_params(self) -> int:
-        """Active parameters that multiply activations: latent attention, dense MLPs, the
-        router and the K routed plus shared experts of each layer, the LM head, and each
-        multi-token prediction module with its pass through the LM head."""
-        m, moe = self.cfg, self.cfg.moe
+        """The `moe` family's count with latent attention, plus each multi-token prediction
+        module: its projection, latent attention, routed block and pass through the LM head."""
+        m = self.cfg
         d = m.d_model
-        dense = moe.first_dense_layers
-        expert = 3 * d * moe.d_ff_expert
-        routed = d * moe.num_experts + (moe.experts_per_token + moe.num_shared_experts) * expert
-        layers = m.num_layers * attention_params(m) + dense * 3 * d * m.d_ff
-        main = layers + (m.num_layers - dense) * routed + d * m.vocab_size
-        return main + m.deepseek.mtp_num_layers * self._module_params()
+        module = 2 * d * d + attention_params(m) + self._routed_layer_params() + d * m.vocab_size
+        return super().matmul_params() + m.deepseek.mtp_num_layers * module
 
     def auxiliary_params(self) -> int:
         """The multi-token prediction modules' parameters (they share the embedding and head)."""
