@@ -78,7 +78,8 @@ def kiln_layer(moe):
 
     def layer(x, router, w_gate, w_up, w_down):
         experts, weights, _, _ = route(x, router, None, moe)
-        y, _ = routed(x, experts, weights, (w_gate, w_up, w_down), moe)
+        real = jnp.ones(x.shape[:2], jnp.bool_)
+        y, _ = routed(x, experts, weights, real, (w_gate, w_up, w_down), moe, jnp.float32)
         return y
 
     return layer
