@@ -17,6 +17,14 @@ compiled HLO (MaxText's dumped with dump_hlo=True, counted by kiln's own parser)
     nice python benchmarks/vs_maxtext.py --maxtext WORK --cpu [--rounds 3] [--steps 4]
     nice python benchmarks/vs_maxtext.py --maxtext WORK --aot [--settings a b c] \\
         [--kiln-remat save_dots ...] [--compile-rounds 2]
+    nice python benchmarks/vs_maxtext.py --maxtext WORK --moe [--moe-settings shipped full] \\
+        [--compile-rounds 2]
+
+--moe: `kiln compile configs/models/qwen3-30b-a3b.yaml --topology v5p-64 --json` against
+MaxText's `train_compile` of its qwen3-30b-a3b on the same slice, the same fsdp 4 x expert 8
+split, batch and precision (MT_MOE), at kiln's shipped remat against MaxText's minimal and at
+full remat on both: compiled peaks, all-to-all bytes (dense and ragged) and compile seconds,
+one compile at a time, alternating.
 """
 
 from __future__ import annotations
@@ -122,6 +130,38 @@ SETTINGS = {
         "maxtext": ["per_device_batch_size=1", "gradient_accumulation_steps=1", "remat_policy=minimal"],
     },
 }  # fmt: skip
+
+
+# --moe: Qwen3-30B-A3B for v5p-64 (32 chips, fsdp 4 x expert 8), kiln's configs/models/qwen3-30b-a3b.yaml:
+# 256 x 4096 tokens a step in 2 micro-batches of 4 sequences per chip, bf16 compute, f32
+# weights, dropless routing, tiling 4, z-loss 1e-4, load-balance loss 1e-3, splash attention
+# with 512 blocks. MaxText's qwen3-30b-a3b with its defaults for MoE on TPU: sparse_matmul and
+# megablox (its grouped-matmul kernel), ragged all-to-all expert parallelism, and no
+# ragged_buffer_factor (dropless: its buffer sized for the worst case, as kiln's).
+MT_MOE = [
+    "compile_topology=v5p-64", "compile_topology_num_slices=1", "model_name=qwen3-30b-a3b",
+    "max_target_length=4096", "per_device_batch_size=4", "gradient_accumulation_steps=2",
+    "dtype=bfloat16", "weight_dtype=float32", "ici_fsdp_parallelism=4",
+    "ici_expert_parallelism=8", "megablox=true", "sparse_matmul=true", "attention=flash",
+    "num_vocab_tiling=4", "z_loss_multiplier=1e-4", "load_balance_loss_weight=1e-3",
+    *(f"sa_block_{b}=512" for b in ("q", "kv", "kv_compute", "q_dkv", "kv_dkv",
+                                    "kv_dkv_compute", "q_dq", "kv_dq")),
+    "dataset_type=synthetic", "enable_checkpointing=false", "run_name=aot", "jax_cache_dir=",
+]  # fmt: skip
+MOE_CONFIG, MOE_TOPOLOGY = "configs/models/qwen3-30b-a3b.yaml", "v5p-64"
+MOE_SETTINGS = {
+    "shipped": {
+        "what": "kiln's shipped config (model.remat save_dots) vs MaxText remat_policy=minimal "
+        "(saves the projections by name, the closest of its policies)",
+        "kiln": [],
+        "maxtext": ["remat_policy=minimal"],
+    },
+    "full": {
+        "what": "whole layers recomputed on both sides",
+        "kiln": ["model.remat=full"],
+        "maxtext": ["remat_policy=full"],
+    },
+}
 
 
 def med(xs):
@@ -379,22 +419,27 @@ def summary(memory: dict, coll: dict) -> dict:
         "outputs_gb": gb(memory["outputs"]),
         "aliased_gb": gb(memory["aliased"]),
     }
-    for kind in ("reduce-scatter", "all-to-all", "all-gather", "all-reduce"):
-        c = coll[kind]
+    for kind in ("reduce-scatter", "all-to-all", "ragged-all-to-all", "all-gather", "all-reduce"):
+        c = coll.get(kind, {"ops": None, "bytes": 0})
         out[kind] = {"ops": c["ops"], "gb": gb(c["bytes"])}
     return out
 
 
-def kiln_compile(overrides: list[str], log: Path) -> dict:
+def kiln_compile(
+    overrides: list[str],
+    log: Path,
+    config: str = "configs/models/llama3-8b.yaml",
+    topology: str = "v5p-8",
+) -> dict:
     env = {**os.environ, **NO_CACHE, "PYTHONPATH": str(Path(train.__file__).parents[2])}
     cmd = [
         sys.executable,
         "-m",
         "kiln.cli",
         "compile",
-        "configs/models/llama3-8b.yaml",
+        config,
         "--topology",
-        "v5p-8",
+        topology,
         "--json",
         "train.compilation_cache_dir=null",
         *overrides,
@@ -436,13 +481,15 @@ app.run(train_compile.main)
 """
 
 
-def maxtext_compile(work: Path, overrides: list[str], log: Path, dump: Path) -> dict:
+def maxtext_compile(
+    work: Path, overrides: list[str], log: Path, dump: Path, base: list[str] = MT_AOT
+) -> dict:
     shutil.rmtree(dump, ignore_errors=True)
     env = {**os.environ, **NO_CACHE, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "DECOUPLE_GCLOUD": "TRUE"}
     env["PYTHONPATH"] = "src"
     env.pop("XLA_FLAGS", None)  # dump_hlo sets its own
     args = [
-        *MT_AOT,
+        *base,
         f"base_output_directory={work / 'out'}",
         "dump_hlo=true",
         f"dump_hlo_local_dir={dump}",
@@ -554,11 +601,62 @@ def run_aot(
     return out
 
 
+def exchanged_gb(r: dict) -> float:
+    """Static bytes of the all-to-alls of a compile summary, dense and ragged."""
+    return round(r["all-to-all"]["gb"] + r["ragged-all-to-all"]["gb"], 3)
+
+
+def run_moe(work: Path, settings: list[str], rounds: int, tmp: Path) -> dict:
+    """Qwen3-30B-A3B compiled for v5p-64 by kiln and MaxText, one compile at a time,
+    alternating, `rounds` times per setting: peaks, all-to-all bytes, compile seconds."""
+    results = {}
+    for repeat in range(rounds):
+        for name in settings:
+            spec = MOE_SETTINGS[name]
+            row = results.setdefault(
+                name, {"what": spec["what"], "kiln_wall": [], "maxtext_wall": []}
+            )
+            k = kiln_compile(
+                spec["kiln"], tmp / f"kiln_moe_{name}_{repeat}.log", MOE_CONFIG, MOE_TOPOLOGY
+            )
+            m = maxtext_compile(
+                work, spec["maxtext"], tmp / f"maxtext_moe_{name}_{repeat}.log", tmp / "hlo", MT_MOE
+            )
+            row["kiln_wall"].append(k["wall_seconds"])
+            row["maxtext_wall"].append(m["wall_seconds"])
+            if repeat == 0:
+                row["kiln"], row["maxtext"] = k, m
+    for row in results.values():
+        k, m = row["kiln"], row["maxtext"]
+        row["targets"] = {
+            "kiln_peak_le_maxtext": k["compiler_peak_gb"] <= m["compiler_peak_gb"],
+            "kiln_all_to_all_gb_le_maxtext": exchanged_gb(k) <= exchanged_gb(m),
+            "kiln_compile_wall_median_le_maxtext": med(row["kiln_wall"])
+            <= med(row["maxtext_wall"]),
+        }
+        row["all_to_all_gb"] = {"kiln": exchanged_gb(k), "maxtext": exchanged_gb(m)}
+    return {
+        "target": "TPU v5p-64 (32 chips, fsdp 4 x expert 8), compiled by libtpu without a TPU; "
+        "Qwen3-30B-A3B, 256 x 4096 tokens a step, 2 micro-batches, dropless; memory per device "
+        "in GB (1e9 bytes), the compiler's peak; all-to-all bytes static (an op in the layer "
+        "loop counted once), a ragged all-to-all counted at the most it can move (the smaller of "
+        "its operand and result), both HLOs read by kiln.commands.compile.collectives; compile "
+        "seconds: the wall time of each whole process (start-up, lowering, compile; MaxText also "
+        "dumps its HLO)",
+        "persistent_compilation_cache": "off on both sides",
+        "settings": results,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--maxtext", type=Path, default=None, help="MaxText WORK dir (src, venv)")
     parser.add_argument("--cpu", action="store_true", help="CPU training speed, alternating")
     parser.add_argument("--aot", action="store_true", help="8B AOT compile for v5p-8")
+    parser.add_argument("--moe", action="store_true", help="Qwen3-30B-A3B AOT compile for v5p-64")
+    parser.add_argument(
+        "--moe-settings", nargs="+", default=list(MOE_SETTINGS), choices=MOE_SETTINGS
+    )
     parser.add_argument("--rounds", type=int, default=3, help="--cpu: alternating rounds")
     parser.add_argument("--steps", type=int, default=4, help="--cpu: timed steps per round")
     parser.add_argument("--settings", nargs="+", default=["a", "b", "c"], choices=SETTINGS)
@@ -592,10 +690,12 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="vs_maxtext_")) if args.keep is None else args.keep
     tmp.mkdir(parents=True, exist_ok=True)
     try:
-        if args.cpu or not args.aot:
+        if args.cpu or not (args.aot or args.moe):
             out["cpu"] = run_cpu(work, args.rounds, args.steps, tmp)
         if args.aot:
             out["aot"] = run_aot(work, args.settings, args.kiln_remat, args.compile_rounds, tmp)
+        if args.moe:
+            out["moe"] = run_moe(work, args.moe_settings, args.compile_rounds, tmp)
     finally:
         if args.keep is None:
             shutil.rmtree(tmp, ignore_errors=True)

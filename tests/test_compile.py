@@ -102,6 +102,7 @@ def test_bad_input_exits_2_with_one_line(args, needle):
 
 
 def test_more_devices_than_the_started_backend_is_refused(capsys):
+    assert len(jax.devices()) == 8  # the backend started (whichever test ran first here)
     assert main(["compile", "configs/tiny.yaml", "--devices", "64"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "already started with 8" in err[0]

@@ -5,6 +5,7 @@ aux terms to the loss and the metrics."""
 from __future__ import annotations
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,7 +15,8 @@ from conftest import make_config
 from kiln.config import FAMILY_SECTIONS, MESH_AXES
 from kiln.model import FAMILIES, Family, ModelOutput
 from kiln.model.llama import Transformer
-from kiln.model.moe import MoeMlp, blocked_rows, ragged_rows
+from kiln.model.moe import MoeMlp, blocked_rows, expert_layout, ragged_rows
+from kiln.parallel.exchange import take_rows
 from kiln.parallel.mesh import make_mesh, use_mesh
 from kiln.training import train
 
@@ -61,9 +63,10 @@ def choose(scores, bias, moe):
     return np.argsort(-choice, kind="stable")[: moe.experts_per_token]
 
 
-def reference(p, x, moe, g):
+def reference(p, x, moe, g, keep=None):
     """(y, dL/dx, dL/dparams) in float64 for L = sum(g * y), token by token; `p["bias"]`: the
-    aux_free bias (not differentiated)."""
+    aux_free bias (not differentiated); `keep` [T, K]: False for a token's j-th choice that was
+    dropped (its output 0; its weight still counts in the top-k's normalisation)."""
     x, g = np.asarray(x, np.float64).reshape(-1, D), np.asarray(g, np.float64).reshape(-1, D)
     p = {k: np.asarray(v, np.float64) for k, v in p.items()}
     bias = p.pop("bias", np.zeros(moe.num_experts))
@@ -81,6 +84,8 @@ def reference(p, x, moe, g):
         total = probs[top].sum() if moe.norm_topk_prob else 1.0
         dw = np.zeros(len(top))
         for j, e in enumerate(top):
+            if keep is not None and not keep[t, j]:
+                continue
             gate, up = x[t] @ p["w_gate"][e], x[t] @ p["w_up"][e]
             h = _silu(gate) * up
             out = h @ p["w_down"][e]
@@ -247,36 +252,194 @@ def test_expert_parallelism_moves_tokens_by_all_to_all(inputs):
             .compile()
             .as_text()
         )
-    # Tokens there and outputs back, plus the counts per expert.
-    assert hlo.count("all-to-all(") >= 3
+    # Tokens there and outputs back: on CPU each ragged exchange is a dense all-to-all of
+    # padded chunks and a small one of where they land.
+    assert hlo.count("all-to-all(") >= 4
+
+
+def choices(layer, x, moe) -> np.ndarray:
+    """[B, S, K] each token's experts, chosen in float64 (the reference's router)."""
+    logits = np.asarray(x, np.float64) @ np.asarray(layer.router[...], np.float64)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    zero = np.zeros(moe.num_experts)
+    return np.array([[choose(p, zero, moe) for p in row] for row in probs])
+
+
+def expert_parallel_keep(top, real, moe, shards) -> np.ndarray:
+    """[B, S, K]: which assignments expert parallelism over `shards` devices keeps, one
+    sequence per device (`moe_config`'s 8 sequences on 8 devices, fsdp groups of `shards`).
+
+    A source keeps each expert's first C = ceil(c T K / E) assignments (first choices first,
+    then token order) and sends them grouped by expert; a receiver takes its sources' chunks
+    in source order, each whole until its buffer of buffer_factor * T * K rows (rounded up to
+    8; dropless: room for all) is full, then the start of the next.
+    """
+    b, t, k = top.shape
+    e, local = moe.num_experts, moe.num_experts // shards
+    cap = None if moe.capacity_factor is None else int(np.ceil(moe.capacity_factor * t * k / e))
+    room = shards * min(t * k, t * local, cap * local if cap else t * k)
+    if moe.buffer_factor is not None:
+        room = min(room, -(-int(np.ceil(moe.buffer_factor * t * k)) // 8) * 8)
+    keep = np.zeros(top.shape, bool)
+    for group in range(b // shards):
+        chunks = {}
+        for src in range(shards):
+            seq = group * shards + src
+            taken, kept = np.zeros(e, int), []
+            for j in range(k):
+                for tok in np.flatnonzero(real[seq]):
+                    ex = top[seq, tok, j]
+                    if cap is None or taken[ex] < cap:
+                        taken[ex] += 1
+                        kept.append((ex, j, tok))
+            kept.sort(key=lambda r: r[0])  # stable: by expert, then in the order above
+            for dest in range(shards):
+                chunks[src, dest] = [(j, tok) for ex, j, tok in kept if ex // local == dest]
+        for dest in range(shards):
+            free = room
+            for src in range(shards):
+                for j, tok in chunks[src, dest][: max(free, 0)]:
+                    keep[group * shards + src, tok, j] = True
+                free -= len(chunks[src, dest])
+    return keep
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"buffer_factor": 0.75},
+        {"capacity_factor": 0.5},
+        {"capacity_factor": 1.0, "buffer_factor": 0.5},
+    ],
+    ids=["buffer 0.75", "capacity 0.5", "capacity 1 buffer 0.5"],
+)
+def test_expert_parallel_drops_exactly_what_the_capacity_and_the_buffer_leave_out(inputs, setting):
+    """Experts split 4 ways with a capacity, a bounded receive buffer or both: the outputs and
+    gradients are the float64 reference's over the assignments kept, and moe/dropped_tokens
+    counts the others exactly (padding is never routed nor counted)."""
+    x, g, segments = inputs
+    segments = segments.copy()
+    segments[:, -3:] = 0
+    config = moe_config(mesh={"expert": 4, "fsdp": 2}, **setting)
+    moe = config.model.moe
+    layer = MoeMlp(config.model, rngs=nnx.Rngs(1))
+    real = segments > 0
+    keep = expert_parallel_keep(choices(layer, x, moe), real, moe, 4)
+    keep &= real[..., None]
+    want_y, want_dx, want_grads = reference(layer_params(layer), x, moe, g, keep.reshape(B * S, -1))
+    mesh = make_mesh(config)
+    y, dx, grads = run_layer(layer, x, g, segments, mesh, config.mesh.rules)
+    graphdef, state = nnx.split(layer)
+    with use_mesh(mesh, config.mesh.rules):
+        aux = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, segments)[1])(state, x)
+    assert float(aux["moe/dropped_tokens"]) == (real[..., None] & ~keep).sum() > 0
+    assert rel_err(y.reshape(-1, D), want_y) <= 1e-5  # tolerance: 1e-5 relative (float32)
+    assert rel_err(dx.reshape(-1, D), want_dx) <= 1e-5  # tolerance: 1e-5 relative (float32)
+    for name, want in want_grads.items():
+        assert rel_err(grads[name], want) <= 1e-5, name  # tolerance: 1e-5 relative (float32)
+
+
+def test_expert_tensor_parallel_layer_equals_one_device(inputs):
+    """Experts split 2 ways and their d_ff 2 ways over tensor (fsdp 2): the same outputs and
+    gradients as the unsharded layer, and no device gathers an expert whole: the expert
+    weights enter the expert computation as [E/2, D, F/2] slices."""
+    x, g, segments = inputs
+    config = moe_config(mesh={"expert": 2, "tensor": 2, "fsdp": 2})
+    layer = MoeMlp(config.model, rngs=nnx.Rngs(1))
+    want = run_layer(layer, x, g, segments)
+    mesh = make_mesh(config)
+    got = run_layer(layer, x, g, segments, mesh, config.mesh.rules)
+    assert rel_err(got[0], want[0]) <= 1e-5  # tolerance: 1e-5 relative (float32)
+    assert rel_err(got[1], want[1]) <= 1e-5  # tolerance: 1e-5 relative (float32)
+    for name in want[2]:
+        assert rel_err(got[2][name], want[2][name]) <= 1e-5, name  # 1e-5 relative (float32)
+    graphdef, state = nnx.split(layer)
+    with use_mesh(mesh, config.mesh.rules):
+        jaxpr = str(jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(x, segments)[0])(state))
+    assert f"f32[4,{D},{F // 2}]" in jaxpr and f"f32[4,{D},{F}]" not in jaxpr
 
 
 def test_grouped_matmuls_agree_on_uneven_and_empty_groups():
-    """Experts with no rows, one expert with most of them, rows marked invalid: both grouped
-    matmuls give each valid row its expert's output and 0 elsewhere."""
+    """Rows grouped by expert, experts with no rows, one expert with most of them, unused rows
+    past the groups: both grouped matmuls give each grouped row its expert's output (blocked:
+    0 past the groups, which ragged_dot leaves unspecified and kiln never reads)."""
     rng = np.random.default_rng(3)
     rows, e = 200, 6
     x = rng.standard_normal((rows, D)).astype(np.float32)
     experts = np.where(rng.uniform(size=rows) < 0.7, 2, rng.integers(0, e, rows)).astype(np.int32)
     experts[experts == 4] = 5  # expert 4 gets no rows
-    valid = rng.uniform(size=rows) > 0.1
+    used = 180  # the last 20 rows belong to no group
+    sizes = np.bincount(np.sort(experts[:used]), minlength=e).astype(np.int32)
+    grouped = np.sort(experts[:used], kind="stable")
     w = [rng.standard_normal(s).astype(np.float32) * 0.2 for s in [(e, D, F), (e, D, F), (e, F, D)]]
     want = np.zeros((rows, D))
-    for r in np.flatnonzero(valid):
-        k = experts[r]
+    for r in range(used):
+        k = grouped[r]
         x64 = x[r].astype(np.float64)
         h = _silu(x64 @ w[0][k]) * (x64 @ w[1][k])
         want[r] = h @ w[2][k]
-    for rows_fn in (blocked_rows, ragged_rows):
-        got = rows_fn(
-            jnp.asarray(x), jnp.asarray(experts), jnp.asarray(valid), *map(jnp.asarray, w)
-        )
-        assert rel_err(got, want) <= 1e-5, rows_fn.__name__  # tolerance: 1e-5 relative (float32)
-    for block in (8, 16, 64):  # any block size is exact
-        got = blocked_rows(
-            jnp.asarray(x), jnp.asarray(experts), jnp.asarray(valid), *map(jnp.asarray, w), block
-        )
+    args = (jnp.asarray(x), jnp.asarray(sizes), *map(jnp.asarray, w))
+    got = ragged_rows(*args)
+    assert rel_err(got[:used], want[:used]) <= 1e-5  # tolerance: 1e-5 relative (float32)
+    for block in (None, 8, 16, 64):  # any block size is exact
+        got = blocked_rows(*args, block)
         assert rel_err(got, want) <= 1e-5, block  # tolerance: 1e-5 relative (float32)
+
+
+def test_gather_permutes_equal_the_scatter_ones_bitwise_values_and_gradients():
+    """The layer's permutations (assignments grouped by expert and back, `expert_layout`) by
+    `take_rows`, whose backward pass is the gather of the inverse permutation, against the same
+    permutations written as scatters (autodiff's transpose of a gather is a scatter-add):
+    equal bitwise, forward and backward, with padding and a capacity dropping rows."""
+    rng = np.random.default_rng(4)
+    t, k, e = 64, 2, 8
+    e_A = rng.integers(0, e, t * k).astype(np.int32)
+    e_A[rng.uniform(size=t * k) < 0.1] = e  # padding: no expert
+    src, slot, kept, _ = expert_layout(jnp.asarray(e_A), e, cap=10)
+    x = jnp.asarray(rng.standard_normal((t * k, D)), jnp.float32)
+    g = jnp.asarray(rng.standard_normal((t * k, D)), jnp.float32)
+
+    def by_gather(x):
+        return take_rows(take_rows(x, src, slot) * 2.0, slot, src)
+
+    def by_scatter(x):
+        grouped = jnp.zeros_like(x).at[slot].set(x, mode="drop")
+        return (grouped * 2.0).at[slot].get(mode="fill", fill_value=0)
+
+    assert int(jnp.sum(kept)) < int(np.sum(e_A < e))  # the capacity drops some rows
+    want, want_dx = jax.value_and_grad(lambda x: jnp.sum(by_scatter(x) * g))(x)
+    got, got_dx = jax.value_and_grad(lambda x: jnp.sum(by_gather(x) * g))(x)
+    assert np.array_equal(by_gather(x), by_scatter(x))  # bitwise
+    assert np.array_equal(got, want) and np.array_equal(got_dx, want_dx)  # bitwise
+
+
+def test_a_layer_sorts_once_and_moves_rows_only_by_gathers():
+    """The gradient of the layer (ragged_dot, the TPU path) has one sort and no scatter of
+    rows: its scatters are the sort's integer inverse and the router's [B, S, E] weights."""
+    cfg = moe_config(grouped_matmul="ragged_dot").model
+    layer = MoeMlp(cfg, rngs=nnx.Rngs(1))
+    graphdef, state = nnx.split(layer)
+    x = jnp.ones((B, S, D), jnp.float32)
+
+    def loss(state, x):
+        return jnp.sum(nnx.merge(graphdef, state)(x, jnp.ones((B, S), jnp.int32))[0])
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, x)
+    eqns = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            eqns.append(eqn)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jaxpr.jaxpr)
+    sorts = [q for q in eqns if q.primitive.name == "sort"]
+    scatters = [q.outvars[0].aval for q in eqns if q.primitive.name.startswith("scatter")]
+    assert len(sorts) == 1
+    assert all(a.dtype == jnp.int32 or a.shape[-1] == cfg.moe.num_experts for a in scatters)
+    assert scatters  # the walk reached the layer's body
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,6 +538,32 @@ def test_aux_free_bias_moves_towards_equal_load_outside_the_gradient():
     ratio = loads.max(-1) / loads.mean(-1)
     assert float(metrics["moe/expert_load_max_over_mean"]) == pytest.approx(ratio.max(), rel=1e-6)
     assert "moe/expert_tokens" not in metrics  # arrays feed update_balance, not the logs
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon", "adafactor", "lion"])
+def test_each_optimizer_moves_the_router_and_experts_but_never_the_aux_free_bias(name):
+    """One step of each optimizer: the routing bias is exactly where the balance rule puts it
+    (the optimizer adds nothing, weight decay included), the router and every expert move."""
+    config = one_device(moe_config(layers=1, balance="aux_free", bias_update_rate=0.01))
+    config = config.model_copy(
+        update={"optim": config.optim.model_copy(update={"name": name, "weight_decay": 0.1})}
+    )
+    batch = lm_batch(config)
+    mesh = make_mesh(config, jax.devices()[:1])
+    state = train.init_state(config, mesh)
+    mlp = state.params["blocks"]["mlp"]
+    before = {k: np.asarray(mlp[k].get_value()) for k in ("bias", "router", "w_gate", "w_down")}
+    out = state.model().hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"])
+    loads = np.asarray(out.aux["moe/expert_tokens"])
+    step = train.make_train_step(config, mesh, train.shardings_of(state))
+    state, _ = step(state, batch)
+    mlp = state.params["blocks"]["mlp"]
+    move = np.sign(loads.mean(-1, keepdims=True) - loads)
+    want = before["bias"] + np.float32(0.01) * (move - move.mean(-1, keepdims=True))
+    assert np.abs(np.asarray(mlp["bias"].get_value()) - want).max() <= 1e-9  # float32 rounding
+    for key in ("router", "w_gate", "w_down"):
+        moved = np.abs(np.asarray(mlp[key].get_value()) - before[key])
+        assert np.isfinite(moved).all() and (moved > 0).all(), key
 
 
 # ---------------------------------------------------------------------------------------------

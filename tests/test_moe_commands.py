@@ -2,6 +2,7 @@
 config's rules on experts, `kiln compile` (its all-to-alls, --fit over the expert split),
 distillation from and into an MoE model, online and offline, and `kiln eval` of an MoE run."""
 
+import importlib.util
 import json
 
 import jax
@@ -26,6 +27,7 @@ from kiln.training.pretrain import run
 
 MOE_TINY = REPO / "configs/moe_tiny.yaml"
 QWEN = REPO / "configs/models/qwen3-30b-a3b.yaml"
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 F32 = 1e-5  # relative: float32 sums of the same per-token losses in another order
 
 # moe_tiny cut to 2 layers of width 32 and one sequence of 16 tokens per device.
@@ -123,6 +125,11 @@ def test_qwen3_30b_a3b_has_the_published_size_without_allocating():
             ["model.moe", "experts_per_token (3) exceeds the 2 experts of topk_group=1"],
         ),
         (["model.moe.score=softmax2"], ["model.moe.score", "softmax2", "sigmoid"]),
+        (
+            ["model.moe.buffer_factor=1.5", "mesh.expert=1"],
+            ["model.moe.buffer_factor: 1.5", "mesh.expert is 1", "mesh.expert > 1"],
+        ),
+        (["model.moe.buffer_factor=0"], ["model.moe.buffer_factor", "greater than 0"]),
     ],
     ids=[
         "first_dense_layers",
@@ -132,6 +139,8 @@ def test_qwen3_30b_a3b_has_the_published_size_without_allocating():
         "topk_group",
         "groups_k",
         "score",
+        "buffer_without_experts",
+        "buffer_zero",
     ],
 )
 def test_expert_settings_that_cannot_work_exit_2_with_one_line(overrides, needles):
@@ -164,16 +173,17 @@ def test_compile_reports_the_all_to_alls_of_expert_parallelism_with_their_bytes(
     devices = aot.use_cpu_devices(8)
     config = load_config(MOE_TINY, [*SMALL, "mesh.expert=4", "mesh.fsdp=2"])
     got = aot.compile_report(config, devices).collectives["all-to-all"]
-    # Per layer, to 4 expert shards: each device's 16 tokens x 2 experts = 32 rows of 32 float32
-    # to every shard (dropless: room for all of them at any one), out and back, and both again
-    # in the backward pass; and the 4 x 2 int32 counts of rows per expert, once.
+    # XLA:CPU has no ragged all-to-all: each exchange pads every chunk to the most that can
+    # move (min(operand, buffer) rows). Per layer, to 4 expert shards: each device's 16 tokens
+    # x 2 experts = 32 rows of 32 float32 per chunk, out and back, and both again in the
+    # backward pass; each with the [4, 1] int32 offsets where the chunks land.
     rows = 4 * 32 * 32 * 4
     # Outside the layers, the embedding lookup's result (each device's embed slice of all
     # 8 x 16 tokens) moves to the batch split, and its gradient back: 2 x 8 x 16 x 32 / 8 float32.
     lookup = 2 * 16 * 32 * 4
-    assert got["ops"] == 5 + 2 and got["bytes"] == 4 * rows + 4 * 2 * 4 + lookup
-    assert got["ops_per_step"] == 2 * 5 + 2  # 2 layers
-    assert got["bytes_per_step"] == 2 * (4 * rows + 4 * 2 * 4) + lookup
+    assert got["ops"] == 8 + 2 and got["bytes"] == 4 * rows + 4 * 4 * 4 + lookup
+    assert got["ops_per_step"] == 2 * 8 + 2  # 2 layers
+    assert got["bytes_per_step"] == 2 * (4 * rows + 4 * 4 * 4) + lookup
     alone = load_config(MOE_TINY, [*SMALL, "mesh.expert=1", "mesh.fsdp=8"])
     assert aot.compile_report(alone, devices).collectives["all-to-all"] == {
         "ops": 2,
@@ -181,6 +191,29 @@ def test_compile_reports_the_all_to_alls_of_expert_parallelism_with_their_bytes(
         "ops_per_step": 2,
         "bytes_per_step": lookup,
     }
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu (the kiln[tpu] extra) is not installed")
+def test_on_tpu_experts_exchange_only_real_rows_by_ragged_all_to_all():
+    """Compiled for a TPU slice (4 chips, expert 4): the tokens go out and come back by ragged
+    all-to-alls that move at most each device's T·K rows, not a dense exchange with room for
+    all of them at every destination (P·T·K rows each way); buffer_factor 1 bounds the receive
+    buffer to T·K rows, which lowers the peak."""
+    devices = aot.topology_devices("v5p-8")
+    tpu = [*SMALL, "model.d_model=128", "data.seq_len=128", "model.max_seq_len=128"]
+    tpu += ["mesh.expert=4", "mesh.fsdp=1"]
+    reports = [
+        aot.compile_report(load_config(MOE_TINY, [*tpu, *extra]), devices)
+        for extra in ([], ["model.moe.buffer_factor=1.0"])
+    ]
+    # T·K = 8 x 128 / 4 tokens x 2 experts = 512 rows of 128 float32 per device.
+    assignments = 512 * 128 * 4
+    for report in reports:
+        ragged, dense = report.collectives["ragged-all-to-all"], report.collectives["all-to-all"]
+        assert ragged["ops"] == 4 and ragged["bytes"] == 4 * assignments  # out, back; backward
+        assert dense["ops"] == 2 and dense["bytes"] == 2 * 8 * 128 * 128 * 4 // 4  # the lookup's
+    dropless, bounded = (r.memory["peak"] for r in reports)
+    assert bounded < dropless
 
 
 @pytest.mark.slow

@@ -37,7 +37,14 @@ GB = 1e9  # --hbm-gb is in decimal gigabytes, as accelerator memory is sold
 # The most devices a step is compiled for: the largest slice --topology knows (v4-4096 and
 # v5p-4096 TensorCores). Each simulated CPU device costs host memory and compile time.
 MAX_DEVICES = 4096
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+COLLECTIVES = (
+    "all-gather",
+    "reduce-scatter",
+    "all-reduce",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+)
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "bf16": 16, "f16": 16, "s16": 16}
 _BITS |= {"u16": 16, "f32": 32, "s32": 32, "u32": 32, "f64": 64, "s64": 64, "u64": 64}
 _BITS |= {"c64": 64, "c128": 128}
@@ -53,6 +60,9 @@ _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
 # An instruction's name; an async collective's start (its `-done` names it as operand).
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?%([\w.-]+)\s+=")
+# An instruction's name and array type; a ragged all-to-all's operand (its first argument).
+_TYPED = re.compile(r"^\s*(?:ROOT\s+)?%([\w.-]+)\s+=\s+(\w+\[[\d,]*\])")
+_RAGGED_OPERAND = re.compile(r"ragged-all-to-all\(%([\w.-]+)")
 _START = re.compile(r"\s(?:" + "|".join(COLLECTIVES) + r")-start\(")
 _DONE_OF = re.compile(r"-done\(%([\w.-]+)")
 # The device groups of a collective, in the three forms of the HLO text: explicit lists
@@ -272,7 +282,9 @@ def memory_figures(stats, platform: str) -> tuple[dict[str, int], str]:
 
 
 def collectives(hlo: str) -> dict[str, dict[str, int | None]]:
-    """Collective ops of a compiled HLO module by kind: op count and bytes of their results.
+    """Collective ops of a compiled HLO module by kind: op count and bytes of their results
+    (a ragged all-to-all's: the most it can move, the smaller of its operand and its result;
+    listed only when the program has one).
 
     Only ops that exchange data between devices count (see `_read_module`). `ops` and `bytes`
     are static: an op in a loop body (the layer scan, accumulation, attention's query blocks) is
@@ -291,6 +303,8 @@ def collectives(hlo: str) -> dict[str, dict[str, int | None]]:
         else:
             count["ops_per_step"] += runs
             count["bytes_per_step"] += runs * nbytes
+    if not out["ragged-all-to-all"]["ops"]:  # only expert parallelism's, on TPU and GPU
+        del out["ragged-all-to-all"]
     return out
 
 
@@ -332,6 +346,7 @@ def _read_module(hlo: str):
     """
     found, call_sites = [], {}
     starts: dict[str, int | None] = {}  # group size of each async collective's start
+    types: dict[str, str] = {}  # array type of each instruction read
     computation, scatter_result = None, None  # scatter_result: of the all-reduce-scatter read
     for line in hlo.splitlines():
         header = _COMPUTATION.match(line)
@@ -348,6 +363,9 @@ def _read_module(hlo: str):
         for branches in _BRANCHES.findall(line):
             for callee in re.findall(r"%([\w.-]+)", branches):
                 call_sites.setdefault(callee, []).append((computation, 1))
+        typed = _TYPED.match(line)
+        if typed is not None:
+            types[typed.group(1)] = typed.group(2)
         name = _NAME.match(line)
         if name is not None and _START.search(line):
             starts[name.group(1)] = group_size(line)
@@ -360,6 +378,9 @@ def _read_module(hlo: str):
         kind, result = match.group(2), match.group(1)
         if kind == "all-reduce" and scatter_result is not None:
             kind, result = "reduce-scatter", scatter_result
+        operand = _RAGGED_OPERAND.search(line) if kind == "ragged-all-to-all" else None
+        if operand is not None and operand.group(1) in types:
+            result = min(result, types[operand.group(1)], key=shape_bytes)
         found.append((computation, kind, result))
     return found, call_sites
 

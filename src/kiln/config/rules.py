@@ -159,6 +159,12 @@ def _expert_errors(c: Config, num_devices: int | None) -> Iterator[str]:
         except KilnError:
             return  # reported by the mesh's own check
     axis, size = axes[0], sizes[axes[0]]
+    if size == 1 and moe.buffer_factor is not None:
+        yield (
+            f"model.moe.buffer_factor: {moe.buffer_factor} bounds expert parallelism's receive "
+            f"buffer, but mesh.{axis} is 1 (no experts are sent anywhere); allowed: null, or "
+            f"mesh.{axis} > 1"
+        )
     if size != -1 and moe.num_experts % size:
         divisors = [d for d in range(1, moe.num_experts + 1) if moe.num_experts % d == 0]
         yield (

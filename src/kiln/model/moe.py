@@ -15,8 +15,9 @@ block, F d_ff_expert.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,12 +41,15 @@ from kiln.model.llama import (
     stacked_blocks,
 )
 from kiln.model.project import current_reduce_dtype
+from kiln.parallel.exchange import Plan, ragged_exchange, take_rows
 from kiln.parallel.mesh import current_rules, logical_spec, traced_platform
 
 # Largest block of rows the blocked grouped matmul multiplies by one expert's weights.
 BLOCK_ROWS = 128
 # What `model.moe.grouped_matmul: auto` runs per platform.
-AUTO_GROUPED = {"tpu": "ragged_dot", "gpu": "ragged_dot", "cpu": "blocked"}
+AUTO_GROUPED = {"tpu": "ragged_dot", "gpu": "blocked", "cpu": "blocked"}
+# Platforms whose XLA backend runs a ragged all-to-all (CPU: a dense one of padded chunks).
+NATIVE_RAGGED = ("tpu", "gpu")
 # An expert weight's logical names: [experts, in, out].
 _EXPERT_IN = ("experts", "embed", "mlp")
 _EXPERT_OUT = ("experts", "mlp", "embed")
@@ -97,69 +101,95 @@ def _group_limited(choice_BSE, n_group: int, topk_group: int):
     return jnp.where(keep_BSE, choice_BSE, -jnp.inf)
 
 
-def ranks(e_A: jax.Array, groups: int) -> tuple[jax.Array, jax.Array]:
-    """(rank of each element among the equal values before it, count per value < groups)."""
+def _group_of(ends, i):
+    """The group of each index in `i`, for groups of consecutive indices whose exclusive ends
+    are `ends` [G] (cumulative sizes; an empty group is never chosen); G past the last."""
+    return jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
+
+
+def expert_layout(e_A, num_experts: int, cap: int | None):
+    """The layer's one sort: assignments grouped by expert, each expert's in the order of e_A.
+
+    e_A [A] int32: each assignment's expert, `num_experts` for none (padding). Returns
+    (src_C, slot_A, kept_E, dropped): slot c of the grouped layout holds assignment src_C[c]
+    (A for the slots past the kept rows); an expert keeps its first `cap` assignments (all
+    when cap is None); slot_A is the inverse (A for an assignment not kept), kept_E the rows
+    per expert and `dropped` the real assignments past a capacity.
+    """
+    a = e_A.shape[0]
     order_A = jnp.argsort(e_A, stable=True)
-    counts = jnp.zeros((groups + 1,), jnp.int32).at[jnp.minimum(e_A, groups)].add(1)[:groups]
-    start = jnp.cumsum(counts) - counts
-    sorted_e = e_A[order_A]
-    rank_sorted = jnp.arange(e_A.shape[0], dtype=jnp.int32) - jnp.where(
-        sorted_e < groups, start[jnp.minimum(sorted_e, groups - 1)], 0
+    bounds = jnp.arange(num_experts + 1, dtype=e_A.dtype)
+    start_E1 = jnp.searchsorted(e_A[order_A], bounds, side="left").astype(jnp.int32)
+    count_E = start_E1[1:] - start_E1[:-1]
+    kept_E = count_E if cap is None else jnp.minimum(count_E, cap)
+    kend_E = jnp.cumsum(kept_E)
+    kstart_E = kend_E - kept_E
+    c = jnp.arange(a, dtype=jnp.int32)
+    e_C = _group_of(kend_E, c)
+    e_Cs = jnp.minimum(e_C, num_experts - 1)
+    src_C = jnp.where(
+        e_C < num_experts, order_A[jnp.minimum(start_E1[e_Cs] + c - kstart_E[e_Cs], a - 1)], a
     )
-    return jnp.zeros_like(e_A).at[order_A].set(rank_sorted), counts
+    # The sort's inverse (an integer scatter, outside the gradient): each assignment's position.
+    pos_A = jnp.zeros((a,), jnp.int32).at[order_A].set(c, unique_indices=True)
+    e_As = jnp.minimum(e_A, num_experts - 1)
+    rank_A = pos_A - start_E1[e_As]
+    kept_A = (e_A < num_experts) & (rank_A < kept_E[e_As])
+    slot_A = jnp.where(kept_A, kstart_E[e_As] + rank_A, a)
+    return src_C, slot_A, kept_E, jnp.sum(count_E - kept_E)
 
 
 # ---------------------------------------------------------------------------------------------
-# Grouped matmuls: row r through expert e_r's MLP
+# Grouped matmuls: rows grouped by expert (sizes_E rows each, the rest unused) through their
+# experts' SwiGLU MLPs
 
 
 def _swiglu(gate, up):
     return jax.nn.silu(gate) * up
 
 
-def ragged_rows(x_RD, e_R, valid_R, w_gate, w_up, w_down):
-    """Each valid row through its expert's SwiGLU (0 for the others), by `jax.lax.ragged_dot`
-    over the rows sorted by expert: the grouped matmul TPU and GPU run natively."""
-    num_experts = w_gate.shape[0]
-    e_R = jnp.where(valid_R, e_R, num_experts)  # invalid rows sort last, outside every group
-    order_R = jnp.argsort(e_R, stable=True)
-    sizes_E = jnp.zeros((num_experts + 1,), jnp.int32).at[e_R].add(1)[:num_experts]
-    xs_RD = x_RD[order_R]
+def ragged_rows(xs_RD, sizes_E, w_gate, w_up, w_down):
+    """`jax.lax.ragged_dot` over the groups: the grouped matmul TPU runs natively (its compiled
+    HLO has ragged-dot kernels, `benchmarks/moe.py --tpu-topology`). Rows past the groups are
+    never read."""
     gate = checkpoint_name(jax.lax.ragged_dot(xs_RD, w_gate, sizes_E), "mlp_gate")
     up = checkpoint_name(jax.lax.ragged_dot(xs_RD, w_up, sizes_E), "mlp_up")
-    ys_RD = jax.lax.ragged_dot(_swiglu(gate, up), w_down, sizes_E)
-    y_RD = jnp.zeros_like(ys_RD).at[order_R].set(ys_RD)
-    return jnp.where(valid_R[:, None], y_RD, 0)
+    return jax.lax.ragged_dot(_swiglu(gate, up), w_down, sizes_E)
 
 
-def blocked_rows(x_RD, e_R, valid_R, w_gate, w_up, w_down, block: int | None = None):
-    """Each valid row through its expert's SwiGLU (0 for the others), in blocks of `block`
-    rows: each expert's rows padded to whole blocks, each block multiplied by its expert's
-    weights (a batched matmul). Exact; the padding adds at most E * (block - 1) rows, which
-    the default block keeps near 1/8 of the rows. XLA's CPU backend has no grouped matmul of
-    its own (it runs `ragged_dot` as E dense matmuls over every row)."""
-    rows, d = x_RD.shape
+def blocked_rows(xs_RD, sizes_E, w_gate, w_up, w_down, block: int | None = None):
+    """Each group padded to whole blocks of `block` rows, each block multiplied by its
+    expert's weights (a batched matmul); rows past the groups give 0. Exact; the padding adds
+    at most E * (block - 1) rows, which the default block keeps near 1/8 of the rows. XLA's
+    CPU backend has no grouped matmul of its own (it runs `ragged_dot` as E dense matmuls
+    over every row). The rows move into and out of the blocks by `take_rows` (gathers both
+    ways)."""
+    rows, d = xs_RD.shape
     num_experts = w_gate.shape[0]
     if block is None:
         per_expert = max(1, rows // (4 * num_experts))
         block = max(8, min(BLOCK_ROWS, 1 << (per_expert.bit_length() - 1)))
     blocks = -(-(rows + num_experts * (block - 1)) // block)
-    e_R = jnp.where(valid_R, e_R, num_experts)
-    rank_R, counts_E = ranks(e_R, num_experts)
-    padded_E = -(-counts_E // block) * block
-    end_E = jnp.cumsum(padded_E)
-    slot_R = jnp.where(valid_R, (end_E - padded_E)[jnp.minimum(e_R, num_experts - 1)] + rank_R, -1)
-    slot_R = jnp.where(slot_R < 0, blocks * block, slot_R)  # out of range: dropped
-    xs = jnp.zeros((blocks * block, d), x_RD.dtype).at[slot_R].set(x_RD, mode="drop")
-    xs_NbD = xs.reshape(blocks, block, d)
-    first_N = jnp.arange(blocks, dtype=jnp.int32) * block
-    expert_N = jnp.minimum(
-        jnp.searchsorted(end_E, first_N, side="right", method="compare_all"), num_experts - 1
-    )
+    padded_E = -(-sizes_E // block) * block
+    pend_E = jnp.cumsum(padded_E)
+    pstart_E = pend_E - padded_E
+    gend_E = jnp.cumsum(sizes_E)
+    gstart_E = gend_E - sizes_E
+    u = jnp.arange(blocks * block, dtype=jnp.int32)
+    e_U = _group_of(pend_E, u)
+    e_Us = jnp.minimum(e_U, num_experts - 1)
+    q_U = u - pstart_E[e_Us]
+    src_U = jnp.where((e_U < num_experts) & (q_U < sizes_E[e_Us]), gstart_E[e_Us] + q_U, rows)
+    r = jnp.arange(rows, dtype=jnp.int32)
+    e_R = _group_of(gend_E, r)
+    e_Rs = jnp.minimum(e_R, num_experts - 1)
+    dst_R = jnp.where(e_R < num_experts, pstart_E[e_Rs] + r - gstart_E[e_Rs], blocks * block)
+    xs_NbD = take_rows(xs_RD, src_U, dst_R).reshape(blocks, block, d)
+    expert_N = jnp.minimum(_group_of(pend_E, u[::block]), num_experts - 1)
     gate = checkpoint_name(jnp.einsum("NbD,NDF->NbF", xs_NbD, w_gate[expert_N]), "mlp_gate")
     up = checkpoint_name(jnp.einsum("NbD,NDF->NbF", xs_NbD, w_up[expert_N]), "mlp_up")
     ys_NbD = jnp.einsum("NbF,NFD->NbD", _swiglu(gate, up), w_down[expert_N])
-    return ys_NbD.reshape(blocks * block, d).at[slot_R].get(mode="fill", fill_value=0)
+    return take_rows(ys_NbD.reshape(blocks * block, d), dst_R, src_U)
 
 
 GROUPED_MATMULS = {"ragged_dot": ragged_rows, "blocked": blocked_rows}
@@ -179,58 +209,119 @@ def capacity(tokens: int, k: int, num_experts: int, factor: float | None) -> int
     return None if factor is None else max(1, math.ceil(factor * tokens * k / num_experts))
 
 
-def dispatch(x_TD, e_TK, keep_TK, w_gate, w_up, w_down, *, rows, axis, num_experts, per_dest):
-    """Outputs [T,K,D] of each kept assignment (token t through expert e_TK[t, j]).
+def receive_rows(tokens: int, k: int, num_experts: int, shards: int, cap, factor) -> int:
+    """Rows of a device's receive buffer under expert parallelism over `shards` devices.
 
-    `axis` None: every expert is here (weights [E, ...]). Otherwise the experts are split over
-    mesh axis `axis` of size P (weights [E/P, ...] on each device): the assignments go to
-    their experts' devices by all-to-all, in one buffer of `per_dest` rows per destination
-    (all of this device's assignments when dropless, else the capacity of E/P experts), run
-    there, and come back by the reverse all-to-all.
+    From one source at most min(T·K, T·E/P) rows arrive (a token picks an expert at most
+    once), and with a capacity at most C·E/P; dropless, the buffer holds that from every
+    source. `factor` (model.moe.buffer_factor) bounds it to factor · T·K rows (what arrives
+    when the load is even, times the factor), a multiple of 8.
+    """
+    local = num_experts // shards
+    per_source = min(tokens * k, tokens * local)
+    if cap is not None:
+        per_source = min(per_source, cap * local)
+    dropless = shards * per_source
+    if factor is None:
+        return dropless
+    return min(dropless, -(-math.ceil(factor * tokens * k) // 8) * 8)
+
+
+class ExpertAxis(NamedTuple):
+    """How the experts are split: over mesh axis `axis`, `rows` the receive buffer,
+    `native` the backend's ragged all-to-all (else the dense one, CPU)."""
+
+    axis: str
+    rows: int
+    native: bool
+
+
+def dispatch(x_TD, e_TK, real_TK, w_gate, w_up, w_down, *, rows, num_experts, cap, experts):
+    """(outputs [T,K,D] of each assignment, 0 if dropped; the real assignments dropped).
+
+    Token t's j-th choice e_TK[t, j] is assignment a = j·T + t: first choices before second
+    ones, then in token order, which is the order an expert's capacity keeps. One sort groups
+    them by expert (`expert_layout`). `experts` None: every expert is here (weights [E, ...]).
+    Else the experts are split over `experts.axis` and the grouped rows, which are also
+    grouped by destination, go to their experts' devices by one ragged all-to-all of their
+    real sizes and come back by another (`_expert_parallel`).
     """
     t, k = e_TK.shape
-    d = x_TD.shape[-1]
-    x_AD = jnp.repeat(x_TD, k, axis=0)  # assignment a = t * K + j
-    e_A, keep_A = e_TK.reshape(-1), keep_TK.reshape(-1)
-    if axis is None:
-        return rows(x_AD, e_A, keep_A, w_gate, w_up, w_down).reshape(t, k, d)
-    shards = jax.lax.axis_size(axis)
+    e_A = jnp.where(real_TK, e_TK, num_experts).T.reshape(-1)
+    src_C, slot_A, kept_E, dropped = expert_layout(e_A, num_experts, cap)
+    x_CD = take_rows(jnp.tile(x_TD, (k, 1)), src_C, slot_A)
+    weights = (w_gate, w_up, w_down)
+    if experts is None:
+        y_CD = rows(x_CD, kept_E, *weights)
+    else:
+        y_CD, lost = _expert_parallel(x_CD, kept_E, weights, rows, experts)
+        dropped = dropped + lost
+    y_AD = take_rows(y_CD, slot_A, src_C)
+    return y_AD.reshape(k, t, -1).transpose(1, 0, 2), dropped
+
+
+def _expert_parallel(x_CD, kept_E, weights, rows, experts: ExpertAxis):
+    """The grouped rows (kept_E per expert, in expert order) through the experts of their
+    devices on `experts.axis` and back: (outputs in the same slots, rows the receivers had no
+    room for, whose outputs are 0).
+
+    Every device learns every device's rows per expert (a small all-gather), so each knows
+    where its chunk lands in each receiver's buffer (after the chunks of the devices before
+    it) and how much of it fits. The receiver places the rows, which arrive grouped by source
+    and then by expert, grouped by expert without sorting: each row's place follows from the
+    counts.
+    """
+    axis, buffer, native = experts
+    shards, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    num_experts = kept_E.shape[0]
     local = num_experts // shards
-    # Per destination, its assignments in order of expert: one contiguous run of rows.
-    e_A = jnp.where(keep_A, e_A, num_experts)
-    dest_A = jnp.minimum(e_A // local, shards)
-    kept = keep_A.astype(jnp.int32)
-    per_expert = jnp.zeros((num_experts + 1,), jnp.int32).at[e_A].add(kept)[:num_experts]
-    # Rank within the destination in order of expert: the experts before e there, plus e's rank.
-    rank_e, _ = ranks(e_A, num_experts)
-    before_E = jnp.cumsum(per_expert) - per_expert
-    dest_first_E = before_E[jnp.arange(shards) * local]
-    e_safe = jnp.minimum(e_A, num_experts - 1)
-    rank_A = before_E[e_safe] - dest_first_E[jnp.minimum(dest_A, shards - 1)] + rank_e
-    m = per_dest
-    slot_A = jnp.where(keep_A & (rank_A < m), dest_A * m + rank_A, shards * m)
-    send = jnp.zeros((shards * m, d), x_AD.dtype).at[slot_A].set(x_AD, mode="drop")
-    counts_PE = per_expert.reshape(shards, local)
-    recv_PMD = jax.lax.all_to_all(send.reshape(shards, m, d), axis, 0, 0, tiled=True)
-    recv_counts_PE = jax.lax.all_to_all(counts_PE, axis, 0, 0, tiled=True)
-    # Rows from each source arrive in order of local expert, recv_counts_PE[s] of each.
-    ends_PE = jnp.cumsum(recv_counts_PE, axis=1)
-    i_M = jnp.arange(m, dtype=jnp.int32)
-    e_PM = jax.vmap(lambda ends: jnp.searchsorted(ends, i_M, side="right", method="compare_all"))(
-        ends_PE
+    counts_PE = jax.lax.all_gather(kept_E, axis)  # rows each device sends to each expert
+    n_PP = counts_PE.reshape(shards, shards, local).sum(-1)  # [source, destination]
+    landing_PP = jnp.cumsum(n_PP, axis=0) - n_PP  # the source's chunk in the receiver's buffer
+    taken_PP = jnp.clip(buffer - landing_PP, 0, n_PP)  # the rows of it that fit
+    start_PP = jnp.cumsum(n_PP, axis=1) - n_PP  # the chunk in the source's grouped rows
+    plan = Plan(
+        start_PP[me],
+        taken_PP[me],
+        landing_PP[me],
+        taken_PP[:, me],
+        start_PP[:, me],
+        landing_PP[:, me],
     )
-    valid_PM = i_M[None, :] < ends_PE[:, -1:]
-    y_R = rows(
-        recv_PMD.reshape(shards * m, d),
-        jnp.minimum(e_PM, local - 1).reshape(-1),
-        valid_PM.reshape(-1),
-        w_gate,
-        w_up,
-        w_down,
+    lost = jnp.sum(n_PP[me] - taken_PP[me])
+    recv_MD = ragged_exchange(x_CD, plan, buffer, axis, native)
+    # The received rows grouped by local expert: expert l's rows from each source in turn.
+    mine_PL = jax.lax.dynamic_slice_in_dim(counts_PE, me * local, local, axis=1)
+    before_PL = jnp.cumsum(mine_PL, axis=1) - mine_PL  # expert l's rows within a chunk
+    got_PL = jnp.clip(taken_PP[:, me][:, None] - before_PL, 0, mine_PL)  # a chunk's prefix
+    sizes_L = jnp.sum(got_PL, axis=0)
+    gend_L = jnp.cumsum(sizes_L)
+    gstart_L = gend_L - sizes_L
+    from_PL = jnp.cumsum(got_PL, axis=0) - got_PL  # source s's rows within expert l's group
+    rend_P = jnp.cumsum(taken_PP[:, me])  # chunks are consecutive from row 0
+    rstart_P = rend_P - taken_PP[:, me]
+    p = jnp.arange(buffer, dtype=jnp.int32)
+    # Grouped row p: its expert, its source, and the received row it is.
+    l_p = _group_of(gend_L, p)
+    l_ps = jnp.minimum(l_p, local - 1)
+    q_p = p - gstart_L[l_ps]
+    s_p = jnp.minimum(
+        jnp.sum(from_PL.T[l_ps] + got_PL.T[l_ps] <= q_p[:, None], axis=-1), shards - 1
     )
-    back = jax.lax.all_to_all(y_R.reshape(shards, m, d), axis, 0, 0, tiled=True)
-    y_AD = back.reshape(shards * m, d).at[slot_A].get(mode="fill", fill_value=0)
-    return y_AD.reshape(t, k, d)
+    r_p = rstart_P[s_p] + before_PL[s_p, l_ps] + q_p - from_PL[s_p, l_ps]
+    recv_of = jnp.where(l_p < local, r_p, buffer)
+    # Received row r: its source, its expert, and the grouped row it becomes.
+    s_r = _group_of(rend_P, p)
+    s_rs = jnp.minimum(s_r, shards - 1)
+    q_r = p - rstart_P[s_rs]
+    l_r = jnp.minimum(jnp.sum((before_PL + mine_PL)[s_rs] <= q_r[:, None], axis=-1), local - 1)
+    group_of = jnp.where(
+        s_r < shards, gstart_L[l_r] + from_PL[s_rs, l_r] + q_r - before_PL[s_rs, l_r], buffer
+    )
+    xs_MD = take_rows(recv_MD, recv_of, group_of)
+    ys_MD = rows(xs_MD, sizes_L, *weights)
+    y_MD = take_rows(ys_MD, group_of, recv_of)
+    return ragged_exchange(y_MD, plan.reverse(), x_CD.shape[0], axis, native), lost
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,9 +391,16 @@ class MoeMlp(nnx.Module):
 
 def routed(h_BSD, experts_BSK, weights_BSK, real_BS, weights, moe, dtype):
     """(sum over each token's experts of weight * expert(token) [B,S,D], real tokens'
-    assignments dropped for capacity or None when dropless), on this device or in `shard_map`
-    over the mesh. Padding (`real_BS` False) is not routed: its output is 0 and it takes no
-    capacity.
+    assignments dropped for a capacity or the receive buffer, or None when nothing can be
+    dropped), on this device or in `shard_map` over the mesh. Padding (`real_BS` False) is not
+    routed: its output is 0 and it takes no capacity.
+
+    On a mesh the experts are split over the `experts` rule's axis (`_expert_parallel`). With
+    `moe.expert_tensor_parallel` and the `mlp` rule's axis (tensor) splitting the tokens, the
+    expert weights stay split over it along d_ff: the devices of that axis gather their tokens
+    (an all-gather), route and send all of them, multiply them by their slices of the experts,
+    and reduce-scatter the partial sums back to their own tokens (Megatron's expert tensor
+    parallelism); otherwise each device gathers its experts whole.
 
     `weights` (gate, up, down) are cast to the compute `dtype` before they are gathered for
     `shard_map`, unless `train.grad_reduce_dtype` asks for weight gradients in another dtype:
@@ -314,45 +412,58 @@ def routed(h_BSD, experts_BSK, weights_BSK, real_BS, weights, moe, dtype):
     inside = reduce is not None and reduce != jnp.dtype(dtype)
     if not inside:
         weights = tuple(w.astype(dtype) for w in weights)
+    counted = moe.capacity_factor is not None or moe.buffer_factor is not None
 
-    def local(h_BSD, experts_BSK, weights_BSK, real_BS, w_gate, w_up, w_down, *, axis, token_axes):
-        w_gate, w_up, w_down = (w.astype(dtype) for w in (w_gate, w_up, w_down))
+    def local(h_BSD, experts_BSK, weights_BSK, real_BS, *ws, axis, count_axes, tensor):
+        tensor_axis, tensor_dim = tensor
+        if tensor_axis is not None:  # the tensor group's tokens, for its slices of the experts
+            gather = functools.partial(
+                jax.lax.all_gather, axis_name=tensor_axis, axis=tensor_dim, tiled=True
+            )
+            h_BSD, experts_BSK, weights_BSK, real_BS = map(
+                gather, (h_BSD, experts_BSK, weights_BSK, real_BS)
+            )
         b, s, d = h_BSD.shape
         k = experts_BSK.shape[-1]
-        local_experts = w_gate.shape[0]
-        e_TK = experts_BSK.reshape(b * s, k)
         cap = capacity(b * s, k, moe.num_experts, moe.capacity_factor)
-        real_TK = jnp.broadcast_to(real_BS.reshape(b * s, 1), e_TK.shape)
-        keep_TK = real_TK
-        if cap is not None:
-            # First choices before second ones, then in token order (GShard's priority).
-            e_KT = jnp.where(real_TK, e_TK, moe.num_experts).T.reshape(-1)
-            rank_KT, _ = ranks(e_KT, moe.num_experts)
-            keep_TK = real_TK & (rank_KT < cap).reshape(k, b * s).T
-        y_TKD = dispatch(
+        experts = None
+        if axis is not None:
+            shards = jax.lax.axis_size(axis)
+            buffer = receive_rows(b * s, k, moe.num_experts, shards, cap, moe.buffer_factor)
+            experts = ExpertAxis(axis, buffer, traced_platform() in NATIVE_RAGGED)
+        y_TKD, dropped = dispatch(
             h_BSD.reshape(b * s, d),
-            e_TK,
-            keep_TK,
-            w_gate,
-            w_up,
-            w_down,
+            experts_BSK.reshape(b * s, k),
+            jnp.broadcast_to(real_BS.reshape(b * s, 1), (b * s, k)),
+            *(w.astype(dtype) for w in ws),
             rows=rows,
-            axis=axis,
             num_experts=moe.num_experts,
-            per_dest=b * s * k if cap is None else min(b * s * k, cap * local_experts),
+            cap=cap,
+            experts=experts,
         )
-        w_TK = weights_BSK.reshape(b * s, k) * keep_TK
-        y_TD = jnp.einsum("TKD,TK->TD", y_TKD.astype(jnp.float32), w_TK)
-        dropped = None
-        if cap is not None:
-            dropped = jnp.sum(real_TK & ~keep_TK).astype(jnp.float32)
-            if token_axes:
-                dropped = jax.lax.psum(dropped, token_axes)
-        return y_TD.astype(h_BSD.dtype).reshape(b, s, d), dropped
+        w_TK = weights_BSK.reshape(b * s, k)
+        y_BSD = jnp.einsum("TKD,TK->TD", y_TKD.astype(jnp.float32), w_TK).reshape(b, s, d)
+        if tensor_axis is not None:  # each device's partial sums, back to its tokens
+            y_BSD = jax.lax.psum_scatter(
+                y_BSD, tensor_axis, scatter_dimension=tensor_dim, tiled=True
+            )
+        dropped = dropped.astype(jnp.float32) if counted else None
+        if counted and count_axes:
+            dropped = jax.lax.psum(dropped, count_axes)
+        return y_BSD.astype(h_BSD.dtype), dropped
 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return local(h_BSD, experts_BSK, weights_BSK, real_BS, *weights, axis=None, token_axes=())
+        return local(
+            h_BSD,
+            experts_BSK,
+            weights_BSK,
+            real_BS,
+            *weights,
+            axis=None,
+            count_axes=(),
+            tensor=(None, 0),
+        )
     rules = current_rules()
     tokens = logical_spec(("batch", "act_length", None), rules)
     token_axes = tuple(a for entry in tokens for a in entry_axes(entry))
@@ -369,8 +480,10 @@ def routed(h_BSD, experts_BSK, weights_BSK, real_BS, weights, moe, dtype):
             f"model.moe.num_experts: {moe.num_experts} is not divisible by mesh.{axis}="
             f"{mesh.shape[axis]}; allowed: a multiple of the expert-parallel size"
         )
-    w_spec = PartitionSpec(axis, None, None)
-    dropped_spec = PartitionSpec() if moe.capacity_factor is not None else None
+    tensor = _expert_tensor_axis(moe, mesh, rules, tokens, axis)
+    w_in = PartitionSpec(axis, None, tensor[0])
+    w_out = PartitionSpec(axis, tensor[0], None)
+    count_axes = tuple(a for a in token_axes if a != tensor[0])
 
     def per_device(h_BSD, experts_BSK, weights_BSK, real_BS, w_gate, w_up, w_down):
         return local(
@@ -382,16 +495,34 @@ def routed(h_BSD, experts_BSK, weights_BSK, real_BS, weights, moe, dtype):
             w_up,
             w_down,
             axis=axis,
-            token_axes=token_axes,
+            count_axes=count_axes,
+            tensor=tensor,
         )
 
     return jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(tokens, tokens, tokens, PartitionSpec(*tokens[:2]), w_spec, w_spec, w_spec),
-        out_specs=(tokens, dropped_spec),
+        in_specs=(tokens, tokens, tokens, PartitionSpec(*tokens[:2]), w_in, w_in, w_out),
+        out_specs=(tokens, PartitionSpec() if counted else None),
         check_vma=False,
     )(h_BSD, experts_BSK, weights_BSK, real_BS, *weights)
+
+
+def _expert_tensor_axis(moe, mesh, rules, tokens, expert_axis) -> tuple[str | None, int]:
+    """(the mesh axis that splits the experts' d_ff inside the expert computation, the token
+    dimension it splits), or (None, 0): expert tensor parallelism needs one axis of size > 1
+    under the `mlp` rule that splits the tokens (the `act_length` rule's tensor) and is not the
+    expert axis."""
+    mlp_axes = entry_axes(logical_spec(("mlp",), rules)[0])
+    if not moe.expert_tensor_parallel or len(mlp_axes) != 1:
+        return None, 0
+    name = mlp_axes[0]
+    if name == expert_axis or mesh.shape[name] == 1:
+        return None, 0
+    for dim, entry in enumerate(tokens[:2]):
+        if name in entry_axes(entry):
+            return name, dim
+    return None, 0
 
 
 class MoeBlock(Block):

@@ -119,9 +119,20 @@ class MoeConfig(Section):
         description="null = dropless (every token reaches its experts; grouped matmuls over exactly the routed tokens). A number = each expert takes at most capacity_factor * tokens * experts_per_token / num_experts tokens per device and group of tokens; the rest are dropped (their expert output is 0), reported as moe/dropped_fraction.",
     )
 
+    buffer_factor: float | None = Field(
+        None,
+        gt=0,
+        le=1e3,
+        allow_inf_nan=False,
+        description="Expert parallelism (mesh.expert > 1): null = each device's receive buffer holds the worst case (dropless: every source's rows, P x T x K rows for P devices on the expert axis). A number = it holds buffer_factor * T * K rows (T tokens and K experts per token of a device: what arrives when the load is even, times the factor); rows past it are dropped (their expert output is 0), last source and last expert first, and reported as moe/dropped_fraction.",
+    )
+    expert_tensor_parallel: bool = Field(
+        True,
+        description="With mesh.tensor > 1: the experts' d_ff stays split over tensor inside the expert computation (the tensor group's tokens are all-gathered before routing and the expert outputs reduce-scattered back), so no device gathers an expert whole. false = each device gathers its experts whole over tensor and routes only its own tokens.",
+    )
     grouped_matmul: Literal["auto", "ragged_dot", "blocked"] = Field(
         "auto",
-        description="How the experts' grouped matmuls run: ragged_dot (jax.lax.ragged_dot, native on TPU and GPU), blocked (each expert's tokens padded to blocks of up to 128 rows, a batched matmul per block; for CPU, where ragged_dot runs every expert over every row), auto = ragged_dot on TPU/GPU, blocked on CPU. Both are exact.",
+        description="How the experts' grouped matmuls run: ragged_dot (jax.lax.ragged_dot: TPU compiles it into grouped-matmul kernels), blocked (each expert's tokens padded to blocks of up to 128 rows, a batched matmul per block; for CPU, where ragged_dot runs every expert over every row), auto = ragged_dot on TPU, blocked on CPU and GPU (no compile or run here showed GPU's ragged_dot to be a grouped kernel). Both are exact.",
     )
 
     @model_validator(mode="after")
