@@ -17,14 +17,17 @@ compiled HLO (MaxText's dumped with dump_hlo=True, counted by kiln's own parser)
     nice python benchmarks/vs_maxtext.py --maxtext WORK --cpu [--rounds 3] [--steps 4]
     nice python benchmarks/vs_maxtext.py --maxtext WORK --aot [--settings a b c] \\
         [--kiln-remat save_dots ...] [--compile-rounds 2]
-    nice python benchmarks/vs_maxtext.py --maxtext WORK --moe [--moe-settings shipped full] \\
-        [--compile-rounds 2]
+    nice python benchmarks/vs_maxtext.py --maxtext WORK --moe [--moe-settings full shipped \\
+        save_projections save_qkv_proj save_out_proj] \\
+        [--compile-rounds 2] [--moe-sweep]
 
 --moe: `kiln compile configs/models/qwen3-30b-a3b.yaml --topology v5p-64 --json` against
 MaxText's `train_compile` of its qwen3-30b-a3b on the same slice, the same fsdp 4 x expert 8
-split, batch and precision (MT_MOE), at kiln's shipped remat against MaxText's minimal and at
-full remat on both: compiled peaks, all-to-all bytes (dense and ragged) and compile seconds,
-one compile at a time, alternating.
+split, batch and precision (MT_MOE), at full remat on both and at kiln's shipped remat against
+MaxText's minimal (and, named, at the policies that save the same tensors on both sides):
+compiled peaks (or the compiler's out-of-memory refusal), all-to-all bytes
+(dense and ragged) and compile seconds, one compile at a time, alternating; --moe-sweep adds
+MaxText at each of its on-device remat policies, for its best peak.
 """
 
 from __future__ import annotations
@@ -149,19 +152,42 @@ MT_MOE = [
     "dataset_type=synthetic", "enable_checkpointing=false", "run_name=aot", "jax_cache_dir=",
 ]  # fmt: skip
 MOE_CONFIG, MOE_TOPOLOGY = "configs/models/qwen3-30b-a3b.yaml", "v5p-64"
+# kiln's side of MT_MOE's batch, whatever the config ships.
+MOE_BATCH = ["train.global_batch_size=256", "train.gradient_accumulation_steps=2"]
 MOE_SETTINGS = {
-    "shipped": {
-        "what": "kiln's shipped config (model.remat save_dots) vs MaxText remat_policy=minimal "
-        "(saves the projections by name, the closest of its policies)",
-        "kiln": [],
-        "maxtext": ["remat_policy=minimal"],
-    },
     "full": {
-        "what": "whole layers recomputed on both sides",
-        "kiln": ["model.remat=full"],
+        "what": "whole layers recomputed on both sides (kiln model.remat=full, MaxText "
+        "remat_policy=full)",
+        "kiln": [*MOE_BATCH, "model.remat=full"],
         "maxtext": ["remat_policy=full"],
     },
+    "shipped": {
+        "what": "kiln's config's remat (model.remat save_dots) vs MaxText remat_policy=minimal "
+        "(saves the projections by name, the closest of its policies)",
+        "kiln": [*MOE_BATCH, "model.remat=save_dots"],
+        "maxtext": ["remat_policy=minimal"],
+    },
+    # The same tensors saved on both sides (kiln's save_projections is MaxText's minimal).
+    **{
+        kiln: {
+            "what": f"kiln model.remat={kiln} vs MaxText remat_policy={mt}: the same tensors saved",
+            "kiln": [*MOE_BATCH, f"model.remat={kiln}"],
+            "maxtext": [f"remat_policy={mt}"],
+        }
+        for kiln, mt in (
+            ("save_projections", "minimal"),
+            ("save_qkv_proj", "save_qkv_proj"),
+            ("save_out_proj", "save_out_proj"),
+        )
+    },
 }
+# MaxText's remat policies that keep everything on the device (the offloading ones move
+# activations to host memory, which kiln does not do), each compiled once by --moe for its
+# best: the lowest peak of those the compiler accepts.
+MT_REMATS = (
+    "full", "save_qkv_proj", "save_out_proj", "save_dot_except_mlp", "save_dot_except_mlpwi",
+    "save_dot_with_context_except_mlp", "minimal", "minimal_with_context",
+)  # fmt: skip
 
 
 def med(xs):
@@ -425,6 +451,18 @@ def summary(memory: dict, coll: dict) -> dict:
     return out
 
 
+def refused(overrides: list[str], message: str, wall: float) -> dict:
+    """A compile the TPU compiler refused for want of HBM: the temporaries it asked for."""
+    needs = re.search(r"temporaries \(([\d.]+)G\) exceeds available HBM", message)
+    return {
+        "overrides": overrides,
+        "out_of_memory": True,
+        "temporaries_needed_gib": float(needs.group(1)) if needs else None,
+        "compiler_peak_gb": None,
+        "wall_seconds": round(wall, 1),
+    }
+
+
 def kiln_compile(
     overrides: list[str],
     log: Path,
@@ -445,6 +483,9 @@ def kiln_compile(
         *overrides,
     ]
     code, wall, _, lines = stream(cmd, REPO, env, log, {})
+    oom = next((x for x in lines if "Ran out of memory on HBM" in x), None)
+    if code != 0 and oom is not None:  # the compiler refused the step for want of HBM
+        return refused(overrides, oom, wall)
     if code != 0:
         raise RuntimeError(f"kiln compile failed ({code}); see {log}")
     report = json.loads(next(x for x in reversed(lines) if x.startswith("{")))
@@ -505,6 +546,9 @@ def maxtext_compile(
     ]
     marks = {"start": "Jitting and compiling train step", "end": "Jitting and compilation complete"}
     code, wall, seen, lines = stream(cmd, work / "src", env, log, marks)
+    oom = next((x for x in lines if "Ran out of memory on HBM" in x), None)
+    if code != 0 and oom is not None:  # the compiler refused the step for want of HBM
+        return refused(overrides, oom, wall)
     if code != 0:
         raise RuntimeError(f"MaxText train_compile failed ({code}); see {log}")
     stats = next(x for x in lines if x.startswith("Memory analysis:"))
@@ -601,14 +645,18 @@ def run_aot(
     return out
 
 
-def exchanged_gb(r: dict) -> float:
-    """Static bytes of the all-to-alls of a compile summary, dense and ragged."""
+def exchanged_gb(r: dict) -> float | None:
+    """Static bytes of the all-to-alls of a compile summary, dense and ragged (None: the
+    compiler refused the step)."""
+    if r.get("out_of_memory"):
+        return None
     return round(r["all-to-all"]["gb"] + r["ragged-all-to-all"]["gb"], 3)
 
 
-def run_moe(work: Path, settings: list[str], rounds: int, tmp: Path) -> dict:
+def run_moe(work: Path, settings: list[str], rounds: int, sweep: bool, tmp: Path) -> dict:
     """Qwen3-30B-A3B compiled for v5p-64 by kiln and MaxText, one compile at a time,
-    alternating, `rounds` times per setting: peaks, all-to-all bytes, compile seconds."""
+    alternating, `rounds` times per setting (peaks, all-to-all bytes, compile seconds); then,
+    with `sweep`, MaxText at each of its other remat policies once, for its best peak."""
     results = {}
     for repeat in range(rounds):
         for name in settings:
@@ -628,24 +676,57 @@ def run_moe(work: Path, settings: list[str], rounds: int, tmp: Path) -> dict:
                 row["kiln"], row["maxtext"] = k, m
     for row in results.values():
         k, m = row["kiln"], row["maxtext"]
+        kiln_a2a, mt_a2a = exchanged_gb(k), exchanged_gb(m)
+        row["all_to_all_gb"] = {"kiln": kiln_a2a, "maxtext": mt_a2a}
+        # A step a compiler refuses for want of HBM needs more than any that compiles.
+        peaks = [x["compiler_peak_gb"] for x in (k, m)]
         row["targets"] = {
-            "kiln_peak_le_maxtext": k["compiler_peak_gb"] <= m["compiler_peak_gb"],
-            "kiln_all_to_all_gb_le_maxtext": exchanged_gb(k) <= exchanged_gb(m),
-            "kiln_compile_wall_median_le_maxtext": med(row["kiln_wall"])
-            <= med(row["maxtext_wall"]),
+            "kiln_peak_le_maxtext": None
+            if peaks == [None, None]
+            else peaks[1] is None or (peaks[0] is not None and peaks[0] <= peaks[1]),
+            "kiln_all_to_all_gb_le_maxtext": None
+            if None in (kiln_a2a, mt_a2a)
+            else kiln_a2a <= mt_a2a,
+            # A refused compile stops early: its time is not a compile time.
+            "kiln_compile_wall_median_le_maxtext": None
+            if m.get("out_of_memory") or k.get("out_of_memory")
+            else med(row["kiln_wall"]) <= med(row["maxtext_wall"]),
         }
-        row["all_to_all_gb"] = {"kiln": exchanged_gb(k), "maxtext": exchanged_gb(m)}
-    return {
+    out = {
         "target": "TPU v5p-64 (32 chips, fsdp 4 x expert 8), compiled by libtpu without a TPU; "
-        "Qwen3-30B-A3B, 256 x 4096 tokens a step, 2 micro-batches, dropless; memory per device "
-        "in GB (1e9 bytes), the compiler's peak; all-to-all bytes static (an op in the layer "
-        "loop counted once), a ragged all-to-all counted at the most it can move (the smaller of "
-        "its operand and result), both HLOs read by kiln.commands.compile.collectives; compile "
-        "seconds: the wall time of each whole process (start-up, lowering, compile; MaxText also "
-        "dumps its HLO)",
+        "Qwen3-30B-A3B, 256 x 4096 tokens a step, 2 micro-batches of 4 sequences per chip, "
+        "dropless; memory per device in GB (1e9 bytes), the compiler's peak; all-to-all bytes "
+        "static (an op in the layer loop counted once), a ragged all-to-all counted at the most "
+        "it can move (the smaller of its operand and result), both HLOs read by "
+        "kiln.commands.compile.collectives; compile seconds: the wall time of each whole "
+        "process (start-up, lowering, compile; MaxText also dumps its HLO)",
         "persistent_compilation_cache": "off on both sides",
+        "maxtext_flags": MT_MOE,
         "settings": results,
     }
+    if sweep:
+        compiled = {r["maxtext"]["overrides"][0]: r["maxtext"] for r in results.values()}
+        remats = {}
+        for remat in MT_REMATS:
+            key = f"remat_policy={remat}"
+            if key not in compiled:
+                compiled[key] = maxtext_compile(
+                    work, [key], tmp / f"maxtext_moe_sweep_{remat}.log", tmp / "hlo", MT_MOE
+                )
+            m = compiled[key]
+            remats[remat] = (
+                {"out_of_memory": True, "temporaries_needed_gib": m["temporaries_needed_gib"]}
+                if m.get("out_of_memory")
+                else {"compiler_peak_gb": m["compiler_peak_gb"], "all_to_all_gb": exchanged_gb(m)}
+            )
+        fitting = {r: v["compiler_peak_gb"] for r, v in remats.items() if "compiler_peak_gb" in v}
+        best = min(fitting, key=fitting.get) if fitting else None
+        out["maxtext_remat_sweep"] = remats
+        out["maxtext_best"] = best and {"remat_policy": best, "compiler_peak_gb": fitting[best]}
+        if best and "shipped" in results:
+            kiln_peak = results["shipped"]["kiln"]["compiler_peak_gb"]
+            out["kiln_shipped_peak_le_maxtext_best"] = kiln_peak <= fitting[best]
+    return out
 
 
 def main() -> None:
@@ -655,7 +736,12 @@ def main() -> None:
     parser.add_argument("--aot", action="store_true", help="8B AOT compile for v5p-8")
     parser.add_argument("--moe", action="store_true", help="Qwen3-30B-A3B AOT compile for v5p-64")
     parser.add_argument(
-        "--moe-settings", nargs="+", default=list(MOE_SETTINGS), choices=MOE_SETTINGS
+        "--moe-settings", nargs="+", default=["full", "shipped"], choices=MOE_SETTINGS
+    )
+    parser.add_argument(
+        "--moe-sweep",
+        action="store_true",
+        help="--moe: also compile MaxText at each of its remat policies (MT_REMATS)",
     )
     parser.add_argument("--rounds", type=int, default=3, help="--cpu: alternating rounds")
     parser.add_argument("--steps", type=int, default=4, help="--cpu: timed steps per round")
@@ -695,7 +781,7 @@ def main() -> None:
         if args.aot:
             out["aot"] = run_aot(work, args.settings, args.kiln_remat, args.compile_rounds, tmp)
         if args.moe:
-            out["moe"] = run_moe(work, args.moe_settings, args.compile_rounds, tmp)
+            out["moe"] = run_moe(work, args.moe_settings, args.compile_rounds, args.moe_sweep, tmp)
     finally:
         if args.keep is None:
             shutil.rmtree(tmp, ignore_errors=True)

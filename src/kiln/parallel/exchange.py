@@ -2,7 +2,8 @@
 all-to-all that sends each peer only its rows.
 
 `take_rows` permutes rows by a gather and differentiates by the gather of the inverse
-permutation, not by the scatter-add XLA would transpose a gather into (slow on TPU).
+permutation, not by the scatter-add XLA would transpose a gather into (slow on TPU);
+`take_copies` does the same for rows taken several times (a token's K assignments).
 
 `ragged_exchange` sends chunks of rows of different sizes to the devices of a mesh axis, as
 `jax.lax.ragged_all_to_all` does: natively where the backend has it (TPU, GPU), and on CPU,
@@ -40,6 +41,27 @@ def _take_rows_bwd(inverse, dy):
 
 
 take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+@jax.custom_vjp
+def take_copies(x, index, inverse_KN):
+    """Rows `x[index]`, 0 where `index` is out of range, when each row of x is taken up to K
+    times: `inverse_KN` [K, x.shape[0]] holds the K positions each row went to (out of range,
+    index.shape[0], for a copy not taken). The gradient is the sum of K gathers, not a
+    scatter-add."""
+    return x.at[index].get(mode="fill", fill_value=0)
+
+
+def _take_copies_fwd(x, index, inverse_KN):
+    return take_copies(x, index, inverse_KN), inverse_KN
+
+
+def _take_copies_bwd(inverse_KN, dy):
+    dx_KND = dy.at[inverse_KN].get(mode="fill", fill_value=0)
+    return jnp.sum(dx_KND, axis=0), None, None
+
+
+take_copies.defvjp(_take_copies_fwd, _take_copies_bwd)
 
 
 class Plan(NamedTuple):
@@ -115,4 +137,4 @@ def _exchange(x, plan: Plan, rows: int, axis: str, native: bool):
     # Where each peer's chunk lands here: that peer's output_offsets for this device.
     landing_P = jax.lax.all_to_all(plan.output_offsets[:, None], axis, 0, 0, tiled=True)[:, 0]
     put_PC = jnp.where(i[None, :] < plan.recv_sizes[:, None], landing_P[:, None] + i[None, :], rows)
-    return out.at[put_PC].set(recv, mode="drop", unique_indices=True)
+    return out.at[put_PC].set(recv, mode="drop")
