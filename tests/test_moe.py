@@ -229,8 +229,15 @@ def test_groups_and_the_bias_change_which_experts_a_token_takes(inputs):
 def test_expert_parallel_layer_equals_one_device(inputs, setting):
     """Experts split 4 ways (all-to-all inside shard_map) and fsdp 2: the same outputs and
     gradients as the unsharded layer."""
+    assert_sharded_layer_equals_one_device(
+        moe_config(mesh={"expert": 4, "fsdp": 2}, **SETTINGS[setting]), inputs
+    )
+
+
+def assert_sharded_layer_equals_one_device(config, inputs):
+    """The layer on `config`'s mesh gives the unsharded layer's outputs and gradients;
+    (the layer, the mesh)."""
     x, g, segments = inputs
-    config = moe_config(mesh={"expert": 4, "fsdp": 2}, **SETTINGS[setting])
     layer = MoeMlp(config.model, rngs=nnx.Rngs(1))
     want = run_layer(layer, x, g, segments)
     mesh = make_mesh(config)
@@ -239,6 +246,7 @@ def test_expert_parallel_layer_equals_one_device(inputs, setting):
     assert rel_err(got[1], want[1]) <= 1e-5  # tolerance: 1e-5 relative (float32)
     for name in want[2]:
         assert rel_err(got[2][name], want[2][name]) <= 1e-5, name  # 1e-5 relative (float32)
+    return layer, mesh
 
 
 def test_expert_parallelism_moves_tokens_by_all_to_all(inputs):
@@ -344,16 +352,9 @@ def test_expert_tensor_parallel_layer_equals_one_device(inputs):
     """Experts split 2 ways and their d_ff 2 ways over tensor (fsdp 2): the same outputs and
     gradients as the unsharded layer, and no device gathers an expert whole: the expert
     weights enter the expert computation as [E/2, D, F/2] slices."""
-    x, g, segments = inputs
+    x, _, segments = inputs
     config = moe_config(mesh={"expert": 2, "tensor": 2, "fsdp": 2})
-    layer = MoeMlp(config.model, rngs=nnx.Rngs(1))
-    want = run_layer(layer, x, g, segments)
-    mesh = make_mesh(config)
-    got = run_layer(layer, x, g, segments, mesh, config.mesh.rules)
-    assert rel_err(got[0], want[0]) <= 1e-5  # tolerance: 1e-5 relative (float32)
-    assert rel_err(got[1], want[1]) <= 1e-5  # tolerance: 1e-5 relative (float32)
-    for name in want[2]:
-        assert rel_err(got[2][name], want[2][name]) <= 1e-5, name  # 1e-5 relative (float32)
+    layer, mesh = assert_sharded_layer_equals_one_device(config, inputs)
     graphdef, state = nnx.split(layer)
     with use_mesh(mesh, config.mesh.rules):
         jaxpr = str(jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(x, segments)[0])(state))

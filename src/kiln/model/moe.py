@@ -168,16 +168,6 @@ def blocked_rows(xs_RD, sizes_E, w_gate, w_up, w_down, block: int | None = None)
     over every row). The rows move into and out of the blocks by `take_rows` (gathers both
     ways)."""
     rows, d = xs_RD.shape
-    src_U, dst_R, expert_N = _blocks(rows, sizes_E, block)
-    xs_NbD = take_rows(xs_RD, src_U, dst_R).reshape(expert_N.shape[0], -1, d)
-    ys_UD = _block_mlps(xs_NbD, expert_N, w_gate, w_up, w_down)
-    return take_rows(ys_UD, dst_R, src_U)
-
-
-def _blocks(rows: int, sizes_E, block: int | None):
-    """The blocks of `blocked_rows` for `rows` grouped rows: (the grouped row each padded row
-    takes, `rows` for padding; the padded row of each grouped row, past the blocks for the
-    rows past the groups; each block's expert)."""
     num_experts = sizes_E.shape[0]
     if block is None:
         per_expert = max(1, rows // (4 * num_experts))
@@ -197,16 +187,12 @@ def _blocks(rows: int, sizes_E, block: int | None):
     e_R = _group_of(gend_E, r)
     e_Rs = jnp.minimum(e_R, num_experts - 1)
     dst_R = jnp.where(e_R < num_experts, pstart_E[e_Rs] + r - gstart_E[e_Rs], blocks * block)
+    xs_NbD = take_rows(xs_RD, src_U, dst_R).reshape(blocks, block, d)
     expert_N = jnp.minimum(_group_of(pend_E, u[::block]), num_experts - 1)
-    return src_U, dst_R, expert_N
-
-
-def _block_mlps(xs_NbD, expert_N, w_gate, w_up, w_down):
-    """Each block of rows through its expert's SwiGLU: [N*b, D]."""
     gate = checkpoint_name(jnp.einsum("NbD,NDF->NbF", xs_NbD, w_gate[expert_N]), "mlp_gate")
     up = checkpoint_name(jnp.einsum("NbD,NDF->NbF", xs_NbD, w_up[expert_N]), "mlp_up")
     ys_NbD = jnp.einsum("NbF,NFD->NbD", _swiglu(gate, up), w_down[expert_N])
-    return ys_NbD.reshape(-1, ys_NbD.shape[-1])
+    return take_rows(ys_NbD.reshape(blocks * block, d), dst_R, src_U)
 
 
 GROUPED_MATMULS = {"ragged_dot": ragged_rows, "blocked": blocked_rows}
@@ -266,16 +252,8 @@ def dispatch(x_TD, e_TK, real_TK, w_gate, w_up, w_down, *, rows, num_experts, ca
     t, k = e_TK.shape
     e_A = jnp.where(real_TK, e_TK, num_experts).T.reshape(-1)
     src_C, slot_A, kept_E, dropped = expert_layout(e_A, num_experts, cap)
-    weights, a = (w_gate, w_up, w_down), t * k
-    if experts is None and rows is blocked_rows:
-        # Straight into the blocks: padded row u takes assignment a_U[u] (one gather each way).
-        src_U, dst_R, expert_N = _blocks(a, kept_E, None)
-        a_U = jnp.where(src_U < a, src_C[jnp.minimum(src_U, a - 1)], a)
-        u_A = jnp.where(slot_A < a, dst_R[jnp.minimum(slot_A, a - 1)], src_U.shape[0])
-        x_UD = take_rows(jnp.tile(x_TD, (k, 1)), a_U, u_A)
-        y_UD = _block_mlps(x_UD.reshape(expert_N.shape[0], -1, x_TD.shape[-1]), expert_N, *weights)
-        y_AD = take_rows(y_UD, u_A, a_U)
-        return y_AD.reshape(k, t, -1).transpose(1, 0, 2), dropped
+    weights = (w_gate, w_up, w_down)
+    a = t * k
     x_CD = take_copies(x_TD, jnp.where(src_C < a, src_C % t, t), slot_A.reshape(k, t))
     if experts is None:
         y_CD = rows(x_CD, kept_E, *weights)
