@@ -15,6 +15,9 @@ python scripts/docs_figures.py NAME ...     # only these entries (and their cana
 python scripts/docs_figures.py --check      # every quote on its page; small entries and every
                                             # canary run again and compared with the JSON (TPU
                                             # ones skipped without libtpu); exit 1
+python scripts/docs_figures.py --programs   # the same re-runs; where the figures match, record
+                                            # the program fingerprints, with which the test
+                                            # suite checks them without compiling
 """
 
 from __future__ import annotations
@@ -199,9 +202,10 @@ def parse(stdout: str) -> Any:
 
 
 def figures(output: Any) -> Any:
-    """An output without what varies between runs of one program (compile times)."""
+    """An output without what varies between runs of one program (compile times) and without
+    the program's fingerprint (another program may give the same figures)."""
     if isinstance(output, dict):
-        return {k: figures(v) for k, v in output.items() if k != "compile_seconds"}
+        return {k: figures(v) for k, v in output.items() if k not in ("compile_seconds", "program")}
     if isinstance(output, list):
         return [figures(v) for v in output]
     return output
@@ -465,14 +469,59 @@ def rerun_problems(
     """Where `output`, of `kiln COMMAND` run again, differs from what `names` recorded."""
     problems = []
     for name in names:
-        record = records[name]
-        recorded = record["canary"]["output"] if ENTRIES[name].canary else record["output"]
-        if figures(output) != figures(recorded):
+        if figures(output) != figures(recorded_output(records, name)):
             problems.append(
                 f"{name}: `kiln {' '.join(command)}` gives other figures than "
                 f"docs/figures.json records; re-measure with `python scripts/docs_figures.py "
                 f"{name}` and update what the pages quote"
             )
+    return problems
+
+
+def program(command: tuple[str, ...]) -> str:
+    """The fingerprint of the step `kiln COMMAND` (a compile) compiles, lowered in this process
+    and not compiled (`kiln.commands.compile.program_fingerprint`): lowering does not depend on
+    XLA's flags, so a process with other flags than `kiln`'s gets the same one."""
+    import jax
+
+    from kiln.cli import parse_args
+    from kiln.commands import compile as aot
+    from kiln.config import load_config
+
+    args = parse_args(list(command))
+    devices = aot.target_devices(args.devices, args.topology)
+    config = load_config(REPO / args.config, args.overrides)
+    with jax.default_matmul_precision(None):  # kiln's own, whatever this process set
+        lowered, _, _, mesh = aot.lower_step(config, devices)
+    return aot.program_fingerprint(lowered, mesh)
+
+
+def recorded_output(records: dict[str, dict[str, Any]], name: str) -> Any:
+    """What `name` recorded of the command `reruns` runs again for it (its canary's output)."""
+    record = records[name]
+    return record["canary"]["output"] if ENTRIES[name].canary else record["output"]
+
+
+def unchanged(records: dict[str, dict[str, Any]], names: list[str], fingerprint: str) -> bool:
+    """Whether every entry of `names` recorded the figures of the program `fingerprint`: then
+    compiling it again gives them (compiles are deterministic), and the check needs no compile."""
+    return all(recorded_output(records, n).get("program") == fingerprint for n in names)
+
+
+def record_programs(tpu: bool) -> list[str]:
+    """Run every cheap command again; where its figures are the recorded ones, record its
+    program's fingerprint too (the test suite then checks them without compiling). The
+    commands whose figures differ, one line each (their records are left as they are)."""
+    records = json.loads(RECORD.read_text())
+    problems = []
+    for command, names in reruns(tpu).items():
+        output = run(list(command))
+        found = rerun_problems(records, command, names, output)
+        problems += found
+        if not found:
+            for name in names:
+                recorded_output(records, name)["program"] = output["program"]
+    RECORD.write_text(json.dumps(records, indent=1) + "\n")
     return problems
 
 
@@ -490,12 +539,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"of {', '.join(ENTRIES)}")
     parser.add_argument("--check", action="store_true", help="compare, do not write")
+    parser.add_argument(
+        "--programs",
+        action="store_true",
+        help="re-run the cheap commands and record the program fingerprints of those whose "
+        "figures are the recorded ones",
+    )
     args = parser.parse_args()
     unknown = [n for n in args.names if n not in ENTRIES]
     if unknown:
         parser.error(f"unknown entries {unknown}; allowed: {', '.join(ENTRIES)}")
-    if args.check:
-        problems = check(tpu=importlib.util.find_spec("libtpu") is not None)
+    if args.check or args.programs:
+        tpu = importlib.util.find_spec("libtpu") is not None
+        problems = record_programs(tpu) if args.programs else check(tpu)
         for line in problems:
             print(line, file=sys.stderr)
         return 1 if problems else 0

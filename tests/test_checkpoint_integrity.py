@@ -249,3 +249,29 @@ def test_teacher_step_is_pinned_for_a_resumed_student(tmp_path, states, saved):
     shutil.rmtree(teacher_dir / "checkpoints" / "1")
     with pytest.raises(KilnError, match=r"distillation.teacher_run_dir: .*teacher's step 1"):
         distill.read_teacher_config(student)
+
+
+def test_small_replicated_arrays_are_saved_whole_without_compiling_slices(
+    tmp_path, states, monkeypatch
+):
+    """orbax's replica-parallel save cuts each replica's copy of a replicated array into slices,
+    one compiled program per slice shape (56 at the first save of a two-layer DeepSeek model);
+    below `REPLICA_PARALLEL_MIN_BYTES` one replica writes the array whole. The same state is
+    sliced when the minimum is 0, and both saves restore to it."""
+    from kiln.runs import checkpoint
+
+    config, state, _ = states
+    slices = []
+    real = jax.lax.slice_in_dim
+    monkeypatch.setattr(jax.lax, "slice_in_dim", lambda *a, **k: slices.append(1) or real(*a, **k))
+    tree = checkpoint_tree(state)
+    for minimum, run in ((checkpoint.REPLICA_PARALLEL_MIN_BYTES, "whole"), (0, "sliced")):
+        monkeypatch.setattr(checkpoint, "REPLICA_PARALLEL_MIN_BYTES", minimum)
+        slices.clear()
+        ckpt = Checkpointer(tmp_path / run, config.checkpoint)
+        ckpt.save(1, tree, {})
+        ckpt.close()
+        assert (slices == []) == (run == "whole"), run
+        got, _ = restore(tmp_path / run / "checkpoints", 1, abstract_like(tree))
+        for x, y in zip(jax.tree.leaves(host(got)), jax.tree.leaves(host(tree)), strict=True):
+            np.testing.assert_array_equal(x, y)

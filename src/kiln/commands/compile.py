@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
+import importlib.metadata
 import importlib.util
 import math
 import os
@@ -175,6 +177,9 @@ class StepReport:
     collectives: dict[str, dict[str, int | None]]
     # The largest buffers live at the peak (--peak-buffers); None when not asked for.
     peak_buffers: list[buffers.PeakBuffer] | None = None
+    # What was compiled (`program_fingerprint`): two reports with one fingerprint come from one
+    # compile, so their figures are equal. Empty in reports recorded before it existed.
+    program: str = ""
 
     def fits(self, hbm_gb: float | None) -> bool:
         return hbm_gb is None or self.memory["peak"] <= hbm_gb * GB
@@ -197,6 +202,29 @@ def lower_step(config: Config, devices: list[Any]):
     if config.distillation.teacher_logits_dir:  # the store's top-k rows ride in the batch
         batch.update(abstract_teacher_rows(config, mesh, check(config)["top_k"]))
     return step.lower(state, batch), command, objective, mesh
+
+
+def program_fingerprint(lowered, mesh) -> str:
+    """A fingerprint of what a compile of `lowered` for `mesh` depends on: the program as
+    lowered (StableHLO without source locations), the devices of the mesh in order and their
+    kind, and the versions of JAX, jaxlib and the TPU compiler. Compiling is deterministic, so
+    an equal fingerprint means an equal compiled step (with the same XLA flags); the docs'
+    recorded figures are checked by it without compiling (scripts/docs_figures.py)."""
+    devices = list(mesh.devices.flat)
+    parts = [
+        lowered.as_text(debug_info=False),
+        str(dict(mesh.shape)),
+        ",".join(str(d.id) for d in devices),
+        devices[0].device_kind,
+        jax.__version__,
+        importlib.metadata.version("jaxlib"),
+    ]
+    if devices[0].platform == "tpu":
+        parts.append(importlib.metadata.version("libtpu"))
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()[:20]
 
 
 class OutOfMemory(RunStopped):
@@ -241,6 +269,7 @@ def compile_report(config: Config, devices: list[Any], peak_buffers: int = 0) ->
         },
         collectives=collectives(compiled.as_text()),
         peak_buffers=largest,
+        program=program_fingerprint(lowered, mesh),
     )
 
 

@@ -73,8 +73,30 @@ def _quiet_closed_loops(previous):
     return hook
 
 
+# Replicated arrays of at least this many bytes per replica slice are written in parallel by
+# their replicas (orbax's replica-parallel save, which splits each replica's copy into slices);
+# smaller ones by one replica whole. Each slice shape is a program compiled at the first save
+# (56 of them for a two-layer DeepSeek model's norms, biases and scalars): one write of a small
+# array costs less than compiling its slices.
+REPLICA_PARALLEL_MIN_BYTES = 1 << 20
+
+
+def _array_handler() -> None:
+    """orbax's handler of jax.Array with the minimum above (once per process)."""
+    handler = ocp.type_handlers.get_type_handler(jax.Array)
+    if (
+        getattr(handler, "_min_slice_bytes_for_replica_parallel", None)
+        != REPLICA_PARALLEL_MIN_BYTES
+    ):
+        handler = ocp.type_handlers.ArrayHandler(
+            min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES
+        )
+        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+
+
 def _manager(directory: Path, cfg: CheckpointConfig | None, *, read_only: bool = False):
     logging.getLogger("absl").addFilter(_QUIET_ORBAX)  # once: addFilter skips a repeat
+    _array_handler()
     if not getattr(sys.unraisablehook, "kiln_quiet", False):
         sys.unraisablehook = _quiet_closed_loops(sys.unraisablehook)
     options = ocp.CheckpointManagerOptions(
