@@ -1,13 +1,15 @@
 """Attention implementations against a float64 numpy reference and against kiln's dense path."""
 
+import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_user_error, kiln, make_config
+from conftest import REPO, assert_user_error, kiln, kiln_main, make_config
 from kiln.errors import KilnError
 from kiln.model import create_model
 from kiln.model.attention import (
@@ -56,18 +58,22 @@ def inputs(s, seed=0):
     return q, k, v, packed_segments(s, seed), jax.random.normal(kc, (B, s, N, H))
 
 
-def numpy_attention(q, k, v, seg):
-    """float64 reference: per head, softmax over earlier keys of the same segment."""
+def numpy_attention(q, k, v, seg, window=None, sinks=None):
+    """float64 reference: per head, softmax over earlier keys of the same segment (the last
+    `window` of them), with the head's sink logit in the denominator when given."""
     q, k, v, seg = (np.asarray(x, np.float64) for x in (q, k, v, seg))
     s, g = q.shape[1], N // K
+    seen = np.tri(s, dtype=bool) & (np.subtract.outer(np.arange(s), np.arange(s)) < (window or s))
     out = np.zeros_like(q)
     for b in range(B):
         for n in range(N):
             scores = q[b, :, n] @ k[b, :, n // g].T / np.sqrt(H)
-            allowed = (seg[b][:, None] == seg[b][None, :]) & np.tri(s, dtype=bool)
+            allowed = (seg[b][:, None] == seg[b][None, :]) & seen
             scores = np.where(allowed, scores, -np.inf)
-            p = np.exp(scores - scores.max(-1, keepdims=True))
-            out[b, :, n] = (p / p.sum(-1, keepdims=True)) @ v[b, :, n // g]
+            sink = -np.inf if sinks is None else float(sinks[n])
+            top = np.maximum(scores.max(-1, keepdims=True), sink)
+            p = np.exp(scores - top)
+            out[b, :, n] = (p / (p.sum(-1, keepdims=True) + np.exp(sink - top))) @ v[b, :, n // g]
     return out
 
 
@@ -319,3 +325,163 @@ def test_transformer_with_skipping_matches_numpy_unsharded_and_sequence_sharded(
     assert rel_err(unsharded[3], want) < 1e-5
     # 1e-5 relative: the same float32 rows, computed on 8 devices.
     assert rel_err(sharded, unsharded) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# Sliding windows and attention sinks
+
+SINKS = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)  # one logit per query head (N = 4)
+
+
+def masked_value_and_grads(fn, q, k, v, seg, cot, sinks):
+    """As `value_and_grads`, with the gradient with respect to the sinks too (when given)."""
+    if sinks is None:
+        return value_and_grads(fn, q, k, v, seg, cot)
+    loss = lambda q, k, v, sinks: jnp.sum(fn(q, k, v, seg, sinks_N=sinks) * cot)  # noqa: E731
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+
+
+@pytest.mark.parametrize(
+    ("window", "sinks", "case"),
+    [(5, True, "one_shard"), (24, False, "two_shards"), (None, True, "two_shards"), (9, True, "four_shards")],
+    ids=["window5-sinks-one_shard", "window24-two_shards", "sinks-two_shards", "window9-sinks-four_shards"],
+)  # fmt: skip
+def test_windows_and_sinks_equal_numpy_and_the_dense_path(window, sinks, case):
+    q, k, v, seg, cot = inputs(64, seed=6)
+    sinks = SINKS if sinks else None
+    fn = lambda *a, **kw: causal_attention(*a, **CAUSAL_CASES[case], window=window, **kw)  # noqa: E731
+    dense = lambda *a, **kw: dense_attention(*a, query_block=16, window=window, **kw)  # noqa: E731
+    want = numpy_attention(q, k, v, seg, window, sinks)
+    # 1e-5 relative: float32 softmax and matmuls against float64.
+    assert rel_err(jax.jit(functools.partial(fn, sinks_N=sinks))(q, k, v, seg), want) < 1e-5
+    assert rel_err(jax.jit(functools.partial(dense, sinks_N=sinks))(q, k, v, seg), want) < 1e-5
+    got = masked_value_and_grads(fn, q, k, v, seg, cot, sinks)
+    # 1e-5 relative: the same float32 rows, summed over tiles in another order.
+    assert_equal_values_and_grads(
+        got, masked_value_and_grads(dense, q, k, v, seg, cot, sinks), 1e-5
+    )
+
+
+def test_a_window_skips_the_key_tiles_before_it():
+    """64 rows in 8 tiles of 8: a window of 8 keys reaches into the tile before a query's own,
+    so each step's low and high query tiles read 2 key tiles each (the first tile 1, padded):
+    16 tile products of the 64 dense ones, against the causal 36 (+ padding)."""
+    q, k, v, seg, _ = inputs(64)
+
+    def flops(fn):
+        return _dot_flops(jax.make_jaxpr(fn)(q, k, v, seg).jaxpr)
+
+    windowed = flops(lambda *a: causal_attention(*a, query_block=16, window=8))
+    dense = flops(lambda *a: dense_attention(*a, query_block=16))
+    assert windowed / dense == pytest.approx(16 / 64, rel=1e-9)
+
+
+def test_windows_and_sinks_sequence_sharded_equal_unsharded():
+    s, window = 128, 40
+    q, k, v, seg, cot = inputs(s, seed=7)
+    dense = lambda *a, **kw: dense_attention(*a, query_block=32, window=window, **kw)  # noqa: E731
+    want = masked_value_and_grads(dense, q, k, v, seg, cot, SINKS)
+    config = make_config(mesh=dict(fsdp=2, tensor=2, sequence=2))
+    mesh_, rules = make_mesh(config), config.mesh.rules
+    q, cot = (jax.device_put(x, logical_sharding(mesh_, rules, HEADS)) for x in (q, cot))
+    k, v = (jax.device_put(x, logical_sharding(mesh_, rules, KV_HEADS)) for x in (k, v))
+    seg = jax.device_put(seg, batch_sharding(mesh_, rules))
+    with use_mesh(mesh_, rules):
+        fn = lambda *a, **kw: causal_attention(*a, query_block=32, window=window, **kw)  # noqa: E731
+        got = masked_value_and_grads(fn, q, k, v, seg, cot, SINKS)
+    # 1e-5 relative: as unsharded; the shards only change which rows a device computes.
+    assert_equal_values_and_grads(got, want, 1e-5)
+
+
+def test_splash_interpreted_with_a_window_and_sinks_equals_the_dense_path(splash_case):
+    (q, k, v, seg, cot), _ = splash_case
+    window = 100  # not a multiple of the kernel's 128-row blocks
+    splash = lambda *a, **kw: splash_attention(*a, block=128, interpret=True, window=window, **kw)  # noqa: E731
+    dense = lambda *a, **kw: dense_attention(*a, window=window, **kw)  # noqa: E731
+    got = masked_value_and_grads(splash, q, k, v, seg, cot, SINKS)
+    want = masked_value_and_grads(dense, q, k, v, seg, cot, SINKS)
+    # 1e-5 relative: float32 online softmax (flash blocks, the sink in its running sum) against
+    # the one-pass softmax, values and the gradients of q, k, v and the sinks.
+    assert_equal_values_and_grads(got, want, 1e-5)
+
+
+def test_cudnn_takes_the_window_as_its_local_window_and_refuses_sinks():
+    q, k, v, seg, cot = inputs(64, seed=8)
+    args = cudnn_arguments(q, k, v, seg, window=6)
+    assert args["local_window_size"] == (5, 0)
+
+    def via_jax(q, k, v, seg):
+        args = cudnn_arguments(q, k, v, seg, window=6)
+        return jax.nn.dot_product_attention(**args, implementation="xla")
+
+    got = value_and_grads(via_jax, q, k, v, seg, cot)
+    want = value_and_grads(lambda *a: dense_attention(*a, window=6), q, k, v, seg, cot)
+    # 1e-5 relative: the same masked float32 softmax, computed by JAX's reference kernel.
+    assert_equal_values_and_grads(got, want, 1e-5)
+    with pytest.raises(KilnError, match=r"model\.attention: 'cudnn' has no attention sinks") as e:
+        check("cudnn", "gpu", jnp.bfloat16, sinks=True)
+    assert "\n" not in str(e.value) and "model.attention_sinks" in str(e.value)
+
+
+# Gemma 3's shape of model in miniature: sliding layers with their own rotary base between full
+# ones (one stack mixing both kinds), and GPT-OSS's sinks.
+WINDOWED = dict(
+    sliding_window=200,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    local_rope_theta=500.0,
+    attention_sinks=True,
+    init_std=0.2,
+)
+
+
+def test_mixed_window_layers_with_sinks_match_numpy_unsharded_and_sequence_sharded():
+    from test_model import forward, reference
+
+    s, batch = 1024, 4  # two 512-row query blocks: the skipping path, not the dense one
+    model_cfg = dict(vocab_size=128, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, d_ff=64)
+    sections = dict(model={**model_cfg, **WINDOWED, "max_seq_len": s}, data={"seq_len": s})
+    rng = np.random.default_rng(9)
+    tokens = jnp.asarray(rng.integers(0, 128, (batch, s)))
+    cut = 300 + 50 * np.arange(batch)[:, None]  # two documents per row, no padding
+    idx = np.arange(s)[None, :]
+    positions = jnp.asarray(np.where(idx < cut, idx, idx - cut), jnp.int32)
+    segments = jnp.asarray(np.where(idx < cut, 1, 2), jnp.int32)
+    config = make_config(**sections, mesh=dict(fsdp=4, sequence=2))
+    assert config.model.local_layers() == (True, False, True)
+    model = create_model(config, None, 0)
+    unsharded = forward(model, tokens, positions, segments)
+    sharded = forward(model, tokens, positions, segments, make_mesh(config), config.mesh.rules)
+    want, _ = reference(model, tokens[3], positions[3], segments[3])
+    # 1e-5 relative: float32 model vs float64 reference (as in test_model).
+    assert rel_err(unsharded[3], want) < 1e-5
+    # 1e-5 relative: the same float32 rows, computed on 8 devices.
+    assert rel_err(sharded, unsharded) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ({"sliding_window": 0}, "model.sliding_window"),
+        ({"layer_types": ["sliding_attention", "full_attention"]}, "model.sliding_window is null"),
+        ({"sliding_window": 8, "layer_types": ["full_attention"]}, "no sliding_attention layer"),
+        ({"local_rope_theta": 10.0}, "model.local_rope_theta"),
+        ({"layer_types": ["full_attention"] * 5}, "at most num_layers"),
+        ({"family": "deepseek", "sliding_window": 8}, "model.sliding_window is 8 with model.family deepseek"),
+        ({"family": "deepseek", "attention_sinks": True}, "model.attention_sinks is True with model.family deepseek"),
+    ],
+)  # fmt: skip
+def test_bad_windows_are_refused_in_one_line(model, message):
+    with pytest.raises(KilnError, match=re.escape(message)) as e:
+        make_config(model={"num_layers": 4, **model})
+    assert "\n" not in str(e.value)
+
+
+def test_kiln_train_refuses_a_window_below_one_before_writing(tmp_path):
+    proc = kiln_main(
+        "train",
+        REPO / "configs" / "tiny.yaml",
+        "model.sliding_window=0",
+        f"train.output_dir={tmp_path}",
+    )
+    assert_user_error(proc, "model.sliding_window", "0")
+    assert list(tmp_path.iterdir()) == []

@@ -37,12 +37,26 @@ def full_forward_logits(model, rows):
     return np.asarray(forward(x, positions, segment_ids))
 
 
-@pytest.mark.parametrize(
-    "mesh", [None, dict(fsdp=4, tensor=2)], ids=["one_device", "fsdp4_tensor2"]
+# A sliding window shorter than the prompts, between full layers, with sinks: the cache keeps
+# every slot and a sliding layer masks those before its window.
+WINDOW = dict(
+    sliding_window=4,
+    layer_types=["sliding_attention", "full_attention"],
+    local_rope_theta=100.0,
+    attention_sinks=True,
 )
-def test_cache_decode_logits_equal_full_forward(mesh):
+
+
+@pytest.mark.parametrize(
+    ("mesh", "extra"),
+    [(None, {}), (dict(fsdp=4, tensor=2), {}), (None, WINDOW)],
+    ids=["one_device", "fsdp4_tensor2", "window_sinks"],
+)
+def test_cache_decode_logits_equal_full_forward(mesh, extra):
     config = make_config(
-        model=dict(MODEL, max_seq_len=32, init_std=0.3), data=dict(seq_len=16), mesh=mesh or {}
+        model=dict(MODEL, max_seq_len=32, init_std=0.3, **extra),
+        data=dict(seq_len=16),
+        mesh=mesh or {},
     )
     device_mesh = make_mesh(config) if mesh else None
     model = create_model(config, device_mesh, seed=0)

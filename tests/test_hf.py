@@ -89,7 +89,8 @@ def kiln_run(tmp_path: Path, *, data=None, **model) -> tuple[Path, object]:
     run_dir = config.run_dir
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(config.to_yaml())
-    if config.model.logit_softcap:
+    m = config.model
+    if m.logit_softcap or m.sliding_window or m.attention_sinks:
         return run_dir, None  # export refuses it before reading any checkpoint
     state = init_state(config)
     leaves, treedef = jax.tree.flatten(state.params)
@@ -339,11 +340,18 @@ def test_import_refusals_name_the_field(tmp_path, hf_model, capsys, config, drop
     assert not out.exists()
 
 
-def test_export_refuses_what_llama_cannot_hold(tmp_path, capsys):
-    run_dir, _ = kiln_run(tmp_path, logit_softcap=30.0)
+@pytest.mark.parametrize(
+    "model",
+    [{"logit_softcap": 30.0}, {"sliding_window": 8}, {"attention_sinks": True}],
+    ids=["logit_softcap", "sliding_window", "attention_sinks"],
+)
+def test_export_refuses_what_llama_cannot_hold(tmp_path, capsys, model):
+    run_dir, _ = kiln_run(tmp_path, **model)
     out = tmp_path / "hf"
     assert main(["export-hf", str(run_dir), "--out", str(out)]) == 2
-    assert "model.logit_softcap" in capsys.readouterr().err
+    (field,) = model
+    err = capsys.readouterr().err
+    assert f"model.{field}" in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
 
 

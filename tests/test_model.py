@@ -131,8 +131,10 @@ def reference(model, tokens_S, pos_S, seg_S):
     pos_S, seg_S = np.asarray(pos_S, np.float64), np.asarray(seg_S)
     s = len(tokens_S)
     allowed = (seg_S[:, None] == seg_S[None, :]) & np.tri(s, dtype=bool)
+    # A sliding_attention layer: the query at row i sees rows i-W+1..i (of its document).
+    in_window = np.subtract.outer(np.arange(s), np.arange(s)) < (cfg.sliding_window or s)
     feats = []
-    for i in range(cfg.num_layers):
+    for i, local in enumerate(cfg.local_layers()):
         blk = jax.tree.map(lambda a, i=i: a[i], p["blocks"])
         a = blk["attn"]
         h = _rms(x, blk["attn_norm"]["scale"], eps)
@@ -141,12 +143,16 @@ def reference(model, tokens_S, pos_S, seg_S):
         v = np.einsum("sd,dkh->skh", h, a["wv"])
         if cfg.qk_norm:
             q, k = _rms(q, a["q_norm"]["scale"], eps), _rms(k, a["k_norm"]["scale"], eps)
-        q, k = _rope(q, pos_S, cfg.rope_theta), _rope(k, pos_S, cfg.rope_theta)
+        theta = cfg.local_rope_theta if local and cfg.local_rope_theta else cfg.rope_theta
+        q, k = _rope(q, pos_S, theta), _rope(k, pos_S, theta)
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # head n -> kv n // G
         scores = np.einsum("snh,tnh->nst", q, k) / np.sqrt(q.shape[-1])
-        scores = np.where(allowed[None], scores, -np.inf)
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
+        scores = np.where((allowed & (in_window | (not local)))[None], scores, -np.inf)
+        # Sinks: one more logit per head in every row's softmax, with no value.
+        sink = a["sinks"][:, None] if cfg.attention_sinks else np.full((q.shape[1], 1), -np.inf)
+        top = np.maximum(scores.max(-1), sink)
+        probs = np.exp(scores - top[..., None])
+        probs /= (probs.sum(-1) + np.exp(sink - top))[..., None]
         x = x + np.einsum("snh,nhd->sd", np.einsum("nst,tnh->snh", probs, v), a["wo"])
         h = _rms(x, blk["mlp_norm"]["scale"], eps)
         m = blk["mlp"]

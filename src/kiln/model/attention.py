@@ -6,6 +6,12 @@ self-attention that stays inside each packed document (equal segment ids; paddin
 softmax(q k^T / sqrt(H)) v with float32 scores. Values may be narrower than queries and keys
 (multi-head latent attention): the output has the values' width. Einsum letters as in
 `kiln.model.llama`, plus R = C*G query rows of one key/value head and P sequence shards.
+
+Two keyword arguments change the mask and the softmax, each None for plain attention:
+`window` W (sliding-window attention, a static int): a query at position i sees the keys at
+i-W+1..i only (Hugging Face's `sliding_window`); `sinks_N` [N] float32 (attention sinks, as
+GPT-OSS): one learned logit per query head that joins every row's softmax denominator without
+a value (exp(sink) / (sum + exp(sink)) of the weight goes nowhere).
 """
 
 from __future__ import annotations
@@ -32,7 +38,21 @@ _KV_TILES = ("batch", "length", None, None, "act_kv_heads", None)
 SPLASH_BLOCK = 512
 
 
-def _rows(q_BCKGH, idx_C, seg_BC, k_BTKH, v_BTKH, seg_BT):
+def _sink_rows(sinks_N, k: int, c: int):
+    """[K, R]: the sink logit of each query row of each key/value head (R = C*G, c-major)."""
+    return jnp.tile(sinks_N.astype(jnp.float32).reshape(k, -1), (1, c))
+
+
+def _softmax_with_sinks(scores_BKRT, sink_KR):
+    """softmax over the keys and a sink per row (a logit with no value): the probabilities of
+    the keys, which sum to less than 1."""
+    max_BKR = jnp.maximum(scores_BKRT.max(axis=-1), sink_KR)
+    exp_BKRT = jnp.exp(scores_BKRT - max_BKR[..., None])
+    total_BKR = exp_BKRT.sum(axis=-1) + jnp.exp(sink_KR - max_BKR)
+    return exp_BKRT / total_BKR[..., None]
+
+
+def _rows(q_BCKGH, idx_C, seg_BC, k_BTKH, v_BTKH, seg_BT, window=None, sinks_N=None):
     """Attention of C query rows (at positions idx_C) over the T keys at positions 0..T-1."""
     # The G query heads of a key/value head are folded into the rows, R = C*G (c-major, so
     # a sequence-sharded C stays evenly split): one batch and one free dimension a side,
@@ -45,15 +65,31 @@ def _rows(q_BCKGH, idx_C, seg_BC, k_BTKH, v_BTKH, seg_BT):
     ) * (h**-0.5)
     # Padding (segment 0) attends only to padding, so no row is ever fully masked.
     same_doc_BCT = seg_BC[:, :, None] == seg_BT[:, None, :]
-    mask_BCT = same_doc_BCT & (idx_C[:, None] >= jnp.arange(t)[None, :])[None]
+    seen_CT = idx_C[:, None] >= jnp.arange(t)[None, :]
+    if window is not None:
+        seen_CT &= idx_C[:, None] - jnp.arange(t)[None, :] < window
+    mask_BCT = same_doc_BCT & seen_CT[None]
     mask_BRT = jnp.broadcast_to(mask_BCT[:, :, None], (b, c, g, t)).reshape(b, c * g, t)
     scores_BKRT = jnp.where(mask_BRT[:, None], scores_BKRT, MASKED)
-    probs_BKRT = jax.nn.softmax(scores_BKRT, axis=-1).astype(v_BTKH.dtype)
+    if sinks_N is None:
+        probs_BKRT = jax.nn.softmax(scores_BKRT, axis=-1)
+    else:
+        probs_BKRT = _softmax_with_sinks(scores_BKRT, _sink_rows(sinks_N, k, c))
+    probs_BKRT = probs_BKRT.astype(v_BTKH.dtype)
     out_BKRH = jnp.einsum("BKRT,BTKH->BKRH", probs_BKRT, v_BTKH)
     return out_BKRH.reshape(b, k, c, g, v_BTKH.shape[-1]).transpose(0, 2, 1, 3, 4)
 
 
-def dense_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, *, query_block: int = QUERY_BLOCK):
+def dense_attention(
+    q_BSNH,
+    k_BTKH,
+    v_BTKH,
+    segment_ids_BS,
+    *,
+    query_block: int = QUERY_BLOCK,
+    window: int | None = None,
+    sinks_N=None,
+):
     """Every query row against every key, masked afterwards (kiln's attention before skipping).
 
     Sequences longer than `query_block` (and a multiple of it) are processed `query_block`
@@ -67,7 +103,9 @@ def dense_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, *, query_block: int 
     k_BTKH, v_BTKH = constrain(k_BTKH, _KV_WHOLE), constrain(v_BTKH, _KV_WHOLE)
     q_BSKGH = q_BSNH.reshape(b, s, k, n // k, h)
     key_idx_T = jnp.arange(s)
-    rows = functools.partial(_rows, k_BTKH=k_BTKH, v_BTKH=v_BTKH, seg_BT=segment_ids_BS)
+    rows = functools.partial(
+        _rows, k_BTKH=k_BTKH, v_BTKH=v_BTKH, seg_BT=segment_ids_BS, window=window, sinks_N=sinks_N
+    )
 
     blocks = s // query_block if s > query_block and s % query_block == 0 else 1
     if blocks == 1:
@@ -82,18 +120,20 @@ def dense_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, *, query_block: int 
     return jnp.moveaxis(out_JBCKGH, 0, 2).reshape(b, s, n, hv)
 
 
-def cached_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, segment_ids_BT, index):
+def cached_attention(
+    q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, segment_ids_BT, index, *, window=None, sinks_N=None
+):
     """S new query rows at cache slots index..index+S-1 over a cache of T slots (decoding).
 
-    Slot t is visible to the row at slot i when t <= i and their segment ids are equal:
-    empty slots and padding (segment 0) are never seen by real tokens, so rows of different
-    prompt lengths in one left-padded batch each attend to their own prompt only.
+    Slot t is visible to the row at slot i when t <= i (and i - t < window) and their segment
+    ids are equal: empty slots and padding (segment 0) are never seen by real tokens, so rows
+    of different prompt lengths in one left-padded batch each attend to their own prompt only.
     """
     b, s, n, h = q_BSNH.shape
     k = k_BTKH.shape[2]
     idx_S = index + jnp.arange(s)
     q_BSKGH = q_BSNH.reshape(b, s, k, n // k, h)
-    out = _rows(q_BSKGH, idx_S, segment_ids_BS, k_BTKH, v_BTKH, segment_ids_BT)
+    out = _rows(q_BSKGH, idx_S, segment_ids_BS, k_BTKH, v_BTKH, segment_ids_BT, window, sinks_N)
     return out.reshape(b, s, n, v_BTKH.shape[-1])
 
 
@@ -106,22 +146,35 @@ def sequence_shards() -> int:
     return int(np.prod([mesh.shape[a] for a in axes]))
 
 
-def _fold_tables(shards: int, tiles: int) -> tuple[np.ndarray, np.ndarray]:
+def _fold_tables(shards: int, tiles: int, c: int, window: int | None) -> tuple[np.ndarray, ...]:
     """Per step i and shard p: the key tile and owner (0 low, 1 high, 2 none) of each product.
 
-    Step i pairs each shard's local query tiles i (low) and tiles-1-i (high). The low one
-    reads global key tiles 0..p*tiles+i, the high one 0..p*tiles+tiles-1-i: 2*p*tiles+tiles+1
-    tile products, padded with fully masked ones to the last shard's (2P-1)*tiles+1.
+    Step i pairs each shard's local query tiles i (low) and tiles-1-i (high). A query tile q
+    (global index) reads the key tiles from the first one its window reaches (0 without a
+    window) to q itself: unwindowed, the low one reads 0..p*tiles+i and the high one
+    0..p*tiles+tiles-1-i, 2*p*tiles+tiles+1 tile products, padded with fully masked ones to the
+    last shard's (2P-1)*tiles+1; a window of W keys bounds each query tile's to W/C + 2.
     """
-    steps, width = tiles // 2, (2 * shards - 1) * tiles + 1
+    steps = tiles // 2
+
+    def keys(q: int) -> range:
+        first = 0 if window is None else max(0, (q * c - window + 1) // c)
+        return range(first, q + 1)
+
+    spans = {
+        (i, p): (keys(p * tiles + i), keys(p * tiles + tiles - 1 - i))
+        for i in range(steps)
+        for p in range(shards)
+    }
+    width = max(len(lo) + len(hi) for lo, hi in spans.values())
     key_tile = np.zeros((steps, shards, width), np.int32)
     owner = np.full((steps, shards, width), 2, np.int32)
-    for i in range(steps):
-        for p in range(shards):
-            low, high = p * tiles + i + 1, p * tiles + tiles - i
-            key_tile[i, p, :low], owner[i, p, :low] = np.arange(low), 0
-            key_tile[i, p, low : low + high] = np.arange(high)
-            owner[i, p, low : low + high] = 1
+    for (i, p), (lo, hi) in spans.items():
+        key_tile[i, p, : len(lo)], owner[i, p, : len(lo)] = lo, 0
+        key_tile[i, p, len(lo) : len(lo) + len(hi)], owner[i, p, len(lo) : len(lo) + len(hi)] = (
+            hi,
+            1,
+        )
     return key_tile, owner
 
 
@@ -136,7 +189,7 @@ def _take_tiles(x_BPN, tile_PE, copies: bool):
     return jnp.take_along_axis(x_BPN, index, axis=2)
 
 
-def _fold_step(xs, k_BPNUKH, v_BPNUKH, seg_BPNU, *, copies: bool):
+def _fold_step(xs, k_BPNUKH, v_BPNUKH, seg_BPNU, *, copies: bool, window=None, sinks_N=None):
     """One step of `causal_attention`: each shard's low and high query tile over its key tiles.
 
     Letters: P shards, E tile products, C query rows and U keys of a tile, N here the global
@@ -168,6 +221,8 @@ def _fold_step(xs, k_BPNUKH, v_BPNUKH, seg_BPNU, *, copies: bool):
         seg_q_BPEC[..., :, None] == _take_tiles(seg_BPNU, key_tile_PE, copies)[..., None, :]
     )
     causal_PECU = pos_q_PEC[..., :, None] >= pos_k_PEU[..., None, :]
+    if window is not None:
+        causal_PECU &= pos_q_PEC[..., :, None] - pos_k_PEU[..., None, :] < window
     # Padding products (owner 2) are masked whole; their row maxima are ignored below.
     mask_BPECU = same_doc_BPECU & (causal_PECU & (owner_PE < 2)[..., None, None])[None]
     mask_BPERU = jnp.broadcast_to(mask_BPECU[:, :, :, :, None], (b, p, e, c, g, u))
@@ -175,11 +230,16 @@ def _fold_step(xs, k_BPNUKH, v_BPNUKH, seg_BPNU, *, copies: bool):
     owns = [(owner_PE == o)[None, :, :, None, None] for o in (0, 1)]
     row_max_BPEKR = scores_BPEKRU.max(axis=-1)
     max_lo, max_hi = (jnp.where(own, row_max_BPEKR, MASKED).max(axis=2) for own in owns)
+    if sinks_N is not None:  # a row's sink joins its maximum and its sum
+        sink_KR = _sink_rows(sinks_N, k, c)
+        max_lo, max_hi = jnp.maximum(max_lo, sink_KR), jnp.maximum(max_hi, sink_KR)
     max_BPEKR = jnp.where(owns[1], max_hi[:, :, None], max_lo[:, :, None])
     # Masked scores give exp(MASKED - max) == 0 exactly; each row has its own key unmasked.
     exp_BPEKRU = jnp.exp(scores_BPEKRU - max_BPEKR[..., None])
     sums_BPEKR = exp_BPEKRU.sum(axis=-1)
     sum_lo, sum_hi = (jnp.where(own, sums_BPEKR, 0.0).sum(axis=2) for own in owns)
+    if sinks_N is not None:
+        sum_lo, sum_hi = sum_lo + jnp.exp(sink_KR - max_lo), sum_hi + jnp.exp(sink_KR - max_hi)
     sum_BPEKR = jnp.where(owns[1], sum_hi[:, :, None], sum_lo[:, :, None])
     # Normalised before the value product (as the dense path does), so that the backward
     # pass does not need that product's output and recomputes only the scores.
@@ -207,8 +267,11 @@ def causal_attention(
     *,
     query_block: int = QUERY_BLOCK,
     shards: int | None = None,
+    window: int | None = None,
+    sinks_N=None,
 ):
-    """`dense_attention`, but key tiles wholly above the causal diagonal are never computed.
+    """`dense_attention`, but key tiles wholly above the causal diagonal (or wholly before a
+    `window`) are never computed.
 
     Each of the P sequence shards (`shards`; None = the traced mesh's) is cut into query
     tiles of C = query_block/(2P) rows. Step i of a `lax.map` takes, from every shard, its
@@ -225,8 +288,11 @@ def causal_attention(
     b, s, n, h = q_BSNH.shape
     k = k_BTKH.shape[2]
     p = sequence_shards() if shards is None else shards
+    masks = dict(window=window, sinks_N=sinks_N)
     if s <= query_block or s % query_block or query_block % (2 * p):
-        return dense_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, query_block=query_block)
+        return dense_attention(
+            q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, query_block=query_block, **masks
+        )
     c = query_block // (2 * p)
     tiles, steps = s // p // c, s // p // c // 2
     q_BPLCKGH = q_BSNH.reshape(b, p, tiles, c, k, n // k, h)
@@ -239,7 +305,7 @@ def causal_attention(
         hi = jnp.flip(jax.lax.slice_in_dim(x, steps, tiles, axis=axis), axis)
         return jnp.moveaxis(lo, axis, 0), jnp.moveaxis(hi, axis, 0)
 
-    key_tile, owner = _fold_tables(p, tiles)
+    key_tile, owner = _fold_tables(p, tiles, c, window)
     xs = (*lo_hi(q_BPLCKGH, 2), *lo_hi(seg_BPLC, 2), *lo_hi(pos_PLC, 1), key_tile, owner)
 
     def per_shard(x_BT, names):
@@ -258,19 +324,22 @@ def causal_attention(
         per_shard(v_BTKH, _KV_TILES),
         per_shard(segment_ids_BS, _KV_TILES[:4]),
     )
-    step = jax.checkpoint(lambda xs: _fold_step(xs, *kv_tiles, copies=p > 1), prevent_cse=False)
+    step = jax.checkpoint(
+        lambda xs: _fold_step(xs, *kv_tiles, copies=p > 1, **masks), prevent_cse=False
+    )
     out_lo, out_hi = jax.lax.map(step, xs)
     out_LBPCKGH = jnp.concatenate([out_lo, jnp.flip(out_hi, 0)], axis=0)
     return jnp.moveaxis(out_LBPCKGH, 0, 2).reshape(b, s, n, v_BTKH.shape[-1])
 
 
-def cudnn_arguments(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS) -> dict:
+def cudnn_arguments(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, window: int | None = None) -> dict:
     """Arguments of `jax.nn.dot_product_attention` for kiln's mask: causal and same document.
 
     JAX 0.10.2's `jax.nn.dot_product_attention` has no segment ids; packed documents are a
     boolean mask [B, 1, S, T] (same segment), which JAX turns into an additive bias that
     cuDNN reads from memory (B*S*T elements in the compute dtype), combined with cuDNN's own
-    causal mask, which skips the blocks above the diagonal.
+    causal mask, which skips the blocks above the diagonal; a window is cuDNN's
+    `local_window_size` (W-1 keys to the left, none to the right).
     """
     same_doc_B1ST = (segment_ids_BS[:, :, None] == segment_ids_BS[:, None, :])[:, None]
     return dict(
@@ -280,14 +349,21 @@ def cudnn_arguments(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS) -> dict:
         mask=same_doc_B1ST,
         is_causal=True,
         scale=q_BSNH.shape[-1] ** -0.5,
+        local_window_size=None if window is None else (window - 1, 0),
     )
 
 
 HALF = (jnp.bfloat16, jnp.float16)
 
 
-def check(name: str, platform: str, dtype) -> None:
-    """Refuse, in one line, an implementation that cannot run on `platform` for this `dtype`."""
+def check(name: str, platform: str, dtype, *, sinks: bool = False) -> None:
+    """Refuse, in one line, an implementation that cannot run on `platform` for this `dtype`
+    (or, `sinks`, for a model with attention sinks)."""
+    if name == "cudnn" and sinks:
+        raise KilnError(
+            "model.attention: 'cudnn' has no attention sinks (model.attention_sinks: true); "
+            "use 'xla'"
+        )
     needs = {"cudnn": "gpu", "splash": "tpu"}.get(name)
     if needs is not None and platform != needs:
         raise KilnError(
@@ -301,11 +377,12 @@ def check(name: str, platform: str, dtype) -> None:
         )
 
 
-def cudnn_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS):
-    """cuDNN's fused attention (`jax.nn.dot_product_attention`), bf16/fp16 on NVIDIA GPUs."""
-    check("cudnn", traced_platform(), q_BSNH.dtype)
+def cudnn_attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, *, window=None, sinks_N=None):
+    """cuDNN's fused attention (`jax.nn.dot_product_attention`), bf16/fp16 on NVIDIA GPUs.
+    It has no attention sinks (refused when the model has them, `check`)."""
+    check("cudnn", traced_platform(), q_BSNH.dtype, sinks=sinks_N is not None)
     k_BTKH, v_BTKH = constrain(k_BTKH, _KV_WHOLE), constrain(v_BTKH, _KV_WHOLE)
-    args = cudnn_arguments(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS)
+    args = cudnn_arguments(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, window)
     try:
         return jax.nn.dot_product_attention(**args, implementation="cudnn")
     except (NotImplementedError, ValueError, RuntimeError) as e:
@@ -320,11 +397,14 @@ def splash_attention(
     *,
     block: int = SPLASH_BLOCK,
     interpret: bool = False,
+    window: int | None = None,
+    sinks_N=None,
 ):
     """Pallas splash attention (TPU), under `shard_map` over batch and heads.
 
     Inside each shard the whole sequence is one kernel call per batch row (vmapped), with a
-    causal mask and the segment ids; the kernel skips the blocks the mask empties. A
+    causal mask (a `LocalMask` of W-1 keys to the left with a window), the segment ids and the
+    sinks (the kernel's own); the kernel skips the blocks the mask empties. A
     sequence-sharded mesh gathers the queries of all shards first (the kernel sees the whole
     sequence), so sequence sharding costs no accuracy but does not split this work.
     `interpret=True` runs the kernel in Pallas' interpreter (CPU; tests only).
@@ -341,9 +421,13 @@ def splash_attention(
             f"when longer), got {s}"
         )
 
-    def per_shard(q_BSNH, k_BTKH, v_BTKH, seg_BS):
+    def per_shard(q_BSNH, k_BTKH, v_BTKH, seg_BS, sinks_N):
         heads = q_BSNH.shape[2]
-        mask = splash.MultiHeadMask([splash.CausalMask((s, s))] * heads)
+        if window is None:
+            one = splash.CausalMask((s, s))
+        else:
+            one = splash.LocalMask((s, s), window_size=(window - 1, 0), offset=0)
+        mask = splash.MultiHeadMask([one] * heads)
         sizes = dict(block_q=blk, block_kv=blk, block_q_dkv=blk, block_kv_dkv=blk)
         sizes.update(block_q_dq=blk, block_kv_dq=blk)
         kernel = splash.make_splash_mha(
@@ -357,23 +441,30 @@ def splash_attention(
         q_BNSH = (q_BSNH * h**-0.5).astype(q_BSNH.dtype).transpose(0, 2, 1, 3)
         k_BKTH, v_BKTH = k_BTKH.transpose(0, 2, 1, 3), v_BTKH.transpose(0, 2, 1, 3)
         segments = splash.SegmentIds(q=seg_BS, kv=seg_BS)
-        out_BNSH = jax.vmap(kernel)(q_BNSH, k_BKTH, v_BKTH, segments)
+        if sinks_N is None:
+            out_BNSH = jax.vmap(kernel)(q_BNSH, k_BKTH, v_BKTH, segments)
+        else:
+            sinks_N = sinks_N.astype(jnp.float32)
+            out_BNSH = jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(
+                q_BNSH, k_BKTH, v_BKTH, segments, sinks_N
+            )
         return out_BNSH.transpose(0, 2, 1, 3)
 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return per_shard(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS)
+        return per_shard(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, sinks_N)
     rules = current_rules()
     q_spec = logical_spec(("batch", None, "act_heads", None), rules)
     kv_spec = logical_spec(("batch", None, "act_kv_heads", None), rules)
     seg_spec = logical_spec(("batch", None), rules)
+    sinks_spec = None if sinks_N is None else logical_spec(("act_heads",), rules)
     return jax.shard_map(
         per_shard,
         mesh=mesh,
-        in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
+        in_specs=(q_spec, kv_spec, kv_spec, seg_spec, sinks_spec),
         out_specs=q_spec,
         check_vma=False,
-    )(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS)
+    )(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, sinks_N)
 
 
 IMPLEMENTATIONS = {
@@ -396,8 +487,18 @@ def resolve(name: str, dtype) -> str:
     return chosen
 
 
-def attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, *, implementation: str = "auto"):
-    """Causal, same-document, grouped-query attention by `implementation` (a `model.attention`).
+def attention(
+    q_BSNH,
+    k_BTKH,
+    v_BTKH,
+    segment_ids_BS,
+    *,
+    implementation: str = "auto",
+    window: int | None = None,
+    sinks_N=None,
+):
+    """Causal, same-document, grouped-query attention by `implementation` (a `model.attention`),
+    within a sliding `window` and with attention sinks when given (module docstring).
 
     Values narrower than the queries go through `xla` as they are; the fused kernels (splash,
     cuDNN) take one head width, so they get the values zero-padded to it and the output is
@@ -405,12 +506,13 @@ def attention(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, *, implementation: str = "
     """
     name = resolve(implementation, q_BSNH.dtype)
     h, hv = q_BSNH.shape[-1], v_BTKH.shape[-1]
+    fn = functools.partial(IMPLEMENTATIONS[name], window=window, sinks_N=sinks_N)
     if name == "xla" or hv == h:
-        return IMPLEMENTATIONS[name](q_BSNH, k_BTKH, v_BTKH, segment_ids_BS)
+        return fn(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS)
     if hv > h:
         raise KilnError(
             f"model.attention: {name!r} needs values no wider than queries, got {hv} > {h}; "
             "use 'xla'"
         )
     v_BTKH = jnp.pad(v_BTKH, ((0, 0), (0, 0), (0, 0), (0, h - hv)))
-    return IMPLEMENTATIONS[name](q_BSNH, k_BTKH, v_BTKH, segment_ids_BS)[..., :hv]
+    return fn(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS)[..., :hv]

@@ -61,6 +61,15 @@ class HFFormat:
                 f"Hugging Face {self.architectures[kind]} has no logit soft-capping",
                 "model.logit_softcap=null",
             )
+        arch = self.architectures[kind]
+        for field, value, allowed in (
+            ("model.sliding_window", m.sliding_window, "model.sliding_window=null"),
+            ("model.attention_sinks", m.attention_sinks or None, "model.attention_sinks=false"),
+        ):
+            if value is not None:
+                raise export_error(
+                    field, value, f"Hugging Face {arch} attends to every earlier token", allowed
+                )
 
     def export_notes(self, m) -> list[str]:
         """What an export leaves behind that changes no inference result."""

@@ -157,8 +157,45 @@ class Attention(nnx.Module):
         )
         self.dtype = DTYPES[cfg.dtype]
         self.implementation = cfg.attention
+        self.window = cfg.sliding_window
+        self.local_theta = cfg.local_rope_theta
+        # GPT-OSS's sinks: one logit per query head, kept in float32 like the norms.
+        self.sinks = (
+            nnx.Param(
+                cfg.init_std * jax.random.normal(rngs.params(), (n,), jnp.float32),
+                out_sharding=("heads",),
+                eager_sharding=False,
+                role="bias",
+            )
+            if cfg.attention_sinks
+            else None
+        )
 
-    def _qkv(self, x_BSD, positions_BS):
+    def _rope(self, x_BSNH, positions_BS, local):
+        """Rotary embedding of the layer's kind: a sliding_attention layer's own base
+        (model.local_rope_theta, unscaled) when set; `local` traced: chosen per layer."""
+        full = rope(x_BSNH, positions_BS, self.theta, self.rope_scaling)
+        if self.local_theta is None or local is False:
+            return full
+        own = rope(x_BSNH, positions_BS, self.local_theta)
+        return own if local is True else jnp.where(local, own, full)
+
+    def _attend(self, q_BSNH, k_BTKH, v_BTKH, local, fn):
+        """`fn(q, k, v, window=..., sinks_N=...)` for the layer's kind: with the sliding window
+        when `local`; `local` traced (a stack mixing kinds): both, chosen per layer by a
+        `lax.cond`, so each is compiled with its own static mask (and skips its own blocks)."""
+        sinks_N = None if self.sinks is None else self.sinks[...]
+        if local is True or local is False:
+            return fn(
+                q_BSNH, k_BTKH, v_BTKH, window=self.window if local else None, sinks_N=sinks_N
+            )
+
+        def kind(window):
+            return lambda q, k, v, sinks: fn(q, k, v, window=window, sinks_N=sinks)
+
+        return jax.lax.cond(local, kind(self.window), kind(None), q_BSNH, k_BTKH, v_BTKH, sinks_N)
+
+    def _qkv(self, x_BSD, positions_BS, local=False):
         """Queries [B,S,N,H], keys and values [B,S,K,H] of x, normed (if configured) and rotated."""
         dt = self.dtype
         q_BSNH = project("BSD,DNH->BSNH", x_BSD, self.wq[...].astype(dt))
@@ -169,8 +206,8 @@ class Attention(nnx.Module):
         v_BTKH = checkpoint_name(v_BTKH, "v_proj")
         if self.q_norm is not None:
             q_BSNH, k_BTKH = self.q_norm(q_BSNH), self.k_norm(k_BTKH)
-        q_BSNH = constrain(rope(q_BSNH, positions_BS, self.theta, self.rope_scaling), _HEADS)
-        k_BTKH = constrain(rope(k_BTKH, positions_BS, self.theta, self.rope_scaling), _KV_HEADS)
+        q_BSNH = constrain(self._rope(q_BSNH, positions_BS, local), _HEADS)
+        k_BTKH = constrain(self._rope(k_BTKH, positions_BS, local), _KV_HEADS)
         v_BTKH = constrain(v_BTKH, _KV_HEADS)
         return q_BSNH, k_BTKH, v_BTKH
 
@@ -179,32 +216,40 @@ class Attention(nnx.Module):
         out_BSD = project("BSNH,NHD->BSD", out_BSNH, self.wo[...].astype(self.dtype))
         return checkpoint_name(out_BSD, "out_proj")
 
-    def __call__(self, x_BSD, positions_BS, segment_ids_BS):
-        q_BSNH, k_BTKH, v_BTKH = self._qkv(x_BSD, positions_BS)
-        out_BSNH = attention(
-            q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, implementation=self.implementation
-        )
-        return self._out(out_BSNH)
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, local=False):
+        """`local`: a sliding_attention layer (a bool, or traced in a stack of both kinds)."""
+        q_BSNH, k_BTKH, v_BTKH = self._qkv(x_BSD, positions_BS, local)
 
-    def cached(self, x_BSD, positions_BS, segment_ids_BS, layer):
+        def fn(q, k, v, **masks):
+            return attention(q, k, v, segment_ids_BS, implementation=self.implementation, **masks)
+
+        return self._out(self._attend(q_BSNH, k_BTKH, v_BTKH, local, fn))
+
+    def cached(self, x_BSD, positions_BS, segment_ids_BS, layer, local=False):
         """(output, new keys [B,S,K,H], new values) of S new tokens over a layer's cache.
 
         `layer` is (k_BTKH, v_BTKH, segment_ids_BT, index) with the new tokens' segment ids
         already at slots index.., or None for an empty cache (a prefill: the new tokens
         attend only to each other, through the blocked XLA attention, which takes any length
-        on any platform).
+        on any platform). A sliding_attention layer masks the slots before its window.
         """
-        q_BSNH, k_BSKH, v_BSKH = self._qkv(x_BSD, positions_BS)
+        q_BSNH, k_BSKH, v_BSKH = self._qkv(x_BSD, positions_BS, local)
         if layer is None:
-            out_BSNH = causal_attention(q_BSNH, k_BSKH, v_BSKH, segment_ids_BS)
+
+            def fn(q, k, v, **masks):
+                return causal_attention(q, k, v, segment_ids_BS, **masks)
+
+            out_BSNH = self._attend(q_BSNH, k_BSKH, v_BSKH, local, fn)
         else:
             k_BTKH, v_BTKH, segment_ids_BT, index = layer
             at = (0, index, 0, 0)
             k_BTKH = jax.lax.dynamic_update_slice(k_BTKH, k_BSKH.astype(k_BTKH.dtype), at)
             v_BTKH = jax.lax.dynamic_update_slice(v_BTKH, v_BSKH.astype(v_BTKH.dtype), at)
-            out_BSNH = cached_attention(
-                q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, segment_ids_BT, index
-            )
+
+            def fn(q, k, v, **masks):
+                return cached_attention(q, k, v, segment_ids_BS, segment_ids_BT, index, **masks)
+
+            out_BSNH = self._attend(q_BSNH, k_BTKH, v_BTKH, local, fn)
         return self._out(out_BSNH), k_BSKH, v_BSKH
 
 
@@ -252,16 +297,20 @@ class Block(nnx.Module):
         """The MLP sub-layer's output and its auxiliary sums."""
         return self.mlp(h_BSD), {}
 
-    def __call__(self, x_BSD, positions_BS, segment_ids_BS):
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, local=False):
+        """`local`: a sliding_attention layer (`Attention.__call__`)."""
         # Norms and residual adds run on the residual's sharding (ACT_BSD); each sub-layer's
         # output is pinned to it too, so its partial sums over tensor are reduce-scattered.
         h_BSD = constrain(self.attn_norm(x_BSD), ACT_BSD)
-        return self._rest(x_BSD, self.attn(h_BSD, positions_BS, segment_ids_BS), segment_ids_BS)
+        attn_BSD = self.attn(h_BSD, positions_BS, segment_ids_BS, local)
+        return self._rest(x_BSD, attn_BSD, segment_ids_BS)
 
-    def cached(self, x_BSD, positions_BS, segment_ids_BS, layer):
+    def cached(self, x_BSD, positions_BS, segment_ids_BS, layer, local=False):
         """The block on new tokens over a layer's cache: (output, new keys, new values)."""
         h_BSD = constrain(self.attn_norm(x_BSD), ACT_BSD)
-        attn_BSD, k_BSKH, v_BSKH = self.attn.cached(h_BSD, positions_BS, segment_ids_BS, layer)
+        attn_BSD, k_BSKH, v_BSKH = self.attn.cached(
+            h_BSD, positions_BS, segment_ids_BS, layer, local
+        )
         x_BSD, _ = self._rest(x_BSD, attn_BSD, segment_ids_BS)
         return x_BSD, k_BSKH, v_BSKH
 
@@ -279,11 +328,26 @@ def stack_size(blocks: nnx.Module) -> int:
     return jax.tree.leaves(nnx.state(blocks))[0].shape[0]
 
 
+def layer_kinds(local: Sequence[bool]):
+    """What a stack's blocks get as `local` per layer: one bool when every layer of the stack
+    is of one kind (so the stack compiles one attention), else [L] bools to scan over."""
+    return bool(local[0]) if len(set(local)) == 1 else jnp.asarray(local)
+
+
 def scan_blocks(
-    blocks, x_BSD, positions_BS, segment_ids_BS, *, remat: str, collect: bool, casts: bool = False
+    blocks,
+    x_BSD,
+    positions_BS,
+    segment_ids_BS,
+    *,
+    remat: str,
+    collect: bool,
+    casts: bool = False,
+    local: Sequence[bool] = (False,),
 ):
     """Run a stack of blocks over x: (x after the stack, the residual stream after each block
     [L,B,S,D] if `collect` else None, each block's aux stacked along a leading [L] axis).
+    `local`: per layer, whether it is a sliding_attention layer (`layer_kinds`).
 
     `casts`: the blocks cast their weights to another compute dtype. Each layer's weights then
     get a zero that differs per layer added first (x + 0.0 is x, and its gradient is the
@@ -292,17 +356,22 @@ def scan_blocks(
     """
     graphdef, params = nnx.split(blocks)
 
+    kinds = layer_kinds(local)
+    scanned = None if isinstance(kinds, bool) else kinds
+
     def body(x_BSD, xs):
-        layer_params, zero = xs
+        layer_params, zero, kind = xs
         if casts:
             layer_params = jax.tree.map(lambda w: w + zero.astype(w.dtype), layer_params)
-        y_BSD, aux = nnx.merge(graphdef, layer_params)(x_BSD, positions_BS, segment_ids_BS)
+        block = nnx.merge(graphdef, layer_params)
+        flag = kinds if kind is None else kind
+        y_BSD, aux = block(x_BSD, positions_BS, segment_ids_BS, flag)
         return y_BSD, ((y_BSD if collect else None), aux)
 
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
     zeros = jnp.arange(stack_size(blocks), dtype=jnp.float32) * 0.0 if casts else None
-    x_BSD, (all_LBSD, aux) = jax.lax.scan(body, x_BSD, (params, zeros))
+    x_BSD, (all_LBSD, aux) = jax.lax.scan(body, x_BSD, (params, zeros, scanned))
     return x_BSD, all_LBSD, aux
 
 
@@ -365,8 +434,9 @@ class Transformer(nnx.Module):
                     f"model.num_layers={cfg.num_layers} (allowed: 0..{cfg.num_layers - 1})"
                 )
         x_BSD = self._embed(inputs_BS)
-        all_LBSD, aux = [], []
+        all_LBSD, aux, first, local = [], [], 0, cfg.local_layers()
         for blocks in self._stacks():
+            n = stack_size(blocks)
             x_BSD, all_BSD, stack_aux = scan_blocks(
                 blocks,
                 x_BSD,
@@ -375,9 +445,11 @@ class Transformer(nnx.Module):
                 remat=cfg.remat,
                 collect=bool(collect),
                 casts=cfg.dtype != cfg.param_dtype,
+                local=local[first : first + n],
             )
             all_LBSD.append(all_BSD)
             aux.append(stack_aux)
+            first += n
         features = _join(all_LBSD)[jnp.asarray(collect)] if collect else None
         return x_BSD, features, aux
 
@@ -442,19 +514,25 @@ class Transformer(nnx.Module):
             graphdef, params = nnx.split(blocks)
             n = stack_size(blocks)
 
-            def body(x_BSD, xs, graphdef=graphdef):
-                layer_params, *kv = xs
+            kinds = layer_kinds(self.cfg.local_layers()[first : first + n])
+
+            def body(x_BSD, xs, graphdef=graphdef, kinds=kinds):
+                layer_params, kind, *kv = xs
                 layer = None if fresh else (*kv, segment_ids_BT, cache.index)
                 block = nnx.merge(graphdef, layer_params)
-                x_BSD, k_BSKH, v_BSKH = block.cached(x_BSD, positions_BS, segment_ids_BS, layer)
+                flag = kinds if kind is None else kind
+                x_BSD, k_BSKH, v_BSKH = block.cached(
+                    x_BSD, positions_BS, segment_ids_BS, layer, flag
+                )
                 return x_BSD, (k_BSKH, v_BSKH)
 
             layers = slice(first, first + n)
             whole = n == cache.k.shape[0]
+            scanned = None if isinstance(kinds, bool) else kinds
             xs = (
-                (params,)
+                (params, scanned)
                 if fresh
-                else (params, *(c if whole else c[layers] for c in (cache.k, cache.v)))
+                else (params, scanned, *(c if whole else c[layers] for c in (cache.k, cache.v)))
             )
             x_BSD, (k_LBSKH, v_LBSKH) = jax.lax.scan(body, x_BSD, xs)
             new_k.append(k_LBSKH)

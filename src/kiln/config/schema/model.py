@@ -342,6 +342,27 @@ class ModelConfig(Section):
         + ", ".join(f"{k} ({v})" for k, v in ATTENTION_KERNELS.items())
         + ", auto = splash on TPU, cudnn on GPU with a bf16/fp16 dtype, else xla. See docs/attention.md.",
     )
+    sliding_window: int | None = Field(
+        None,
+        gt=0,
+        le=INT32_MAX,
+        description="Keys a query of a sliding_attention layer sees: itself and the sliding_window - 1 before it (Hugging Face's sliding_window); null = no sliding-window layers. See docs/attention.md.",
+    )
+    layer_types: tuple[Literal["full_attention", "sliding_attention"], ...] | None = Field(
+        None,
+        min_length=1,
+        description="Each layer's attention, repeated from the start when shorter than num_layers (five sliding_attention then one full_attention is Gemma 3's pattern); null = every layer sliding_attention when sliding_window is set, else full_attention.",
+    )
+    local_rope_theta: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Rotary base of the sliding_attention layers (Gemma 3's rope_local_base_freq); null = rope_theta. Their rotary frequencies are never rescaled by rope_scaling.",
+    )
+    attention_sinks: bool = Field(
+        False,
+        description="A learned logit per query head in every softmax's denominator, with no value (GPT-OSS's sinks): a head can attend to nothing.",
+    )
     logit_softcap: float | None = Field(
         None, gt=0, allow_inf_nan=False, description="If set, logits = cap * tanh(logits / cap)."
     )
@@ -400,6 +421,40 @@ class ModelConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _attention_layers(self) -> ModelConfig:
+        types = self.layer_types or ()
+        if "sliding_attention" in types and self.sliding_window is None:
+            raise ValueError(
+                "model.layer_types has sliding_attention layers but model.sliding_window is "
+                "null; allowed: a window of keys (an integer >= 1), or only full_attention"
+            )
+        if self.sliding_window is not None and types and "sliding_attention" not in types:
+            raise ValueError(
+                f"model.sliding_window is {self.sliding_window} but model.layer_types has no "
+                "sliding_attention layer; allowed: sliding_attention in model.layer_types, or "
+                "model.sliding_window: null"
+            )
+        if self.local_rope_theta is not None and not any(self.local_layers()):
+            raise ValueError(
+                f"model.local_rope_theta is {self.local_rope_theta} but no layer is "
+                "sliding_attention; allowed: null, or a model.sliding_window"
+            )
+        if self.layer_types is not None and len(self.layer_types) > self.num_layers:
+            raise ValueError(
+                f"model.layer_types has {len(self.layer_types)} entries for "
+                f"model.num_layers={self.num_layers}; allowed: at most num_layers (a shorter "
+                "list repeats)"
+            )
+        return self
+
+    def local_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether it is a sliding_attention layer (`layer_types`, repeated)."""
+        if self.layer_types is None:
+            return (self.sliding_window is not None,) * self.num_layers
+        types = self.layer_types
+        return tuple(types[i % len(types)] == "sliding_attention" for i in range(self.num_layers))
+
+    @model_validator(mode="after")
     def _latent_attention(self) -> ModelConfig:
         # Multi-head latent attention sets its own head widths and rotary scaling.
         if self.family != "deepseek":
@@ -409,6 +464,8 @@ class ModelConfig(Section):
             ("head_dim", self.head_dim, "null (model.deepseek sets the head widths)"),
             ("qk_norm", self.qk_norm or None, "false (the latents have their own RMSNorms)"),
             ("rope_scaling", self.rope_scaling, "null (use model.deepseek.yarn)"),
+            ("sliding_window", self.sliding_window, "null (latent attention is global)"),
+            ("attention_sinks", self.attention_sinks or None, "false"),
         )
         for field, value, allowed in given:
             if value is not None:

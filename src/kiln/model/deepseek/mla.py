@@ -193,14 +193,15 @@ class LatentAttention(nnx.Module):
         out_BSD = project("BSNV,NVD->BSD", out_BSNV, self.wo[...].astype(self.dtype))
         return checkpoint_name(out_BSD, "out_proj")
 
-    def __call__(self, x_BSD, positions_BS, segment_ids_BS):
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, local=False):
+        """`local` is always False: latent attention has no sliding window (config refuses it)."""
         q_BSNH, k_BSNH, v_BSNV, _ = self._expanded(x_BSD, positions_BS)
         out_BSNV = attention(
             q_BSNH, k_BSNH, v_BSNV, segment_ids_BS, implementation=self.implementation
         )
         return self._out(out_BSNV)
 
-    def cached(self, x_BSD, positions_BS, segment_ids_BS, layer):
+    def cached(self, x_BSD, positions_BS, segment_ids_BS, layer, local=False):
         """(output, new latents [B,S,1,R], new rotary keys [B,S,1,P]) of S new tokens.
 
         `layer` is (latents [B,T,1,R], rotary keys [B,T,1,P], segment_ids_BT, index), or None
