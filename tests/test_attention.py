@@ -14,11 +14,14 @@ from kiln.errors import KilnError
 from kiln.model import create_model
 from kiln.model.attention import (
     IMPLEMENTATIONS,
+    _fold_tables,
+    balanced_order,
     causal_attention,
     check,
     cudnn_arguments,
     cudnn_attention,
     dense_attention,
+    load_balanced,
     resolve,
     sequence_shards,
     splash_attention,
@@ -485,3 +488,91 @@ def test_kiln_train_refuses_a_window_below_one_before_writing(tmp_path):
     )
     assert_user_error(proc, "model.sliding_window", "0")
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Context load balancing
+
+
+def test_balanced_order_gives_each_shard_chunks_p_and_2p_minus_1_minus_p():
+    assert balanced_order(16, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
+    order = balanced_order(64, 4)
+    assert sorted(order.tolist()) == list(range(64))
+
+
+@pytest.mark.parametrize(
+    ("shards", "window", "sinks", "query_block"),
+    [(2, None, False, 32), (4, None, True, 32), (2, 20, True, 32), (2, None, True, 128)],
+    ids=["two_shards", "four_shards-sinks", "two_shards-window-sinks", "two_shards-dense_path"],
+)
+def test_balanced_placement_computes_the_attention_in_order(shards, window, sinks, query_block):
+    """Rows placed zigzag (`balanced_order`) and attention told so: the same rows as attention
+    in order, values and gradients (the dense path too, for a sequence of one query block)."""
+    q, k, v, seg, cot = inputs(128, seed=10)
+    sinks = SINKS if sinks else None
+    dense = lambda *a, **kw: dense_attention(*a, query_block=32, window=window, **kw)  # noqa: E731
+    want = masked_value_and_grads(dense, q, k, v, seg, cot, sinks)
+    order = balanced_order(128, shards)
+    placed = [jnp.take(x, order, axis=1) for x in (q, k, v, seg, cot)]
+    fn = functools.partial(causal_attention, query_block=query_block, shards=shards, window=window)
+    with load_balanced():
+        loss, grads = masked_value_and_grads(fn, *placed, sinks)
+    back = np.argsort(order)
+    in_order = [jnp.take(g, back, axis=1) for g in grads[:3]] + list(grads[3:])
+    # 1e-5 relative: the same float32 rows, masked by position instead of by row.
+    assert_equal_values_and_grads((loss, in_order), want, 1e-5)
+
+
+def test_balanced_shards_do_equal_work_and_less_of_it():
+    """Useful (unmasked) tile products per shard, max over mean: 1.0 balanced against
+    (2P-1)T+1 / (PT+1) in order; every shard computes P*T+1 products per step instead of the
+    (2P-1)*T+1 the last shard needs in order, and a sequence-sharded step's compiled FLOPs per
+    device drop by that ratio (T = 8 local tiles of 4 rows, P = 2)."""
+    useful = {}
+    for balanced in (False, True):
+        _, owner = _fold_tables(2, 8, 4, None, balanced)
+        per_shard = (owner < 2).sum(axis=(0, 2))
+        useful[balanced] = (per_shard.max() / per_shard.mean(), owner.shape[-1])
+    assert useful[True] == (1.0, 2 * 8 + 1)
+    assert useful[False][0] == pytest.approx((3 * 8 + 1) / (2 * 8 + 1)) and useful[False][1] == 25
+
+    q, k, v, seg, _ = inputs(128, seed=4)
+    config = make_config(mesh=dict(fsdp=4, sequence=2))
+    mesh, rules = make_mesh(config), config.mesh.rules
+    q = jax.device_put(q, logical_sharding(mesh, rules, HEADS))
+    kv = logical_sharding(mesh, rules, KV_HEADS)
+    k, v = jax.device_put(k, kv), jax.device_put(v, kv)
+    seg = jax.device_put(seg, batch_sharding(mesh, rules))
+
+    def flops(balanced):
+        def loss(q, k, v):
+            return jnp.sum(causal_attention(q, k, v, seg, query_block=32))
+
+        with use_mesh(mesh, rules), load_balanced(balanced):
+            grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+            return grad.lower(q, k, v).compile().cost_analysis()["flops"]
+
+    # 5%: the attention's tile products dominate; the rest (index arithmetic, the partitioner's
+    # sums) is the same both ways.
+    assert flops(True) / flops(False) == pytest.approx((2 * 8 + 1) / (3 * 8 + 1), rel=5e-2)
+
+
+def test_load_balance_is_refused_where_it_cannot_hold(tmp_path):
+    with pytest.raises(
+        KilnError, match=r"data\.seq_len: 18 is not divisible by 2 x the 2 seq"
+    ) as e:
+        make_config(mesh={"fsdp": 4, "sequence": 2}, data={"seq_len": 18})
+    assert "\n" not in str(e.value) and "model.context_load_balance: false" in str(e.value)
+    make_config(
+        mesh={"fsdp": 4, "sequence": 2}, data={"seq_len": 18}, model={"context_load_balance": False}
+    )
+    deepseek = {
+        "family": "deepseek",
+        "context_load_balance": True,
+        "deepseek": {"mtp_num_layers": 1},
+    }
+    with pytest.raises(KilnError, match=r"model\.context_load_balance is true with model\.deeps"):
+        make_config(model=deepseek)
+    # Not asked for, a model with prediction modules keeps its sequences in order.
+    deepseek["context_load_balance"] = None
+    assert not make_config(model=deepseek).model.balances_context(2)

@@ -447,7 +447,8 @@ def test_bad_fit_mesh_exits_2_with_one_line(args, needle, capsys):
 @pytest.mark.slow
 def test_fit_mesh_finds_a_split_that_fits_where_the_configs_own_does_not():
     # data=8 replicates the state: 14 MB at remat none (measured); fsdp=8 shards it: 7 MB.
-    # seq_len 100 leaves sequence=8 invalid (skipped without a compile) and tilings 1, 2, 4.
+    # seq_len 100 leaves sequence=8 invalid (skipped without a compile), and sequence=4 too
+    # under the default load balance (2 chunks per shard: a multiple of 8); tilings 1, 2, 4.
     base = [
         "configs/tiny.yaml",
         "train.global_batch_size=8",
@@ -468,9 +469,8 @@ def test_fit_mesh_finds_a_split_that_fits_where_the_configs_own_does_not():
     assert best["remat"] == "none" and best["mesh"] != own
     assert math.prod(best["mesh"].values()) == 8 and best["mesh"]["tensor"] == 1
     skipped = found["skipped_splits"]
-    assert [s["mesh"]["sequence"] for s in skipped] == [8] and "data.seq_len" in skipped[0][
-        "reason"
-    ]
+    assert sorted({s["mesh"]["sequence"] for s in skipped}) == [4, 8]
+    assert all("data.seq_len" in s["reason"] for s in skipped)
     overrides = found["overrides"].split()
     assert [o for o in overrides if o.startswith("mesh.")] == [
         f"mesh.{axis}={size}" for axis, size in best["mesh"].items()

@@ -183,6 +183,25 @@ def test_non_default_rules_train_like_one_device(reference, batch, one_device_st
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "mesh",
+    [{"fsdp": 4, "sequence": 2}, {"data": 2, "tensor": 2, "sequence": 2}, {"fsdp": 2, "sequence": 4}],
+    ids=["fsdp4-sequence2", "data2-tensor2-sequence2", "fsdp2-sequence4"],
+)  # fmt: skip
+def test_load_balanced_sequence_shards_train_like_one_device(batch, one_device_step, mesh):
+    """The step places each sequence zigzag over the sequence shards (the default with
+    mesh.sequence > 1), packed documents, padding, loss weights, two micro-batches and a tiled
+    vocabulary included: one whole step equals one device's."""
+    config = make_config(mesh=mesh, train={"gradient_accumulation_steps": 2}, loss=RULES_LOSS)
+    assert config.model.context_load_balance is None
+    assert config.model.balances_context(mesh["sequence"])
+    (got, got_params), (want, want_params) = one_train_step(config, batch), one_device_step
+    np.testing.assert_allclose(got["learning/loss"], want["learning/loss"], rtol=1e-5)  # f32
+    for g, w in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params), strict=True):
+        # One AdamW step of 3e-4 from equal parameters: equal to f32 rounding of the update.
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
 def test_tied_embeddings_tiled_equals_untiled(batch):
     tied = {"model": {"tie_embeddings": True}, "loss": {"z_loss_multiplier": 1e-3}}
     want = loss_and_grads(make_config(mesh={"fsdp": 1}, **tied), batch)

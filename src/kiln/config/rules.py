@@ -111,6 +111,13 @@ def _mesh_errors(c: Config, num_devices: int | None) -> Iterator[str]:
         )
     elif seq_len % seq_shards:
         yield f"data.seq_len: {seq_len} is not divisible by the {seq_shards} sequence shards of the mesh"
+    elif c.model.balances_context(seq_shards) and seq_len % (2 * seq_shards):
+        yield (
+            f"data.seq_len: {seq_len} is not divisible by 2 x the {seq_shards} sequence shards "
+            "of the mesh, which model.context_load_balance needs (each shard holds two "
+            f"chunks); allowed: a multiple of {2 * seq_shards}, or "
+            "model.context_load_balance: false"
+        )
     elif seq_len % (residual_shards := _residual_length_shards(c, mesh)):
         yield (
             f"data.seq_len: {seq_len} is not divisible by the {residual_shards} shards of the "

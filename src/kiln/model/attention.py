@@ -16,6 +16,8 @@ a value (exp(sink) / (sum + exp(sink)) of the weight goes nowhere).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -52,8 +54,11 @@ def _softmax_with_sinks(scores_BKRT, sink_KR):
     return exp_BKRT / total_BKR[..., None]
 
 
-def _rows(q_BCKGH, idx_C, seg_BC, k_BTKH, v_BTKH, seg_BT, window=None, sinks_N=None):
-    """Attention of C query rows (at positions idx_C) over the T keys at positions 0..T-1."""
+def _rows(
+    q_BCKGH, idx_C, seg_BC, k_BTKH, v_BTKH, seg_BT, window=None, sinks_N=None, key_idx_T=None
+):
+    """Attention of C query rows (at positions idx_C) over the T keys at positions key_idx_T
+    (default 0..T-1)."""
     # The G query heads of a key/value head are folded into the rows, R = C*G (c-major, so
     # a sequence-sharded C stays evenly split): one batch and one free dimension a side,
     # which XLA runs markedly faster than two free dimensions on the query side.
@@ -65,9 +70,10 @@ def _rows(q_BCKGH, idx_C, seg_BC, k_BTKH, v_BTKH, seg_BT, window=None, sinks_N=N
     ) * (h**-0.5)
     # Padding (segment 0) attends only to padding, so no row is ever fully masked.
     same_doc_BCT = seg_BC[:, :, None] == seg_BT[:, None, :]
-    seen_CT = idx_C[:, None] >= jnp.arange(t)[None, :]
+    keys_T = jnp.arange(t) if key_idx_T is None else key_idx_T
+    seen_CT = idx_C[:, None] >= keys_T[None, :]
     if window is not None:
-        seen_CT &= idx_C[:, None] - jnp.arange(t)[None, :] < window
+        seen_CT &= idx_C[:, None] - keys_T[None, :] < window
     mask_BCT = same_doc_BCT & seen_CT[None]
     mask_BRT = jnp.broadcast_to(mask_BCT[:, :, None], (b, c, g, t)).reshape(b, c * g, t)
     scores_BKRT = jnp.where(mask_BRT[:, None], scores_BKRT, MASKED)
@@ -89,8 +95,11 @@ def dense_attention(
     query_block: int = QUERY_BLOCK,
     window: int | None = None,
     sinks_N=None,
+    order=None,
 ):
     """Every query row against every key, masked afterwards (kiln's attention before skipping).
+    `order` [S]: each row's position in its sequence when the rows are not in order (placed for
+    load balance, `balanced_order`); None: row i is position i.
 
     Sequences longer than `query_block` (and a multiple of it) are processed `query_block`
     query rows at a time and recomputed in the backward pass, so the score matrix is never
@@ -102,9 +111,15 @@ def dense_attention(
     # Every query shard reads all keys and values: gathered along length once, here.
     k_BTKH, v_BTKH = constrain(k_BTKH, _KV_WHOLE), constrain(v_BTKH, _KV_WHOLE)
     q_BSKGH = q_BSNH.reshape(b, s, k, n // k, h)
-    key_idx_T = jnp.arange(s)
+    key_idx_T = jnp.arange(s) if order is None else jnp.asarray(order, jnp.int32)
     rows = functools.partial(
-        _rows, k_BTKH=k_BTKH, v_BTKH=v_BTKH, seg_BT=segment_ids_BS, window=window, sinks_N=sinks_N
+        _rows,
+        k_BTKH=k_BTKH,
+        v_BTKH=v_BTKH,
+        seg_BT=segment_ids_BS,
+        window=window,
+        sinks_N=sinks_N,
+        key_idx_T=None if order is None else key_idx_T,
     )
 
     blocks = s // query_block if s > query_block and s % query_block == 0 else 1
@@ -146,14 +161,46 @@ def sequence_shards() -> int:
     return int(np.prod([mesh.shape[a] for a in axes]))
 
 
-def _fold_tables(shards: int, tiles: int, c: int, window: int | None) -> tuple[np.ndarray, ...]:
+# ---------------------------------------------------------------------------------------------
+# Context load balancing: under a causal mask the last of P sequence shards has the most keys to
+# read. Placed for balance, shard p holds the sequence's chunks p and 2P-1-p of 2P (zigzag), so
+# every shard's queries read as many keys as every other's. The train step places each batch so
+# (`load_balanced`), and attention then masks by each row's position in its sequence.
+
+_BALANCED = contextvars.ContextVar("kiln_load_balanced", default=False)
+
+
+@contextlib.contextmanager
+def load_balanced(on: bool = True):
+    """Within: the [B, S] rows being traced are in `balanced_order` for the mesh's sequence
+    shards (the train step's batch), so attention masks by position, not by row."""
+    token = _BALANCED.set(on)
+    try:
+        yield
+    finally:
+        _BALANCED.reset(token)
+
+
+def balanced_order(s: int, shards: int) -> np.ndarray:
+    """[S]: the position in its sequence of each row placed for load balance over `shards`
+    sequence shards: shard p's S/P rows are chunk p then chunk 2P-1-p of 2P equal chunks."""
+    chunks = np.arange(s).reshape(2 * shards, s // (2 * shards))
+    return np.concatenate([np.concatenate([chunks[p], chunks[-1 - p]]) for p in range(shards)])
+
+
+def _fold_tables(
+    shards: int, tiles: int, c: int, window: int | None, balanced: bool = False
+) -> tuple[np.ndarray, ...]:
     """Per step i and shard p: the key tile and owner (0 low, 1 high, 2 none) of each product.
 
     Step i pairs each shard's local query tiles i (low) and tiles-1-i (high). A query tile q
-    (global index) reads the key tiles from the first one its window reaches (0 without a
-    window) to q itself: unwindowed, the low one reads 0..p*tiles+i and the high one
-    0..p*tiles+tiles-1-i, 2*p*tiles+tiles+1 tile products, padded with fully masked ones to the
-    last shard's (2P-1)*tiles+1; a window of W keys bounds each query tile's to W/C + 2.
+    (index in the sequence) reads the key tiles from the first one its window reaches (0
+    without a window) to q itself: in order and unwindowed, the low one reads 0..p*tiles+i and
+    the high one 0..p*tiles+tiles-1-i, 2*p*tiles+tiles+1 tile products, padded with fully masked
+    ones to the last shard's (2P-1)*tiles+1. `balanced` (`balanced_order`): shard p's local
+    tiles i and tiles-1-i are tiles p*tiles/2+i and (2P-p)*tiles/2-1-i of the sequence, so every
+    shard's step reads P*tiles+1 key tiles, and none is padding. A window of W keys bounds each
+    query tile's to W/C + 2.
     """
     steps = tiles // 2
 
@@ -161,8 +208,13 @@ def _fold_tables(shards: int, tiles: int, c: int, window: int | None) -> tuple[n
         first = 0 if window is None else max(0, (q * c - window + 1) // c)
         return range(first, q + 1)
 
+    def query_tiles(i: int, p: int) -> tuple[int, int]:
+        if balanced:
+            return p * steps + i, (2 * shards - 1 - p) * steps + steps - 1 - i
+        return p * tiles + i, p * tiles + tiles - 1 - i
+
     spans = {
-        (i, p): (keys(p * tiles + i), keys(p * tiles + tiles - 1 - i))
+        (i, p): tuple(keys(q) for q in query_tiles(i, p))
         for i in range(steps)
         for p in range(shards)
     }
@@ -193,11 +245,12 @@ def _fold_step(xs, k_BPNUKH, v_BPNUKH, seg_BPNU, *, copies: bool, window=None, s
     """One step of `causal_attention`: each shard's low and high query tile over its key tiles.
 
     Letters: P shards, E tile products, C query rows and U keys of a tile, N here the global
-    key tiles (each shard reads its own copy of them). A product's scores are masked by
-    causality, document and owner; each query row's softmax runs over the products of its
-    owner (low or high).
+    key tiles (each shard reads its own copy of them). A product's key tile is `key_tile_PE` in
+    the sequence and `source_PE` among the rows as placed. Its scores are masked by causality,
+    document and owner; each query row's softmax runs over the products of its owner (low or
+    high).
     """
-    q_lo, q_hi, seg_lo, seg_hi, pos_lo, pos_hi, key_tile_PE, owner_PE = xs
+    q_lo, q_hi, seg_lo, seg_hi, pos_lo, pos_hi, key_tile_PE, source_PE, owner_PE = xs
     b, p, c, k, g, h = q_lo.shape
     u = k_BPNUKH.shape[-3]
     e = key_tile_PE.shape[1]
@@ -208,8 +261,8 @@ def _fold_step(xs, k_BPNUKH, v_BPNUKH, seg_BPNU, *, copies: bool, window=None, s
     # Batch dimensions (B, P, K, E) leading and in the same order on both sides: XLA's CPU
     # dot then runs the many small tile products markedly faster than with K after the tiles.
     q_BPKERH = q_BPECKGH.transpose(0, 1, 4, 2, 3, 5, 6).reshape(b, p, k, e, c * g, h)
-    k_BPKEUH = _take_tiles(k_BPNUKH, key_tile_PE, copies).transpose(0, 1, 4, 2, 3, 5)
-    v_BPKEUH = _take_tiles(v_BPNUKH, key_tile_PE, copies).transpose(0, 1, 4, 2, 3, 5)
+    k_BPKEUH = _take_tiles(k_BPNUKH, source_PE, copies).transpose(0, 1, 4, 2, 3, 5)
+    v_BPKEUH = _take_tiles(v_BPNUKH, source_PE, copies).transpose(0, 1, 4, 2, 3, 5)
     scores_BPKERU = jnp.einsum(
         "BPKERH,BPKEUH->BPKERU", q_BPKERH, k_BPKEUH, preferred_element_type=jnp.float32
     )
@@ -218,7 +271,7 @@ def _fold_step(xs, k_BPNUKH, v_BPNUKH, seg_BPNU, *, copies: bool, window=None, s
     pos_q_PEC = jnp.where(high_PE[:, :, None], pos_hi[:, None], pos_lo[:, None])
     pos_k_PEU = key_tile_PE[:, :, None] * u + jnp.arange(u)
     same_doc_BPECU = (
-        seg_q_BPEC[..., :, None] == _take_tiles(seg_BPNU, key_tile_PE, copies)[..., None, :]
+        seg_q_BPEC[..., :, None] == _take_tiles(seg_BPNU, source_PE, copies)[..., None, :]
     )
     causal_PECU = pos_q_PEC[..., :, None] >= pos_k_PEU[..., None, :]
     if window is not None:
@@ -289,15 +342,17 @@ def causal_attention(
     k = k_BTKH.shape[2]
     p = sequence_shards() if shards is None else shards
     masks = dict(window=window, sinks_N=sinks_N)
+    balanced = p > 1 and _BALANCED.get()
+    order = balanced_order(s, p) if balanced else None
     if s <= query_block or s % query_block or query_block % (2 * p):
         return dense_attention(
-            q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, query_block=query_block, **masks
+            q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, query_block=query_block, order=order, **masks
         )
     c = query_block // (2 * p)
     tiles, steps = s // p // c, s // p // c // 2
     q_BPLCKGH = q_BSNH.reshape(b, p, tiles, c, k, n // k, h)
     seg_BPLC = segment_ids_BS.reshape(b, p, tiles, c)
-    pos_PLC = jnp.arange(s).reshape(p, tiles, c)
+    pos_PLC = jnp.asarray(np.arange(s) if order is None else order, jnp.int32).reshape(p, tiles, c)
 
     def lo_hi(x, axis):
         """Tiles 0..steps-1 and tiles-1..steps along `axis` (the local tiles), moved first."""
@@ -305,8 +360,11 @@ def causal_attention(
         hi = jnp.flip(jax.lax.slice_in_dim(x, steps, tiles, axis=axis), axis)
         return jnp.moveaxis(lo, axis, 0), jnp.moveaxis(hi, axis, 0)
 
-    key_tile, owner = _fold_tables(p, tiles, c, window)
-    xs = (*lo_hi(q_BPLCKGH, 2), *lo_hi(seg_BPLC, 2), *lo_hi(pos_PLC, 1), key_tile, owner)
+    key_tile, owner = _fold_tables(p, tiles, c, window, balanced)
+    # Where each tile of the sequence is among the tiles as placed.
+    placed = np.arange(s // c) if order is None else np.argsort(order[::c] // c)
+    xs = (*lo_hi(q_BPLCKGH, 2), *lo_hi(seg_BPLC, 2), *lo_hi(pos_PLC, 1), key_tile)
+    xs = (*xs, placed[key_tile].astype(np.int32), owner)
 
     def per_shard(x_BT, names):
         """[B, P, S/C, C, ...]: one copy of x's tiles per sequence shard, placed on that shard."""
@@ -507,6 +565,16 @@ def attention(
     name = resolve(implementation, q_BSNH.dtype)
     h, hv = q_BSNH.shape[-1], v_BTKH.shape[-1]
     fn = functools.partial(IMPLEMENTATIONS[name], window=window, sinks_N=sinks_N)
+    p = sequence_shards()
+    if name != "xla" and p > 1 and _BALANCED.get():
+        # The fused kernels see the whole sequence in order: rows back in order for them.
+        order = balanced_order(q_BSNH.shape[1], p)
+        back, kernel = np.argsort(order), fn
+
+        def fn(q, k, v, seg):
+            q, k, v, seg = (jnp.take(x, back, axis=1) for x in (q, k, v, seg))
+            return jnp.take(kernel(q, k, v, seg), order, axis=1)
+
     if name == "xla" or hv == h:
         return fn(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS)
     if hv > h:

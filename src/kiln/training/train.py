@@ -32,6 +32,7 @@ from kiln.model import (
     flops_per_token,
     predicts_ahead,
 )
+from kiln.model.attention import balanced_order, load_balanced, sequence_shards
 from kiln.model.project import grad_reduce_dtype
 from kiln.parallel.mesh import (
     InMesh,
@@ -451,6 +452,23 @@ def _check_process_rows(sharding: NamedSharding, shape: tuple[int, ...], p: int,
 # The step
 
 
+def balance_batch(batch: Batch, config: Config, data: NamedSharding) -> tuple[Batch, bool]:
+    """(the batch, whether it is placed for load balance): every key's rows [B, S, ...] in
+    `balanced_order` when `model.context_load_balance` is on for the traced mesh's sequence
+    shards. Traced inside the step: a static permutation of the tokens along the sequence,
+    which moves at most half of each shard's token ids (and positions, segment ids, weights)
+    to another shard; the model's activations are then placed so from the embedding on."""
+    shards = sequence_shards()
+    if not config.model.balances_context(shards):
+        return batch, False
+    order = balanced_order(config.data.seq_len, shards)
+    placed = {
+        k: jax.lax.with_sharding_constraint(jnp.take(x, order, axis=1), data)
+        for k, x in batch.items()
+    }
+    return placed, True
+
+
 def make_step(objective: Objective, shardings: TrainState) -> InMesh:
     """The jitted pure `step(state, batch) -> (state, metrics)` of an objective, donated state.
 
@@ -460,11 +478,14 @@ def make_step(objective: Objective, shardings: TrainState) -> InMesh:
     config, mesh = objective.config, objective.mesh
     update = make_update(config)
 
+    data = batch_sharding(mesh, config.mesh.rules)
+
     def step(objective: Objective, state: TrainState, batch: Batch):
-        loss, aux, grads = objective_loss_and_grads(objective, state, batch)
+        batch, balanced = balance_batch(batch, config, data)
+        with load_balanced(balanced):
+            loss, aux, grads = objective_loss_and_grads(objective, state, batch)
         return update(state, loss, aux, grads)
 
-    data = batch_sharding(mesh, config.mesh.rules)
     jitted = jax.jit(
         step,
         in_shardings=(shardings_of(objective), shardings, data),  # every batch key: [B, S, ...]

@@ -363,6 +363,10 @@ class ModelConfig(Section):
         False,
         description="A learned logit per query head in every softmax's denominator, with no value (GPT-OSS's sinks): a head can attend to nothing.",
     )
+    context_load_balance: bool | None = Field(
+        None,
+        description="Place each sequence so that every sequence shard does the same attention work under the causal mask: of 2P equal chunks, shard p of P holds chunks p and 2P-1-p (zigzag), its tokens, targets, positions, segment ids and loss weights alike; the loss does not change. null = on when the mesh shards the sequence and the model has no multi-token prediction module (whose shifted targets need the sequence in order). See docs/sharding.md.",
+    )
     logit_softcap: float | None = Field(
         None, gt=0, allow_inf_nan=False, description="If set, logits = cap * tanh(logits / cap)."
     )
@@ -439,6 +443,13 @@ class ModelConfig(Section):
                 f"model.local_rope_theta is {self.local_rope_theta} but no layer is "
                 "sliding_attention; allowed: null, or a model.sliding_window"
             )
+        mtp = self.deepseek.mtp_num_layers if self.deepseek else 0
+        if self.context_load_balance and mtp:
+            raise ValueError(
+                f"model.context_load_balance is true with model.deepseek.mtp_num_layers {mtp}; "
+                "allowed: false or null (the prediction modules' targets are shifted along the "
+                "sequence, which must stay in order)"
+            )
         if self.layer_types is not None and len(self.layer_types) > self.num_layers:
             raise ValueError(
                 f"model.layer_types has {len(self.layer_types)} entries for "
@@ -446,6 +457,14 @@ class ModelConfig(Section):
                 "list repeats)"
             )
         return self
+
+    def balances_context(self, sequence_shards: int) -> bool:
+        """Whether a step over `sequence_shards` places its sequences for load balance."""
+        if sequence_shards <= 1:
+            return False
+        if self.context_load_balance is None:
+            return not self.deepseek or not self.deepseek.mtp_num_layers
+        return self.context_load_balance
 
     def local_layers(self) -> tuple[bool, ...]:
         """Per layer: whether it is a sliding_attention layer (`layer_types`, repeated)."""
