@@ -646,3 +646,33 @@ def test_peak_buffers_count_one_slice_of_memory_once():
 )
 def test_bad_peak_buffers_exit_2_with_one_line(args, needle):
     assert_user_error(kiln_main("compile", "configs/tiny.yaml", *args, cwd=ROOT), needle)
+
+
+def test_kernel_bodies_are_fingerprinted_without_their_source_locations():
+    """A Pallas kernel's serialized body names the file it came from (where JAX is installed):
+    the fingerprint digests it without locations, so two checkouts of one commit agree, and a
+    kernel that computes something else still changes it."""
+    import base64
+    import io
+
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+
+    def kernel(path: str, op: str = "arith.addf") -> str:
+        asm = (
+            "func.func @k(%a: f32) -> f32 {\n"
+            f'  %b = {op} %a, %a : f32 loc("{path}":7:1)\n'
+            f'  return %b : f32 loc("{path}":8:1)\n'
+            "}"
+        )
+        with mlir.make_ir_context():
+            buffer = io.BytesIO()
+            ir.Module.parse(asm).operation.write_bytecode(buffer)
+        body = base64.b64encode(buffer.getvalue()).decode()
+        return f'custom_call @tpu_custom_call() {{backend_config = "{{\\22body\\22: \\22{body}\\22}}"}}'
+
+    here = kernel("/work/.venv/lib/site-packages/jax/kernel.py")
+    there = kernel("/tmp/clone/.venv/lib/site-packages/jax/kernel.py")
+    assert here != there
+    assert aot._without_paths(here) == aot._without_paths(there)
+    assert aot._without_paths(kernel("/x.py", "arith.mulf")) != aot._without_paths(here)

@@ -10,6 +10,7 @@ its HLO; FLOPs from kiln's formula beside XLA's `cost_analysis` (which counts th
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import functools
@@ -212,7 +213,7 @@ def program_fingerprint(lowered, mesh) -> str:
     recorded figures are checked by it without compiling (scripts/docs_figures.py)."""
     devices = list(mesh.devices.flat)
     parts = [
-        lowered.as_text(debug_info=False),
+        _without_paths(lowered.as_text(debug_info=False)),
         str(dict(mesh.shape)),
         ",".join(str(d.id) for d in devices),
         devices[0].device_kind,
@@ -225,6 +226,30 @@ def program_fingerprint(lowered, mesh) -> str:
     for part in parts:
         digest.update(part.encode() + b"\0")
     return digest.hexdigest()[:20]
+
+
+# A Pallas kernel's custom call carries its Mosaic module serialized (base64 MLIR bytecode),
+# whose source locations name the file the kernel came from: where JAX is installed.
+_KERNEL_BODY = re.compile(r"(\\22body\\22: \\22)([A-Za-z0-9+/=]+)(\\22)")
+
+
+def _without_paths(text: str) -> str:
+    """The lowered program with each kernel's body replaced by a digest of it without source
+    locations, so that the fingerprint does not depend on where the environment lives."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib import tpu
+    from jax._src.lib.mlir import ir
+
+    def neutral(match: re.Match) -> str:
+        context = mlir.make_ir_context()
+        tpu.register_dialect(context)
+        context.allow_unregistered_dialects = True  # the kernel's version marker dialect
+        with context:
+            module = ir.Module.parse(base64.b64decode(match.group(2)))
+            asm = module.operation.get_asm(enable_debug_info=False)
+        return match.group(1) + hashlib.sha256(asm.encode()).hexdigest() + match.group(3)
+
+    return _KERNEL_BODY.sub(neutral, text)
 
 
 class OutOfMemory(RunStopped):
