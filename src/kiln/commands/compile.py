@@ -236,11 +236,13 @@ _KERNEL_BODY = re.compile(r"(\\22body\\22: \\22)([A-Za-z0-9+/=]+)(\\22)")
 def _without_paths(text: str) -> str:
     """The lowered program with each kernel's body replaced by a digest of it without source
     locations, so that the fingerprint does not depend on where the environment lives."""
-    from jax._src.interpreters import mlir
-    from jax._src.lib import tpu
-    from jax._src.lib.mlir import ir
 
     def neutral(match: re.Match) -> str:
+        # Only programs with a TPU kernel get here; jaxlib carries the dialect on any platform.
+        from jax._src.interpreters import mlir
+        from jax._src.lib import tpu
+        from jax._src.lib.mlir import ir
+
         context = mlir.make_ir_context()
         tpu.register_dialect(context)
         context.allow_unregistered_dialects = True  # the kernel's version marker dialect
