@@ -469,6 +469,8 @@ def test_mixed_window_layers_with_sinks_match_numpy_unsharded_and_sequence_shard
         ({"sliding_window": 8, "layer_types": ["full_attention"]}, "no sliding_attention layer"),
         ({"local_rope_theta": 10.0}, "model.local_rope_theta"),
         ({"layer_types": ["full_attention"] * 5}, "at most num_layers"),
+        ({"layer_types": []}, "model.layer_types is empty"),
+        ({"layer_types": ["local"]}, "model.layer_types.0: got 'local'"),
         ({"family": "deepseek", "sliding_window": 8}, "model.sliding_window is 8 with model.family deepseek"),
         ({"family": "deepseek", "attention_sinks": True}, "model.attention_sinks is True with model.family deepseek"),
     ],
@@ -476,7 +478,7 @@ def test_mixed_window_layers_with_sinks_match_numpy_unsharded_and_sequence_shard
 def test_bad_windows_are_refused_in_one_line(model, message):
     with pytest.raises(KilnError, match=re.escape(message)) as e:
         make_config(model={"num_layers": 4, **model})
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and str(e.value).startswith("model.")
 
 
 def test_kiln_train_refuses_a_window_below_one_before_writing(tmp_path):

@@ -299,6 +299,8 @@ def _field_line(err: Mapping[str, Any]) -> str:
     msg = err["msg"].removeprefix("Value error, ")
     if msg.startswith("unknown key "):  # a key inside a dict field (mesh.rules) names itself
         return msg
+    if msg.startswith(f"{loc}."):  # a section's own rule names the field, value and choices
+        return msg
     return f"{loc}: got {_short(err.get('input'))}; {msg}{_describe_allowed(err)}"
 
 

@@ -350,7 +350,6 @@ class ModelConfig(Section):
     )
     layer_types: tuple[Literal["full_attention", "sliding_attention"], ...] | None = Field(
         None,
-        min_length=1,
         description="Each layer's attention, repeated from the start when shorter than num_layers (five sliding_attention then one full_attention is Gemma 3's pattern); null = every layer sliding_attention when sliding_window is set, else full_attention.",
     )
     local_rope_theta: float | None = Field(
@@ -427,6 +426,11 @@ class ModelConfig(Section):
     @model_validator(mode="after")
     def _attention_layers(self) -> ModelConfig:
         types = self.layer_types or ()
+        if self.layer_types is not None and not types:
+            raise ValueError(
+                "model.layer_types is empty; allowed: a list of full_attention and "
+                "sliding_attention (repeated over the layers), or null"
+            )
         if "sliding_attention" in types and self.sliding_window is None:
             raise ValueError(
                 "model.layer_types has sliding_attention layers but model.sliding_window is "
