@@ -578,3 +578,26 @@ def test_load_balance_is_refused_where_it_cannot_hold(tmp_path):
     # Not asked for, a model with prediction modules keeps its sequences in order.
     deepseek["context_load_balance"] = None
     assert not make_config(model=deepseek).model.balances_context(2)
+
+
+def test_flops_per_token_count_a_sliding_layers_keys_within_its_window():
+    """A query of a sliding layer reads min(i+1, W) keys: W - W^2/2S on average in the S/2
+    accounting of the causal layers (MaxText's); the summary says which layers see what."""
+    from kiln.model import abstract_model, summary
+    from kiln.training.optim import make_optimizer, state_name
+
+    s, w = 256, 64
+    types = ["sliding_attention", "full_attention"]
+    full = make_config(model={"num_layers": 4}, data={"seq_len": s})
+    local = make_config(
+        model={"num_layers": 4, "sliding_window": w, "layer_types": types}, data={"seq_len": s}
+    )
+    n_h = full.model.num_heads * full.model.resolved_head_dim
+    saved = abstract_model(full.model).flops_per_token(s) - abstract_model(
+        local.model
+    ).flops_per_token(s)
+    assert saved == 2 * 12 * n_h * (s / 2 - (w - w * w / (2 * s)))
+    wide = local.model.model_copy(update={"sliding_window": s})
+    assert abstract_model(wide).flops_per_token(s) == abstract_model(full.model).flops_per_token(s)
+    text = summary(local, make_optimizer(local.optim).init, state_name(local.optim), 8)
+    assert "causal attention over all earlier keys in 2 layers and the last 64 in 2)" in text

@@ -178,7 +178,7 @@ def summary(
             *(active if inactive else []),
             f"FLOPs per token:   {flops:.4g} (training, seq_len {config.data.seq_len}; "
             f"6 x {model.matmul_params():,} {'active ' if inactive else ''}matmul params + "
-            "causal attention)",
+            f"causal attention{_window_text(m)})",
             f"decode cache:      {cache_bytes:,} bytes per token (kiln generate: {cache_what})",
             f"mesh:              {mesh_text} ({plural(math.prod(sizes.values()), 'device')})",
             *_expert_lines(config, sizes),
@@ -188,6 +188,15 @@ def summary(
             f"= {2 * gib + opt_gib:.2f} GiB (state, before activations)",
         ]
     )
+
+
+def _window_text(m: Any) -> str:
+    """`summary`'s words on the sliding_attention layers, whose queries see their window only."""
+    local = sum(m.local_layers())
+    if not local:
+        return ""
+    full, window = m.num_layers - local, m.sliding_window
+    return f" over all earlier keys in {full} layers and the last {window} in {local}"
 
 
 def _expert_lines(config: Any, sizes: dict[str, int]) -> list[str]:

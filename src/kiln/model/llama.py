@@ -596,11 +596,17 @@ class Transformer(nnx.Module):
         """Training FLOPs per token: 6 N_matmul + causal attention 6 L S N H (MaxText accounting).
 
         Forward + backward = 3x the forward's 2 N FLOPs per token for matmul parameters N; the
-        attention scores and values cost 4 S N H per token per layer forward, halved for
-        causality, times 3 for training.
+        attention scores and values cost 4 K N H per token per layer forward for K keys per
+        query, times 3 for training: K = S/2 under the causal mask, and in a sliding_attention
+        layer of window W < S, W - W^2 / 2S (each query's min(i+1, W) keys, as S/2 is i+1's).
         """
         m = self.cfg
-        attention = 6.0 * m.num_layers * seq_len * m.num_heads * m.resolved_head_dim
+        keys = [
+            seq_len / 2 if not local or m.sliding_window >= seq_len
+            else m.sliding_window - m.sliding_window**2 / (2 * seq_len)
+            for local in m.local_layers()
+        ]  # fmt: skip
+        attention = 12.0 * sum(keys) * m.num_heads * m.resolved_head_dim
         return 6.0 * self.matmul_params() + attention
 
 
