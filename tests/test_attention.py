@@ -306,13 +306,16 @@ def test_unknown_attention_is_refused_naming_the_choices():
         make_config(model={"attention": "flash"})
 
 
-def test_transformer_with_skipping_matches_numpy_unsharded_and_sequence_sharded():
+def assert_transformer_matches_numpy(model: dict, batch: int, seed: int):
+    """A Transformer at 1024 tokens (two 512-row query blocks: the skipping path, not the dense
+    one), two documents per row, against the float64 reference model (row 3), unsharded and
+    on fsdp 4 x sequence 2; returns its config."""
     from test_model import forward, reference
 
-    s, batch = 1024, 8  # two 512-row query blocks: the skipping path, not the dense one
-    model_cfg = dict(vocab_size=128, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=64)
-    sections = dict(model={**model_cfg, "max_seq_len": s}, data={"seq_len": s})
-    rng = np.random.default_rng(5)
+    s = 1024
+    model_cfg = dict(vocab_size=128, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64)
+    sections = dict(model={**model_cfg, **model, "max_seq_len": s}, data={"seq_len": s})
+    rng = np.random.default_rng(seed)
     tokens = jnp.asarray(rng.integers(0, 128, (batch, s)))
     cut = 300 + 50 * np.arange(batch)[:, None]  # two documents per row, no padding
     idx = np.arange(s)[None, :]
@@ -321,13 +324,17 @@ def test_transformer_with_skipping_matches_numpy_unsharded_and_sequence_sharded(
     config = make_config(**sections, mesh=dict(fsdp=4, sequence=2))
     model = create_model(config, None, 0)
     unsharded = forward(model, tokens, positions, segments)
-    mesh = make_mesh(config)
-    sharded = forward(model, tokens, positions, segments, mesh, config.mesh.rules)
+    sharded = forward(model, tokens, positions, segments, make_mesh(config), config.mesh.rules)
     want, _ = reference(model, tokens[3], positions[3], segments[3])
     # 1e-5 relative: float32 model vs float64 reference (as in test_model).
     assert rel_err(unsharded[3], want) < 1e-5
     # 1e-5 relative: the same float32 rows, computed on 8 devices.
     assert rel_err(sharded, unsharded) < 1e-5
+    return config
+
+
+def test_transformer_with_skipping_matches_numpy_unsharded_and_sequence_sharded():
+    assert_transformer_matches_numpy({"num_layers": 2}, batch=8, seed=5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,27 +445,8 @@ WINDOWED = dict(
 
 
 def test_mixed_window_layers_with_sinks_match_numpy_unsharded_and_sequence_sharded():
-    from test_model import forward, reference
-
-    s, batch = 1024, 4  # two 512-row query blocks: the skipping path, not the dense one
-    model_cfg = dict(vocab_size=128, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, d_ff=64)
-    sections = dict(model={**model_cfg, **WINDOWED, "max_seq_len": s}, data={"seq_len": s})
-    rng = np.random.default_rng(9)
-    tokens = jnp.asarray(rng.integers(0, 128, (batch, s)))
-    cut = 300 + 50 * np.arange(batch)[:, None]  # two documents per row, no padding
-    idx = np.arange(s)[None, :]
-    positions = jnp.asarray(np.where(idx < cut, idx, idx - cut), jnp.int32)
-    segments = jnp.asarray(np.where(idx < cut, 1, 2), jnp.int32)
-    config = make_config(**sections, mesh=dict(fsdp=4, sequence=2))
+    config = assert_transformer_matches_numpy({"num_layers": 3, **WINDOWED}, batch=4, seed=9)
     assert config.model.local_layers() == (True, False, True)
-    model = create_model(config, None, 0)
-    unsharded = forward(model, tokens, positions, segments)
-    sharded = forward(model, tokens, positions, segments, make_mesh(config), config.mesh.rules)
-    want, _ = reference(model, tokens[3], positions[3], segments[3])
-    # 1e-5 relative: float32 model vs float64 reference (as in test_model).
-    assert rel_err(unsharded[3], want) < 1e-5
-    # 1e-5 relative: the same float32 rows, computed on 8 devices.
-    assert rel_err(sharded, unsharded) < 1e-5
 
 
 @pytest.mark.parametrize(

@@ -328,10 +328,13 @@ def stack_size(blocks: nnx.Module) -> int:
     return jax.tree.leaves(nnx.state(blocks))[0].shape[0]
 
 
-def layer_kinds(local: Sequence[bool]):
-    """What a stack's blocks get as `local` per layer: one bool when every layer of the stack
-    is of one kind (so the stack compiles one attention), else [L] bools to scan over."""
-    return bool(local[0]) if len(set(local)) == 1 else jnp.asarray(local)
+def layer_kinds(local: Sequence[bool]) -> tuple[bool | None, jax.Array | None]:
+    """(the `local` every block of a stack gets, or None; the [L] bools to scan over, or None):
+    a stack whose layers are all of one kind compiles one attention, a mixed one gets each
+    layer's kind as a scanned input."""
+    if len(set(local)) == 1:
+        return bool(local[0]), None
+    return None, jnp.asarray(local)
 
 
 def scan_blocks(
@@ -356,15 +359,14 @@ def scan_blocks(
     """
     graphdef, params = nnx.split(blocks)
 
-    kinds = layer_kinds(local)
-    scanned = None if isinstance(kinds, bool) else kinds
+    every, scanned = layer_kinds(local)
 
     def body(x_BSD, xs):
         layer_params, zero, kind = xs
         if casts:
             layer_params = jax.tree.map(lambda w: w + zero.astype(w.dtype), layer_params)
         block = nnx.merge(graphdef, layer_params)
-        flag = kinds if kind is None else kind
+        flag = every if kind is None else kind
         y_BSD, aux = block(x_BSD, positions_BS, segment_ids_BS, flag)
         return y_BSD, ((y_BSD if collect else None), aux)
 
@@ -514,13 +516,13 @@ class Transformer(nnx.Module):
             graphdef, params = nnx.split(blocks)
             n = stack_size(blocks)
 
-            kinds = layer_kinds(self.cfg.local_layers()[first : first + n])
+            every, scanned = layer_kinds(self.cfg.local_layers()[first : first + n])
 
-            def body(x_BSD, xs, graphdef=graphdef, kinds=kinds):
+            def body(x_BSD, xs, graphdef=graphdef, every=every):
                 layer_params, kind, *kv = xs
                 layer = None if fresh else (*kv, segment_ids_BT, cache.index)
                 block = nnx.merge(graphdef, layer_params)
-                flag = kinds if kind is None else kind
+                flag = every if kind is None else kind
                 x_BSD, k_BSKH, v_BSKH = block.cached(
                     x_BSD, positions_BS, segment_ids_BS, layer, flag
                 )
@@ -528,7 +530,6 @@ class Transformer(nnx.Module):
 
             layers = slice(first, first + n)
             whole = n == cache.k.shape[0]
-            scanned = None if isinstance(kinds, bool) else kinds
             xs = (
                 (params, scanned)
                 if fresh
