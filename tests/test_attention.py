@@ -23,6 +23,8 @@ from kiln.model.attention import (
     dense_attention,
     load_balanced,
     resolve,
+    ring_attention,
+    ring_work,
     sequence_shards,
     splash_attention,
 )
@@ -306,11 +308,11 @@ def test_unknown_attention_is_refused_naming_the_choices():
         make_config(model={"attention": "flash"})
 
 
-def assert_transformer_matches_numpy(model: dict, batch: int, seed: int):
+def assert_transformer_matches_numpy(model: dict, batch: int, seed: int, contexts=("all_gather",)):
     """A Transformer at 1024 tokens (two 512-row query blocks: the skipping path, not the dense
     one), two documents per row, against the float64 reference model (row 3), unsharded and
-    on fsdp 4 x sequence 2; returns its config."""
-    from test_model import forward, reference
+    on fsdp 4 x sequence 2 (with each of `contexts`); returns its config."""
+    from test_model import forward, rebuild, reference
 
     s = 1024
     model_cfg = dict(vocab_size=128, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64)
@@ -324,12 +326,14 @@ def assert_transformer_matches_numpy(model: dict, batch: int, seed: int):
     config = make_config(**sections, mesh=dict(fsdp=4, sequence=2))
     model = create_model(config, None, 0)
     unsharded = forward(model, tokens, positions, segments)
-    sharded = forward(model, tokens, positions, segments, make_mesh(config), config.mesh.rules)
     want, _ = reference(model, tokens[3], positions[3], segments[3])
     # 1e-5 relative: float32 model vs float64 reference (as in test_model).
     assert rel_err(unsharded[3], want) < 1e-5
-    # 1e-5 relative: the same float32 rows, computed on 8 devices.
-    assert rel_err(sharded, unsharded) < 1e-5
+    for context in contexts:
+        placed = rebuild(model, config.model.model_copy(update={"context_parallel": context}))
+        sharded = forward(placed, tokens, positions, segments, make_mesh(config), config.mesh.rules)
+        # 1e-5 relative: the same float32 rows, computed on 8 devices.
+        assert rel_err(sharded, unsharded) < 1e-5, context
     return config
 
 
@@ -445,7 +449,10 @@ WINDOWED = dict(
 
 
 def test_mixed_window_layers_with_sinks_match_numpy_unsharded_and_sequence_sharded():
-    config = assert_transformer_matches_numpy({"num_layers": 3, **WINDOWED}, batch=4, seed=9)
+    contexts = ("all_gather", "ring")
+    config = assert_transformer_matches_numpy(
+        {"num_layers": 3, **WINDOWED}, batch=4, seed=9, contexts=contexts
+    )
     assert config.model.local_layers() == (True, False, True)
 
 
@@ -589,3 +596,95 @@ def test_flops_per_token_count_a_sliding_layers_keys_within_its_window():
     assert abstract_model(wide).flops_per_token(s) == abstract_model(full.model).flops_per_token(s)
     text = summary(local, make_optimizer(local.optim).init, state_name(local.optim), 8)
     assert "causal attention over all earlier keys in 2 layers and the last 64 in 2)" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Ring attention (model.context_parallel: ring)
+
+RING_CASES = {
+    "in_order-4_shards": dict(shards=4, s=64),
+    "balanced-window-sinks-tiles": dict(shards=2, s=128, window=20, sinks=True, balanced=True, query_block=16),
+    "in_order-window-8_shards": dict(shards=8, s=64, window=9),
+    "balanced-sinks-narrow_values-4_shards": dict(shards=4, s=64, sinks=True, balanced=True, narrow=True),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(RING_CASES))
+def test_ring_equals_one_device_values_and_every_gradient(case):
+    """Keys and values around a ring of sequence shards, rows in order or placed for load
+    balance, packed documents, windows, sinks and values narrower than keys: the output and the
+    gradients of queries, keys, values and sinks equal one device's dense attention."""
+    c = {"window": None, "sinks": False, "balanced": False, "query_block": 512, "narrow": False}
+    c.update(RING_CASES[case])
+    q, k, v, seg, cot = inputs(c["s"], seed=11)
+    if c["narrow"]:  # latent attention's values (kiln.model.deepseek)
+        v, cot = v[..., : H // 2], cot[..., : H // 2]
+    sinks = SINKS if c["sinks"] else None
+    dense = lambda *a, **kw: dense_attention(*a, query_block=32, window=c["window"], **kw)  # noqa: E731
+    want = masked_value_and_grads(dense, q, k, v, seg, cot, sinks)
+    config = make_config(mesh=dict(fsdp=8 // c["shards"], sequence=c["shards"]))
+    mesh, rules = make_mesh(config), config.mesh.rules
+    order = balanced_order(c["s"], c["shards"]) if c["balanced"] else np.arange(c["s"])
+    q, k, v, seg, cot = (jnp.take(x, order, axis=1) for x in (q, k, v, seg, cot))
+    q, cot = (jax.device_put(x, logical_sharding(mesh, rules, HEADS)) for x in (q, cot))
+    k, v = (jax.device_put(x, logical_sharding(mesh, rules, KV_HEADS)) for x in (k, v))
+    seg = jax.device_put(seg, batch_sharding(mesh, rules))
+    ring = functools.partial(ring_attention, query_block=c["query_block"], window=c["window"])
+    with use_mesh(mesh, rules), load_balanced(c["balanced"]):
+        assert sequence_shards() == c["shards"]
+        loss, grads = masked_value_and_grads(ring, q, k, v, seg, cot, sinks)
+    back = np.argsort(order)
+    in_order = [jnp.take(g, back, axis=1) for g in grads[:3]] + list(grads[3:])
+    # 1e-5 relative: float32 rows, their softmax merged block by block (online) instead of
+    # over all keys at once.
+    assert_equal_values_and_grads((loss, in_order), want, 1e-5)
+
+
+def test_ring_moves_blocks_by_collective_permute_and_gathers_no_keys():
+    """The ring's compiled step (values and gradients, 4 sequence shards): every key/value
+    block moves by collective-permute, P - 1 hops forward and P backward (with the gradients),
+    and no all-gather of keys or values is left."""
+    from kiln.commands import compile as aot
+
+    q, k, v, seg, cot = inputs(64, seed=2)
+    config = make_config(mesh=dict(fsdp=2, sequence=4))
+    mesh, rules = make_mesh(config), config.mesh.rules
+    with use_mesh(mesh, rules):
+        loss = lambda q, k, v: jnp.sum(ring_attention(q, k, v, seg) * cot)  # noqa: E731
+        hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+    ops = {kind: c["ops_per_step"] for kind, c in aot.collectives(hlo).items()}
+    assert ops.get("collective-permute", 0) > 0
+    assert "all-gather" not in ops or not any(
+        "16,2,16" in result for kind, result, _ in aot.collective_ops(hlo) if kind == "all-gather"
+    )
+
+
+def test_balanced_ring_gives_every_shard_the_same_work_per_hop():
+    """Counted by the predicate the ring evaluates: placed for load balance every shard
+    computes the same products at every hop (max/mean 1.0); in order the last shard computes
+    (4P-1)/(2P+1) of the mean, and every hop waits for the busiest shard."""
+    shards, s, tiles = 4, 256, 4  # 4 query tiles of 16 rows per shard, 2 per half
+    balanced = ring_work(s, shards, balanced=True, query_block=16)
+    in_order = ring_work(s, shards, balanced=False, query_block=16)
+    assert (balanced == balanced[:1]).all()  # every shard, hop by hop
+    assert balanced[0].tolist() == [3 * tiles // 2] + [tiles] * (shards - 1)
+    per_shard = in_order.sum(axis=1)
+    assert per_shard.max() / per_shard.mean() == pytest.approx((4 * shards - 1) / (2 * shards + 1))
+    # The hops' critical path: 2P+1 half-block products balanced against 4P-1 in order.
+    critical = [w.max(axis=0).sum() * 2 / tiles for w in (balanced, in_order)]
+    assert critical == [2 * shards + 1, 4 * shards - 1]
+
+
+def test_ring_is_refused_without_sequence_shards_or_with_a_fused_kernel(tmp_path):
+    ring = {"model": {"context_parallel": "ring"}}
+    with pytest.raises(KilnError, match=r"model\.context_parallel: 'ring' passes keys") as e:
+        make_config(**ring, mesh={"fsdp": 8})
+    assert "\n" not in str(e.value)
+    tiny, out = REPO / "configs" / "tiny.yaml", f"train.output_dir={tmp_path}"
+    proc = kiln_main("train", tiny, "model.context_parallel=ring", out)
+    assert_user_error(proc, "model.context_parallel: 'ring' passes keys", "mesh.sequence > 1")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(KilnError, match=r"model\.context_parallel: 'ring' runs kiln's own"):
+        make_config(model={"context_parallel": "ring", "attention": "splash"})
+    with pytest.raises(KilnError, match=r"model\.context_parallel: got 'rings'"):
+        make_config(model={"context_parallel": "rings"})

@@ -184,17 +184,27 @@ def test_non_default_rules_train_like_one_device(reference, batch, one_device_st
 
 
 @pytest.mark.parametrize(
-    "mesh",
-    [{"fsdp": 4, "sequence": 2}, {"data": 2, "tensor": 2, "sequence": 2}],
-    ids=["fsdp4-sequence2", "data2-tensor2-sequence2"],
+    ("mesh", "model"),
+    [
+        ({"fsdp": 4, "sequence": 2}, {}),
+        ({"data": 2, "tensor": 2, "sequence": 2}, {}),
+        ({"data": 2, "tensor": 2, "sequence": 2}, {"context_parallel": "ring"}),
+        ({"fsdp": 2, "sequence": 4}, {"context_parallel": "ring", "context_load_balance": False}),
+    ],
+    ids=["fsdp4-sequence2", "data2-tensor2-sequence2", "ring-tensor2-sequence2", "ring-in-order-sequence4"],
 )  # fmt: skip
-def test_load_balanced_sequence_shards_train_like_one_device(batch, one_device_step, mesh):
+def test_load_balanced_sequence_shards_train_like_one_device(batch, one_device_step, mesh, model):
     """The step places each sequence zigzag over the sequence shards (the default with
     mesh.sequence > 1), packed documents, padding, loss weights, two micro-batches and a tiled
-    vocabulary included: one whole step equals one device's."""
-    config = make_config(mesh=mesh, train={"gradient_accumulation_steps": 2}, loss=RULES_LOSS)
-    assert config.model.context_load_balance is None
-    assert config.model.balances_context(mesh["sequence"])
+    vocabulary included: one whole step equals one device's, keys and values gathered or
+    passed around a ring (in order too)."""
+    config = make_config(
+        mesh=mesh, model=model, train={"gradient_accumulation_steps": 2}, loss=RULES_LOSS
+    )
+    assert config.model.context_load_balance is model.get("context_load_balance")
+    assert config.model.balances_context(mesh["sequence"]) is (
+        model.get("context_load_balance") is None
+    )
     (got, got_params), (want, want_params) = one_train_step(config, batch), one_device_step
     np.testing.assert_allclose(got["learning/loss"], want["learning/loss"], rtol=1e-5)  # f32
     for g, w in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params), strict=True):

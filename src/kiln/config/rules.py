@@ -111,6 +111,12 @@ def _mesh_errors(c: Config, num_devices: int | None) -> Iterator[str]:
         )
     elif seq_len % seq_shards:
         yield f"data.seq_len: {seq_len} is not divisible by the {seq_shards} sequence shards of the mesh"
+    elif c.model.context_parallel == "ring" and seq_shards == 1:
+        yield (
+            "model.context_parallel: 'ring' passes keys and values around the sequence shards, "
+            f"but the mesh {mesh} has none (mesh.rules.length={c.mesh.rules['length']}); "
+            "allowed: all_gather, or mesh.sequence > 1"
+        )
     elif c.model.balances_context(seq_shards) and seq_len % (2 * seq_shards):
         yield (
             f"data.seq_len: {seq_len} is not divisible by 2 x the {seq_shards} sequence shards "

@@ -157,6 +157,7 @@ class Attention(nnx.Module):
         )
         self.dtype = DTYPES[cfg.dtype]
         self.implementation = cfg.attention
+        self.context = cfg.context_parallel
         self.window = cfg.sliding_window
         self.local_theta = cfg.local_rope_theta
         # GPT-OSS's sinks: one logit per query head, kept in float32 like the norms.
@@ -221,7 +222,15 @@ class Attention(nnx.Module):
         q_BSNH, k_BTKH, v_BTKH = self._qkv(x_BSD, positions_BS, local)
 
         def fn(q, k, v, **masks):
-            return attention(q, k, v, segment_ids_BS, implementation=self.implementation, **masks)
+            return attention(
+                q,
+                k,
+                v,
+                segment_ids_BS,
+                implementation=self.implementation,
+                context=self.context,
+                **masks,
+            )
 
         return self._out(self._attend(q_BSNH, k_BTKH, v_BTKH, local, fn))
 

@@ -362,6 +362,10 @@ class ModelConfig(Section):
         False,
         description="A learned logit per query head in every softmax's denominator, with no value (GPT-OSS's sinks): a head can attend to nothing.",
     )
+    context_parallel: Literal["all_gather", "ring"] = Field(
+        "all_gather",
+        description="How the queries of each sequence shard (mesh.sequence > 1) reach the keys of all: all_gather = keys and values gathered whole once per layer, then model.attention; ring = keys and values passed around the sequence shards one block per hop (ppermute) and merged with an online softmax, so no device holds more than two blocks (kiln's own attention on every platform: model.attention must be auto or xla). See docs/sharding.md.",
+    )
     context_load_balance: bool | None = Field(
         None,
         description="Place each sequence so that every sequence shard does the same attention work under the causal mask: of 2P equal chunks, shard p of P holds chunks p and 2P-1-p (zigzag), its tokens, targets, positions, segment ids and loss weights alike; the loss does not change. null = on when the mesh shards the sequence and the model has no multi-token prediction module (whose shifted targets need the sequence in order). See docs/sharding.md.",
@@ -446,6 +450,12 @@ class ModelConfig(Section):
             raise ValueError(
                 f"model.local_rope_theta is {self.local_rope_theta} but no layer is "
                 "sliding_attention; allowed: null, or a model.sliding_window"
+            )
+        if self.context_parallel == "ring" and self.attention not in ("auto", "xla"):
+            raise ValueError(
+                f"model.context_parallel: 'ring' runs kiln's own attention blocks, but "
+                f"model.attention is {self.attention!r}; allowed: model.attention auto or xla, "
+                "or model.context_parallel: all_gather"
             )
         mtp = self.deepseek.mtp_num_layers if self.deepseek else 0
         if self.context_load_balance and mtp:

@@ -150,6 +150,7 @@ class LatentAttention(nnx.Module):
         self.scale = softmax_scale(cfg)
         self.dtype = DTYPES[cfg.dtype]
         self.implementation = cfg.attention
+        self.context = cfg.context_parallel
 
     def _queries(self, x_BSD, positions_BS):
         """(no-rope queries [B,S,N,A], rotated queries [B,S,N,P])."""
@@ -197,7 +198,12 @@ class LatentAttention(nnx.Module):
         """`local` is always False: latent attention has no sliding window (config refuses it)."""
         q_BSNH, k_BSNH, v_BSNV, _ = self._expanded(x_BSD, positions_BS)
         out_BSNV = attention(
-            q_BSNH, k_BSNH, v_BSNV, segment_ids_BS, implementation=self.implementation
+            q_BSNH,
+            k_BSNH,
+            v_BSNV,
+            segment_ids_BS,
+            implementation=self.implementation,
+            context=self.context,
         )
         return self._out(out_BSNV)
 
