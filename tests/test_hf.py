@@ -319,7 +319,7 @@ def test_import_refusals_exit_2_with_one_line(tmp_path, hf_model, edit, message)
 @pytest.mark.parametrize(
     ("config", "drop", "message"),
     [
-        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, None, "rope_scaling is"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, None, "rope_scaling is"),
         (
             {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": 1},
             None,

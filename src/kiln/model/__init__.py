@@ -6,12 +6,13 @@ and the size summary never name a concrete class.
 
 Modules: `interface` (`LanguageModel`, `ModelOutput`, `KVCache`), `llama` (the decoder-only
 Transformer, and Llama/Qwen3 on Hugging Face), `moe` (llama's blocks with routed experts, and
-Qwen3-MoE/Mixtral), `attention` (XLA, cuDNN and Pallas attention kernels behind one call),
-`project` (projections with their gradient-reduction dtype), `student` (the distillation
-student's extra parameters), `hf` (what every family's Hugging Face format shares), `interop`
-(config.json and state dicts through each family's format). A new family is one module or
-package here and one line in `FAMILIES` (its class and its `HFFormat`), plus its line in
-`kiln.config.FAMILY_SECTIONS` (the config sections it reads).
+Qwen3-MoE/Mixtral), `gemma3` (llama's stack with Gemma 3's norms, GeGLU and scales, and
+Gemma3ForCausalLM), the package `deepseek` (DeepSeek-V3), `attention` (XLA, cuDNN and Pallas
+attention kernels behind one call), `project` (projections with their gradient-reduction
+dtype), `student` (the distillation student's extra parameters), `hf` (what every family's
+Hugging Face format shares), `interop` (config.json and state dicts through each family's
+format). A new family is one module or package here and one line in `FAMILIES` (its class and
+its `HFFormat`), plus its line in `kiln.config.FAMILY_SECTIONS` (the config sections it reads).
 
 May import: `kiln.errors`, `kiln.util`, `kiln.data`, `kiln.config`, `kiln.parallel`,
 `kiln.losses` (the head's logits).
@@ -36,6 +37,7 @@ from kiln.config import ModelConfig
 from kiln.config.axes import entry_axes
 from kiln.errors import KilnError
 from kiln.model.deepseek import DeepseekHF, DeepseekTransformer
+from kiln.model.gemma3 import Gemma3HF, Gemma3Transformer
 from kiln.model.hf import HFFormat
 from kiln.model.interface import DTYPES, KVCache, LanguageModel, ModelOutput, logits_dtype
 from kiln.model.llama import LlamaHF, Transformer
@@ -66,6 +68,7 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(Transformer, LlamaHF()),
     "moe": Family(MoeTransformer, MoeHF()),
     "deepseek": Family(DeepseekTransformer, DeepseekHF()),
+    "gemma3": Family(Gemma3Transformer, Gemma3HF()),
 }
 
 

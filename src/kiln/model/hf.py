@@ -131,7 +131,7 @@ def unsupported(path: Path, field: str, value, allowed: str) -> KilnError:
 
 def common_config(m, kind: str, architecture: str) -> dict[str, Any]:
     """config.json fields every decoder family writes, around the family's own (`fields`)."""
-    scaling = None if m.rope_scaling is None else m.rope_scaling.model_dump()
+    scaling = None if m.rope_scaling is None else m.rope_scaling.hf_fields()
     return {
         "architectures": [architecture],
         "model_type": kind,
@@ -186,7 +186,8 @@ def common_section(hf: Mapping[str, Any], path: Path, param_dtype: str) -> dict[
 
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 ROPE_ALLOWED = (
-    "rope_type 'default' (rope_theta only) or 'llama3' (rope_theta, " + ", ".join(LLAMA3_KEYS) + ")"
+    "rope_type 'default' (rope_theta only), 'linear' (rope_theta, factor) or 'llama3' "
+    "(rope_theta, " + ", ".join(LLAMA3_KEYS) + ")"
 )
 
 
@@ -199,6 +200,8 @@ def rope(hf: Mapping[str, Any], path: Path) -> tuple[float, dict[str, Any] | Non
     kind = found.pop("rope_type", found.pop("type", "default"))
     if kind == "default" and not found:
         return theta, None
+    if kind == "linear" and set(found) == {"factor"}:
+        return theta, {"rope_type": "linear", "factor": found["factor"]}
     if kind != "llama3":
         raise unsupported(path, field, hf[field], ROPE_ALLOWED)
     # As transformers: without original_max_position_embeddings, max_position_embeddings.

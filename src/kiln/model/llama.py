@@ -91,22 +91,28 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(ones, out_sharding=(axis,), eager_sharding=False, role="norm")
         self.eps = cfg.norm_eps
 
+    def multiplier(self) -> jax.Array:
+        """What the normalised x is multiplied by, in float32: the scale itself."""
+        return self.scale[...].astype(jnp.float32)
+
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        return (y * self.multiplier()).astype(x.dtype)
 
 
 def rope_frequencies(half: int, theta: float, scaling: tuple[float, ...] | None) -> jax.Array:
-    """theta^(-i/half), i < half, in float32; `scaling` = (factor, low_freq_factor,
-    high_freq_factor, original_max_position_embeddings) applies Llama 3.1's rescaling:
-    wavelengths 2 pi / freq above original / low_freq_factor are stretched by factor, those
-    below original / high_freq_factor kept, and between them
+    """theta^(-i/half), i < half, in float32; `scaling` = (factor,) divides them all by factor
+    (linear), (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+    applies Llama 3.1's rescaling: wavelengths 2 pi / freq above original / low_freq_factor are
+    stretched by factor, those below original / high_freq_factor kept, and between them
     freq' = (1 - s) freq / factor + s freq with s = (original / wavelength - low) / (high - low).
     """
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     if scaling is None:
         return freq
+    if len(scaling) == 1:
+        return freq / scaling[0]
     factor, low, high, original = scaling
     wavelength = 2 * jnp.pi / freq
     smooth = (original / wavelength - low) / (high - low)
@@ -131,8 +137,19 @@ def rope(
     return out.astype(x_BSNH.dtype)
 
 
+def scaling_tuple(r) -> tuple[float, ...] | None:
+    """model.rope_scaling as the tuple `rope_frequencies` reads (None: no rescaling)."""
+    if r is None:
+        return None
+    if r.rope_type == "linear":
+        return (r.factor,)
+    return (r.factor, r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings)
+
+
 class Attention(nnx.Module):
     """Grouped-query causal self-attention that stays inside each packed document."""
+
+    norm: ClassVar[type[RMSNorm]] = RMSNorm  # of the query and key heads, with model.qk_norm
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, n, k, h = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.resolved_head_dim
@@ -141,20 +158,10 @@ class Attention(nnx.Module):
         self.wk = _param(rngs, cfg, (d, k, h), ("embed", "kv_heads", "head_dim"), "matrix", into)
         self.wv = _param(rngs, cfg, (d, k, h), ("embed", "kv_heads", "head_dim"), "matrix", into)
         self.wo = _param(rngs, cfg, (n, h, d), ("heads", "head_dim", "embed"), "matrix", out_of)
-        self.q_norm = RMSNorm(h, "head_dim", cfg) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(h, "head_dim", cfg) if cfg.qk_norm else None
+        self.q_norm = self._query_norm(cfg) if cfg.qk_norm else None
+        self.k_norm = self.norm(h, "head_dim", cfg) if cfg.qk_norm else None
         self.theta = cfg.rope_theta
-        r = cfg.rope_scaling
-        self.rope_scaling = (
-            None
-            if r is None
-            else (
-                r.factor,
-                r.low_freq_factor,
-                r.high_freq_factor,
-                r.original_max_position_embeddings,
-            )
-        )
+        self.rope_scaling = scaling_tuple(cfg.rope_scaling)
         self.dtype = DTYPES[cfg.dtype]
         self.implementation = cfg.attention
         self.context = cfg.context_parallel
@@ -171,6 +178,10 @@ class Attention(nnx.Module):
             if cfg.attention_sinks
             else None
         )
+
+    def _query_norm(self, cfg: ModelConfig) -> RMSNorm:
+        """The query heads' norm (a family may fold a scale of the scores into it)."""
+        return self.norm(cfg.resolved_head_dim, "head_dim", cfg)
 
     def _rope(self, x_BSNH, positions_BS, local):
         """Rotary embedding of the layer's kind: a sliding_attention layer's own base
@@ -263,7 +274,9 @@ class Attention(nnx.Module):
 
 
 class Mlp(nnx.Module):
-    """SwiGLU: (silu(x W_gate) * x W_up) W_down."""
+    """SwiGLU: (silu(x W_gate) * x W_up) W_down (another gate `activation`: GeGLU, say)."""
+
+    activation: ClassVar = staticmethod(jax.nn.silu)
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.d_ff
@@ -277,7 +290,7 @@ class Mlp(nnx.Module):
         gate_BSF = project("BSD,DF->BSF", x_BSD, self.w_gate[...].astype(dt))
         up_BSF = project("BSD,DF->BSF", x_BSD, self.w_up[...].astype(dt))
         gate_BSF, up_BSF = checkpoint_name(gate_BSF, "mlp_gate"), checkpoint_name(up_BSF, "mlp_up")
-        h_BSF = constrain(jax.nn.silu(gate_BSF) * up_BSF, _MLP)
+        h_BSF = constrain(self.activation(gate_BSF) * up_BSF, _MLP)
         out_BSD = project("BSF,FD->BSD", h_BSF, self.w_down[...].astype(dt))
         return checkpoint_name(out_BSD, "mlp_out")
 
@@ -287,13 +300,16 @@ class Block(nnx.Module):
 
     Returns (x, aux): aux holds the block's auxiliary sums (`ModelOutput.aux`), none for the
     dense MLP; a family with another MLP overrides `_make_mlp` and `_mlp`, one with another
-    attention `_make_attention` (a module with `__call__` and `cached` as `Attention`'s).
+    attention `_make_attention` (a module with `__call__` and `cached` as `Attention`'s),
+    another RMSNorm `norm`.
     """
 
+    norm: ClassVar[type[RMSNorm]] = RMSNorm
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.d_model, "norm", cfg)
+        self.attn_norm = self.norm(cfg.d_model, "norm", cfg)
         self.attn = self._make_attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, "norm", cfg)
+        self.mlp_norm = self.norm(cfg.d_model, "norm", cfg)
         self.mlp = self._make_mlp(cfg, rngs)
 
     def _make_attention(self, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
@@ -398,12 +414,15 @@ class Transformer(nnx.Module):
     so run it inside `kiln.parallel.mesh.use_mesh` to shard, outside to run on one device.
     """
 
+    block: ClassVar[type[Block]] = Block
+    norm: ClassVar[type[RMSNorm]] = RMSNorm  # the final norm
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         shape = (cfg.vocab_size, cfg.d_model)
         self.embedding = _param(rngs, cfg, shape, ("vocab", "embed"), "embedding")
-        self.blocks = stacked_blocks(cfg, rngs)
-        self.final_norm = RMSNorm(cfg.d_model, "norm", cfg)
+        self.blocks = stacked_blocks(cfg, rngs, self.block)
+        self.final_norm = self.norm(cfg.d_model, "norm", cfg)
         self.lm_head = (
             None
             if cfg.tie_embeddings
@@ -571,7 +590,7 @@ class Transformer(nnx.Module):
         """The LM head's Frobenius norm and the final norm's mean scale, in float32."""
         return {
             "learning/lm_head_norm": jnp.linalg.norm(self.head_weight(jnp.float32)),
-            "learning/final_norm_scale": jnp.mean(self.final_norm.scale[...].astype(jnp.float32)),
+            "learning/final_norm_scale": jnp.mean(self.final_norm.multiplier()),
         }
 
     def update_balance(self, aux: dict[str, jax.Array]) -> None:

@@ -9,41 +9,72 @@ from pydantic import Field, model_validator
 
 from kiln.config.schema.base import INT32_MAX, Z_LOSS_MAX, Count, PositiveInt, Section
 
+# RopeScalingConfig's llama3-only fields, with their values when a llama3 scaling omits them.
+LLAMA3_DEFAULTS = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
 
 class RopeScalingConfig(Section):
-    """Llama 3.1's rescaling of rotary frequencies (Hugging Face rope_type "llama3")."""
+    """A rescaling of the rotary frequencies (Hugging Face's rope_type "llama3" or "linear")."""
 
-    rope_type: Literal["llama3"] = Field(
+    rope_type: Literal["llama3", "linear"] = Field(
         "llama3",
-        description="llama3: wavelengths above original_max_position_embeddings / low_freq_factor are stretched by factor, those below original_max_position_embeddings / high_freq_factor kept, the band between interpolated.",
+        description="llama3 (Llama 3.1): wavelengths above original_max_position_embeddings / low_freq_factor are stretched by factor, those below original_max_position_embeddings / high_freq_factor kept, the band between interpolated. linear (Gemma 3's global layers): every frequency divided by factor.",
     )
     factor: float = Field(
         8.0, gt=0, allow_inf_nan=False, description="How much long wavelengths are stretched."
     )
-    low_freq_factor: float = Field(
-        1.0,
+    low_freq_factor: float | None = Field(
+        None,
         gt=0,
         allow_inf_nan=False,
-        description="original_max_position_embeddings / low_freq_factor = the shortest stretched wavelength.",
+        description="llama3 (default 1.0): original_max_position_embeddings / low_freq_factor = the shortest stretched wavelength. null with linear.",
     )
-    high_freq_factor: float = Field(
-        4.0,
+    high_freq_factor: float | None = Field(
+        None,
         gt=0,
         allow_inf_nan=False,
-        description="original_max_position_embeddings / high_freq_factor = the longest wavelength kept; > low_freq_factor.",
+        description="llama3 (default 4.0): original_max_position_embeddings / high_freq_factor = the longest wavelength kept; > low_freq_factor. null with linear.",
     )
-    original_max_position_embeddings: PositiveInt = Field(
-        8192, description="Context length the unscaled frequencies were trained for."
+    original_max_position_embeddings: int | None = Field(
+        None,
+        gt=0,
+        le=INT32_MAX,
+        description="llama3 (default 8192): context length the unscaled frequencies were trained for. null with linear.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _llama3_defaults(cls, data):
+        if isinstance(data, dict) and data.get("rope_type", "llama3") == "llama3":
+            data = {**LLAMA3_DEFAULTS, **{k: v for k, v in data.items() if v is not None}}
+        return data
 
     @model_validator(mode="after")
     def _bands(self) -> RopeScalingConfig:
+        if self.rope_type == "linear":
+            for field in LLAMA3_DEFAULTS:
+                if getattr(self, field) is not None:
+                    raise ValueError(
+                        f"{field} is {getattr(self, field)} with rope_type linear; allowed: "
+                        "null (only llama3 reads it)"
+                    )
+            return self
         if self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
                 f"high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor "
                 f"({self.low_freq_factor})"
             )
         return self
+
+    def hf_fields(self) -> dict:
+        """The fields Hugging Face's rope_scaling / rope_parameters hold for this rope_type."""
+        if self.rope_type == "linear":
+            return {"rope_type": "linear", "factor": self.factor}
+        return self.model_dump()
 
 
 class MoeConfig(Section):
@@ -248,6 +279,18 @@ class DeepseekConfig(Section):
         return self
 
 
+class Gemma3Config(Section):
+    """The `gemma3` family's own numbers (docs/gemma3.md); its norms, embedding scale and GeGLU
+    MLP come with the family."""
+
+    query_pre_attn_scalar: int | None = Field(
+        None,
+        gt=0,
+        le=INT32_MAX,
+        description="Attention scores are q.k / sqrt(query_pre_attn_scalar) (Hugging Face's query_pre_attn_scalar; Gemma 3 27B: 168 with head_dim 128); null = head_dim.",
+    )
+
+
 # model.family -> the sections of ModelConfig it reads besides the shared fields (a family may
 # read another's: one with routed experts reads `moe`). kiln.model.FAMILIES holds the
 # implementations under the same names.
@@ -255,12 +298,16 @@ FAMILY_SECTIONS: dict[str, tuple[str, ...]] = {
     "llama": (),
     "moe": ("moe",),
     "deepseek": ("moe", "deepseek"),
+    "gemma3": ("gemma3",),
 }
 FAMILY_HELP = {
     "llama": "pre-norm RMSNorm blocks, grouped-query attention with rotary embeddings, SwiGLU MLP",
     "moe": "llama's blocks with the MLP replaced by routed experts (model.moe)",
     "deepseek": "DeepSeek-V3: multi-head latent attention (model.deepseek), routed experts "
     "(model.moe), multi-token prediction",
+    "gemma3": "Gemma 3 (text): llama's attention with per-head query/key norms, four (1 + w) "
+    "RMSNorms per block, a GeGLU MLP, embeddings times sqrt(d_model), scores scaled by "
+    "model.gemma3.query_pre_attn_scalar",
 }
 # model.attention -> what the kernel is; kiln.model.attention.IMPLEMENTATIONS holds the kernels
 # under the same names, and `auto` chooses among them per platform.
@@ -385,7 +432,7 @@ class ModelConfig(Section):
     )
     rope_scaling: RopeScalingConfig | None = Field(
         None,
-        description="null = plain rotary frequencies; {rope_type: llama3, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings} = Llama 3.1/3.2's long-context rescaling (as Hugging Face's rope_scaling).",
+        description="null = plain rotary frequencies; {rope_type: llama3, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings} = Llama 3.1/3.2's long-context rescaling, {rope_type: linear, factor} = every frequency divided by factor (Gemma 3 4B and larger: 8); as Hugging Face's rope_scaling. Never applied to the sliding_attention layers of a model with local_rope_theta.",
     )
     norm_eps: float = Field(
         1e-5, gt=0, allow_inf_nan=False, description="Epsilon of every RMSNorm."
@@ -403,6 +450,11 @@ class ModelConfig(Section):
     deepseek: DeepseekConfig | None = Field(
         None,
         description="family: deepseek only: multi-head latent attention and multi-token prediction (kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, yarn, mtp_num_layers, mtp_loss_weight; see docs/deepseek.md); null with family deepseek = the defaults.",
+    )
+
+    gemma3: Gemma3Config | None = Field(
+        None,
+        description="family: gemma3 only: query_pre_attn_scalar (see docs/gemma3.md); null with family gemma3 = the defaults.",
     )
 
     @pydantic.field_validator("family")
@@ -505,6 +557,16 @@ class ModelConfig(Section):
                 raise ValueError(
                     f"model.{field} is {value} with model.family deepseek; allowed: {allowed}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _gemma3(self) -> ModelConfig:
+        # Every Gemma 3 attention normalises its query and key heads (its q_norm / k_norm).
+        if self.family == "gemma3" and not self.qk_norm:
+            raise ValueError(
+                "model.qk_norm is false with model.family gemma3; allowed: true (Gemma 3 "
+                "normalises every query and key head)"
+            )
         return self
 
     @model_validator(mode="before")
