@@ -537,6 +537,11 @@ def ring_work(
 def _ring_forward(ring: _Ring, q_BLNH, k_BLKH, v_BLKV, seg_BL, pos_L):
     """(output [B, L, N, V] in the values' dtype, log-sum-exp [B, L, N] float32) of this
     shard's rows over every shard's keys."""
+    # The masks depend only on positions and segment ids, which a layer stack's scan closes
+    # over; differentiated, the scan would compute them for every hop and tile before its loop
+    # (loop-invariant values are hoisted) and hold them all. Tied to the queries, they are
+    # computed where they are used.
+    q_BLNH, seg_BL, pos_L = jax.lax.optimization_barrier((q_BLNH, seg_BL, pos_L))
     b, _, n, _ = q_BLNH.shape
     k, hv = k_BLKH.shape[2], v_BLKV.shape[-1]
     g = n // k
@@ -582,22 +587,13 @@ def _ring_forward(ring: _Ring, q_BLNH, k_BLKH, v_BLKV, seg_BL, pos_L):
     return ring.rows(out_TBKRV, g), ring.rows(lse_TBKR[..., None], g)[..., 0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring_attention(ring: _Ring, q_BLNH, k_BLKH, v_BLKV, seg_BL, pos_L):
-    return _ring_forward(ring, q_BLNH, k_BLKH, v_BLKV, seg_BL, pos_L)
-
-
-def _ring_attention_fwd(ring, q_BLNH, k_BLKH, v_BLKV, seg_BL, pos_L):
-    out_BLNV, lse_BLN = _ring_forward(ring, q_BLNH, k_BLKH, v_BLKV, seg_BL, pos_L)
-    return (out_BLNV, lse_BLN), (q_BLNH, k_BLKH, v_BLKV, seg_BL, pos_L, out_BLNV, lse_BLN)
-
-
-def _ring_attention_bwd(ring, residuals, cotangents):
-    """The blocks go around the ring once more, each with its key/value gradients accumulated
-    by every shard it visits; one last hop brings those home. The log-sum-exp's cotangent (the
-    sinks') joins each row's delta: d lse / d score = prob."""
-    q_BLNH, k_BLKH, v_BLKV, seg_BL, pos_L, out_BLNV, lse_BLN = residuals
-    do_BLNV, dlse_BLN = cotangents
+def _ring_backward(
+    ring: _Ring, q_BLNH, k_BLKH, v_BLKV, seg_BL, pos_L, out_BLNV, lse_BLN, do_BLNV, dlse_BLN
+):
+    """(dq, dk, dv) of this shard's rows and block: the blocks go around the ring once more,
+    each with its key/value gradients accumulated by every shard it visits; one last hop
+    brings those home. The log-sum-exp's cotangent (the sinks') joins each row's delta:
+    d lse / d score = prob."""
     b, _, n, _ = q_BLNH.shape
     k = k_BLKH.shape[2]
     g = n // k
@@ -651,10 +647,7 @@ def _ring_attention_bwd(ring, residuals, cotangents):
     dq_BLNH = ring.rows(dq_TBKRH, g).astype(q_BLNH.dtype)
     dk_BLKH = ring.merge(dk_halves).astype(k_BLKH.dtype)
     dv_BLKV = ring.merge(dv_halves).astype(v_BLKV.dtype)
-    return dq_BLNH, dk_BLKH, dv_BLKV, None, None
-
-
-_ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
+    return dq_BLNH, dk_BLKH, dv_BLKV
 
 
 def ring_attention(
@@ -685,15 +678,42 @@ def ring_attention(
     order = balanced_order(s, p) if _BALANCED.get() else np.arange(s)
     q_spec = logical_spec(("batch", "length", "act_heads", None), rules)
     kv_spec = logical_spec(("batch", "length", "act_kv_heads", None), rules)
-    seg_spec = logical_spec(("batch", "length"), rules)
     lse_spec = logical_spec(("batch", "length", "act_heads"), rules)
-    out_BSNV, lse_BSN = jax.shard_map(
-        functools.partial(_ring_attention, ring),
+    inputs = (q_spec, kv_spec, kv_spec, logical_spec(("batch", "length"), rules))
+    inputs = (*inputs, logical_spec(("length",), rules))
+    outputs = (q_spec, lse_spec)
+    forward = jax.shard_map(
+        functools.partial(_ring_forward, ring),
         mesh=mesh,
-        in_specs=(q_spec, kv_spec, kv_spec, seg_spec, logical_spec(("length",), rules)),
-        out_specs=(q_spec, lse_spec),
+        in_specs=inputs,
+        out_specs=outputs,
         check_vma=False,
-    )(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, jnp.asarray(order, jnp.int32))
+    )
+    backward = jax.shard_map(
+        functools.partial(_ring_backward, ring),
+        mesh=mesh,
+        in_specs=(*inputs, *outputs, *outputs),
+        out_specs=inputs[:3],
+        check_vma=False,
+    )
+
+    # One rule around the two programs over the shards; what the backward pass keeps is what
+    # the forward returns (the shard's own inputs, output and log-sum-exp), no block or score.
+    @jax.custom_vjp
+    def ring_attention_(q_BSNH, k_BTKH, v_BTKH, seg_BS, pos_S):
+        return forward(q_BSNH, k_BTKH, v_BTKH, seg_BS, pos_S)
+
+    def forward_rule(*args):
+        out_BSNV, lse_BSN = forward(*args)
+        return (out_BSNV, lse_BSN), (*args, out_BSNV, lse_BSN)
+
+    def backward_rule(residuals, cotangents):
+        return (*backward(*residuals, *cotangents), None, None)
+
+    ring_attention_.defvjp(forward_rule, backward_rule)
+    out_BSNV, lse_BSN = ring_attention_(
+        q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, jnp.asarray(order, jnp.int32)
+    )
     if sinks_N is None:
         return out_BSNV
     # softmax over keys and a sink = the keys' softmax * sum / (sum + exp(sink)).
