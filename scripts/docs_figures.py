@@ -66,6 +66,7 @@ MOE_CANARY = (
 )
 B1 = "configs/models/llama3-1b.yaml"
 B8 = "configs/models/llama3-8b.yaml"
+B8_128K = "configs/models/llama3-8b-128k.yaml"
 QWEN = "configs/models/qwen3-30b-a3b.yaml"
 DEEPSEEK = "configs/models/deepseek-v3-671b.yaml"
 TINY = "configs/tiny.yaml"
@@ -151,6 +152,7 @@ ENTRIES = {
         canary=True,
         tpu=True,
     ),
+    "8b-128k-v5p-16": Entry(("compile", B8_128K, "--topology", "v5p-16"), canary=True, tpu=True),
     "1b": Entry(("compile", B1, "--devices", "8"), canary=True),
     "1b-summary": Entry(SUMMARY_1B, derived=True),
     "1b-2-layers": Entry(("compile", B1, "--devices", "8", "model.num_layers=2"), canary=True),

@@ -187,11 +187,10 @@ def test_non_default_rules_train_like_one_device(reference, batch, one_device_st
     ("mesh", "model"),
     [
         ({"fsdp": 4, "sequence": 2}, {}),
-        ({"data": 2, "tensor": 2, "sequence": 2}, {}),
         ({"data": 2, "tensor": 2, "sequence": 2}, {"context_parallel": "ring"}),
         ({"fsdp": 2, "sequence": 4}, {"context_parallel": "ring", "context_load_balance": False}),
     ],
-    ids=["fsdp4-sequence2", "data2-tensor2-sequence2", "ring-tensor2-sequence2", "ring-in-order-sequence4"],
+    ids=["fsdp4-sequence2", "ring-data2-tensor2-sequence2", "ring-in-order-fsdp2-sequence4"],
 )  # fmt: skip
 def test_load_balanced_sequence_shards_train_like_one_device(batch, one_device_step, mesh, model):
     """The step places each sequence zigzag over the sequence shards (the default with
