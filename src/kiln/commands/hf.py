@@ -201,6 +201,13 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> str:
         raise KilnError(
             f"{config_path}: got a JSON {type(hf).__name__}; allowed: an object of model fields"
         )
+    quantized = hf.get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+        raise KilnError(
+            f"{config_path}: quantization_config is {method!r}; kiln imports only unquantized "
+            "float32, bfloat16 or float16 weights (dequantize the checkpoint first)"
+        )
     _empty_dir(out, "--out")
     tensors = read_hf_tensors(hf_dir)
     model = model_section(hf, config_path, _param_dtype(tensors), tensors.keys())

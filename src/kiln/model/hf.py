@@ -29,15 +29,18 @@ TOP_TENSORS = (
 
 class Tensor(NamedTuple):
     """One HF tensor: kiln's array at `path`, indexed by `index` (layer in its stack, expert);
-    `n_in`: how many leading kiln dims are HF's input dims (None: a vector, same layout);
-    `order`: kiln's last axis is HF's (reshaped to kiln's shape) taken in this order, or None
-    for the same order (a rotary layout that differs)."""
+    `n_in`: how many leading kiln dims are HF's input dims (None: same layout; 0: HF's is
+    kiln's flattened, a projection's bias); `order`: kiln's last axis is HF's (reshaped to
+    kiln's shape) taken in this order, or None for the same order (a rotary layout that
+    differs); `part` (j, n): kiln's array is columns j, j + n, ... of HF's last axis, which
+    interleaves n arrays (GPT-OSS's gate and up projections), None: all of it."""
 
     name: str
     path: tuple[str, ...]
     index: tuple[int, ...]
     n_in: int | None
     order: tuple[int, ...] | None = None
+    part: tuple[int, int] | None = None
 
 
 class HFFormat:
@@ -218,6 +221,8 @@ def rope(hf: Mapping[str, Any], path: Path) -> tuple[float, dict[str, Any] | Non
 def hf_shape(kiln_shape: tuple[int, ...], n_in: int | None) -> tuple[int, ...]:
     if n_in is None:
         return kiln_shape
+    if n_in == 0:
+        return (math.prod(kiln_shape),)
     return (math.prod(kiln_shape[n_in:]), math.prod(kiln_shape[:n_in]))
 
 
@@ -226,6 +231,8 @@ def to_hf(x: np.ndarray, n_in: int | None, order: tuple[int, ...] | None = None)
         x = x[..., np.argsort(order)]
     if n_in is None:
         return np.ascontiguousarray(x)
+    if n_in == 0:
+        return np.ascontiguousarray(x.reshape(-1))
     return np.ascontiguousarray(x.reshape(math.prod(x.shape[:n_in]), -1).T)
 
 
@@ -235,8 +242,9 @@ def from_hf(
     n_in: int | None,
     order: tuple[int, ...] | None = None,
 ) -> np.ndarray:
-    x = w if n_in is None else w.T.reshape(kiln_shape)
-    return np.ascontiguousarray(x if order is None else x[..., list(order)])
+    if n_in is not None:
+        w = w.reshape(kiln_shape) if n_in == 0 else w.T.reshape(kiln_shape)
+    return np.ascontiguousarray(w if order is None else w[..., list(order)])
 
 
 def get(tree: Mapping[str, Any], path: tuple[str, ...]):

@@ -111,10 +111,16 @@ def _copies(model_cfg) -> list[Tensor]:
 
 def kiln_to_hf(model_cfg, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """HF state dict (numpy) from kiln's pure parameter dict (stacked blocks)."""
-    return {
-        t.name: to_hf(np.asarray(get(params, t.path))[t.index], t.n_in, t.order)
-        for t in _tensors(model_cfg) + _copies(model_cfg)
-    }
+    out: dict[str, np.ndarray] = {}
+    for t in _tensors(model_cfg) + _copies(model_cfg):
+        x = to_hf(np.asarray(get(params, t.path))[t.index], t.n_in, t.order)
+        if t.part is None:
+            out[t.name] = x
+        else:  # one of the arrays whose columns HF interleaves
+            j, n = t.part
+            whole = out.setdefault(t.name, np.empty((*x.shape[:-1], n * x.shape[-1]), x.dtype))
+            whole[..., j::n] = x
+    return out
 
 
 def hf_to_kiln(model_cfg, tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
@@ -137,6 +143,8 @@ def hf_to_kiln(model_cfg, tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
         full = get(shapes, t.path)
         shape = full[len(t.index) :]
         want = hf_shape(shape, t.n_in)
+        if t.part is not None:
+            want = (*want[:-1], t.part[1] * want[-1])
         if t.name not in tensors:
             raise KilnError(f"missing tensor {t.name!r} (expected shape {list(want)})")
         w = tensors[t.name]
@@ -144,6 +152,8 @@ def hf_to_kiln(model_cfg, tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
             raise KilnError(
                 f"tensor {t.name!r} has shape {list(w.shape)}, but config.json implies {list(want)}"
             )
+        if t.part is not None:
+            w = w[..., t.part[0] :: t.part[1]]
         items.setdefault(t.path, []).append(from_hf(w, shape, t.n_in, t.order))
     sources = {(t.path, t.index): t.name for t in expected}
     for t in copies:

@@ -207,12 +207,22 @@ class Attention(nnx.Module):
 
         return jax.lax.cond(local, kind(self.window), kind(None), q_BSNH, k_BTKH, v_BTKH, sinks_N)
 
-    def _qkv(self, x_BSD, positions_BS, local=False):
-        """Queries [B,S,N,H], keys and values [B,S,K,H] of x, normed (if configured) and rotated."""
+    def _projections(self, x_BSD):
+        """Queries [B,S,N,H], keys and values [B,S,K,H]: x's projections (a family may add
+        biases)."""
         dt = self.dtype
         q_BSNH = project("BSD,DNH->BSNH", x_BSD, self.wq[...].astype(dt))
         k_BTKH = project("BSD,DKH->BSKH", x_BSD, self.wk[...].astype(dt))
         v_BTKH = project("BSD,DKH->BSKH", x_BSD, self.wv[...].astype(dt))
+        return q_BSNH, k_BTKH, v_BTKH
+
+    def _output(self, out_BSNH):
+        """The heads' output projected to [B,S,D] (a family may add a bias)."""
+        return project("BSNH,NHD->BSD", out_BSNH, self.wo[...].astype(self.dtype))
+
+    def _qkv(self, x_BSD, positions_BS, local=False):
+        """Queries [B,S,N,H], keys and values [B,S,K,H] of x, normed (if configured) and rotated."""
+        q_BSNH, k_BTKH, v_BTKH = self._projections(x_BSD)
         q_BSNH = checkpoint_name(q_BSNH, "q_proj")
         k_BTKH = checkpoint_name(k_BTKH, "k_proj")
         v_BTKH = checkpoint_name(v_BTKH, "v_proj")
@@ -225,8 +235,7 @@ class Attention(nnx.Module):
 
     def _out(self, out_BSNH):
         out_BSNH = checkpoint_name(constrain(out_BSNH, _HEADS), "attn_out")
-        out_BSD = project("BSNH,NHD->BSD", out_BSNH, self.wo[...].astype(self.dtype))
-        return checkpoint_name(out_BSD, "out_proj")
+        return checkpoint_name(self._output(out_BSNH), "out_proj")
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS, local=False):
         """`local`: a sliding_attention layer (a bool, or traced in a stack of both kinds)."""

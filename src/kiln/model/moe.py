@@ -59,10 +59,11 @@ _EXPERT_OUT = ("experts", "mlp", "embed")
 # Routing
 
 
-def route(x_BSD, router_DE, bias_E, moe):
+def route(x_BSD, router_DE, bias_E, moe, router_bias_E=None):
     """(experts [B,S,K] int32, weights [B,S,K], probabilities [B,S,E], logits [B,S,E]), float32.
 
-    scores = softmax(x W_router), or sigmoid(x W_router) with `moe.score: sigmoid`; the top
+    logits = x W_router, plus `router_bias_E` (a learned bias, GPT-OSS's) when given; scores =
+    softmax(logits), or sigmoid(logits) with `moe.score: sigmoid`; the top
     `moe.experts_per_token` of scores + bias choose the experts (`bias_E` None = no bias),
     within the `moe.topk_group` best of `moe.n_group` groups (a group's worth: the sum of its
     two best biased scores), and the unbiased scores of the chosen ones weight them, divided by
@@ -70,6 +71,8 @@ def route(x_BSD, router_DE, bias_E, moe):
     ones normalised over the experts), for the load-balance loss.
     """
     logits_BSE = jnp.einsum("BSD,DE->BSE", x_BSD.astype(jnp.float32), router_DE.astype(jnp.float32))
+    if router_bias_E is not None:
+        logits_BSE = logits_BSE + router_bias_E.astype(jnp.float32)
     sigmoid = moe.score == "sigmoid"
     if sigmoid:
         scores_BSE = jax.nn.sigmoid(logits_BSE)
@@ -144,23 +147,44 @@ def expert_layout(e_A, num_experts: int, cap: int | None):
 
 # ---------------------------------------------------------------------------------------------
 # Grouped matmuls: rows grouped by expert (sizes_E rows each, the rest unused) through their
-# experts' SwiGLU MLPs
+# experts' gated MLPs, act(x W_gate + b_gate, x W_up + b_up) W_down + b_down: the biases
+# (`biases` = b_gate [E,F], b_up [E,F], b_down [E,D]) only when given, act SwiGLU's by default.
+
+
+class ExpertWeights(NamedTuple):
+    """The routed experts' parameters, [E, ...] each: the gate and up projections [E,D,F],
+    the down projection [E,F,D], and their biases [E,F], [E,F], [E,D] (None: no biases)."""
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+    gate_bias: jax.Array | None = None
+    up_bias: jax.Array | None = None
+    down_bias: jax.Array | None = None
 
 
 def _swiglu(gate, up):
     return jax.nn.silu(gate) * up
 
 
-def ragged_rows(xs_RD, sizes_E, w_gate, w_up, w_down):
+def ragged_rows(xs_RD, sizes_E, w_gate, w_up, w_down, *, biases=None, act=_swiglu):
     """`jax.lax.ragged_dot` over the groups: the grouped matmul TPU runs natively (its compiled
     HLO has ragged-dot kernels, `benchmarks/moe.py --tpu-topology`). Rows past the groups are
     never read."""
-    gate = checkpoint_name(jax.lax.ragged_dot(xs_RD, w_gate, sizes_E), "mlp_gate")
-    up = checkpoint_name(jax.lax.ragged_dot(xs_RD, w_up, sizes_E), "mlp_up")
-    return jax.lax.ragged_dot(_swiglu(gate, up), w_down, sizes_E)
+    gate = jax.lax.ragged_dot(xs_RD, w_gate, sizes_E)
+    up = jax.lax.ragged_dot(xs_RD, w_up, sizes_E)
+    if biases is not None:  # each row's expert's
+        r = jnp.arange(xs_RD.shape[0], dtype=jnp.int32)
+        e_R = jnp.minimum(_group_of(jnp.cumsum(sizes_E), r), sizes_E.shape[0] - 1)
+        gate, up = gate + biases[0][e_R], up + biases[1][e_R]
+    gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
+    ys_RD = jax.lax.ragged_dot(act(gate, up), w_down, sizes_E)
+    return ys_RD if biases is None else ys_RD + biases[2][e_R]
 
 
-def blocked_rows(xs_RD, sizes_E, w_gate, w_up, w_down, block: int | None = None):
+def blocked_rows(
+    xs_RD, sizes_E, w_gate, w_up, w_down, block: int | None = None, *, biases=None, act=_swiglu
+):
     """Each group padded to whole blocks of `block` rows, each block multiplied by its
     expert's weights (a batched matmul); rows past the groups give 0. Exact; the padding adds
     at most E * (block - 1) rows, which the default block keeps near 1/8 of the rows. XLA's
@@ -189,10 +213,21 @@ def blocked_rows(xs_RD, sizes_E, w_gate, w_up, w_down, block: int | None = None)
     dst_R = jnp.where(e_R < num_experts, pstart_E[e_Rs] + r - gstart_E[e_Rs], blocks * block)
     xs_NbD = take_rows(xs_RD, src_U, dst_R).reshape(blocks, block, d)
     expert_N = jnp.minimum(_group_of(pend_E, u[::block]), num_experts - 1)
-    gate = checkpoint_name(jnp.einsum("NbD,NDF->NbF", xs_NbD, w_gate[expert_N]), "mlp_gate")
-    up = checkpoint_name(jnp.einsum("NbD,NDF->NbF", xs_NbD, w_up[expert_N]), "mlp_up")
-    ys_NbD = jnp.einsum("NbF,NFD->NbD", _swiglu(gate, up), w_down[expert_N])
+    gate = jnp.einsum("NbD,NDF->NbF", xs_NbD, w_gate[expert_N])
+    up = jnp.einsum("NbD,NDF->NbF", xs_NbD, w_up[expert_N])
+    if biases is not None:  # each block's expert's
+        gate, up = gate + biases[0][expert_N, None], up + biases[1][expert_N, None]
+    gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
+    ys_NbD = jnp.einsum("NbF,NFD->NbD", act(gate, up), w_down[expert_N])
+    if biases is not None:
+        ys_NbD = ys_NbD + biases[2][expert_N, None]
     return take_rows(ys_NbD.reshape(blocks * block, d), dst_R, src_U)
+
+
+def _run_rows(rows, xs_RD, sizes_E, weights: ExpertWeights):
+    """`rows` (a grouped matmul) over the groups with the experts' weights and biases."""
+    biases = None if weights.gate_bias is None else weights[3:]
+    return rows(xs_RD, sizes_E, *weights[:3], biases=biases)
 
 
 GROUPED_MATMULS = {"ragged_dot": ragged_rows, "blocked": blocked_rows}
@@ -239,7 +274,7 @@ class ExpertAxis(NamedTuple):
     native: bool
 
 
-def dispatch(x_TD, e_TK, real_TK, w_gate, w_up, w_down, *, rows, num_experts, cap, experts):
+def dispatch(x_TD, e_TK, real_TK, weights: ExpertWeights, *, rows, num_experts, cap, experts):
     """(outputs [T,K,D] of each assignment, 0 if dropped; the real assignments dropped).
 
     Token t's j-th choice e_TK[t, j] is assignment a = j·T + t: first choices before second
@@ -252,11 +287,10 @@ def dispatch(x_TD, e_TK, real_TK, w_gate, w_up, w_down, *, rows, num_experts, ca
     t, k = e_TK.shape
     e_A = jnp.where(real_TK, e_TK, num_experts).T.reshape(-1)
     src_C, slot_A, kept_E, dropped = expert_layout(e_A, num_experts, cap)
-    weights = (w_gate, w_up, w_down)
     a = t * k
     x_CD = take_copies(x_TD, jnp.where(src_C < a, src_C % t, t), slot_A.reshape(k, t))
     if experts is None:
-        y_CD = rows(x_CD, kept_E, *weights)
+        y_CD = _run_rows(rows, x_CD, kept_E, weights)
     else:
         y_CD, lost = _expert_parallel(x_CD, kept_E, weights, rows, experts)
         dropped = dropped + lost
@@ -323,7 +357,7 @@ def _expert_parallel(x_CD, kept_E, weights, rows, experts: ExpertAxis):
         s_r < shards, gstart_L[l_r] + from_PL[s_rs, l_r] + q_r - before_PL[s_rs, l_r], buffer
     )
     xs_MD = take_rows(recv_MD, recv_of, group_of)
-    ys_MD = rows(xs_MD, sizes_L, *weights)
+    ys_MD = _run_rows(rows, xs_MD, sizes_L, weights)
     y_MD = take_rows(ys_MD, group_of, recv_of)
     return ragged_exchange(y_MD, plan.reverse(), x_CD.shape[0], axis, native), lost
 
@@ -362,14 +396,29 @@ class MoeMlp(nnx.Module):
     def __call__(self, h_BSD, segment_ids_BS) -> tuple[jax.Array, dict[str, jax.Array]]:
         moe, dt = self.moe, self.dtype
         bias = None if self.bias is None else self.bias[...]
-        experts_BSK, weights_BSK, probs_BSE, logits_BSE = route(h_BSD, self.router[...], bias, moe)
-        weights = tuple(w[...] for w in (self.w_gate, self.w_up, self.w_down))
+        experts_BSK, weights_BSK, probs_BSE, logits_BSE = route(
+            h_BSD, self.router[...], bias, moe, self._router_bias()
+        )
         real_BS = segment_ids_BS > 0
-        y_BSD, dropped = routed(h_BSD, experts_BSK, weights_BSK, real_BS, weights, moe, dt)
+        y_BSD, dropped = routed(
+            h_BSD, experts_BSK, weights_BSK, real_BS, self._experts(), moe, dt, self._act()
+        )
         if self.shared is not None:
             y_BSD = y_BSD + self.shared(h_BSD)
         y_BSD = checkpoint_name(y_BSD, "mlp_out")
         return y_BSD, self._aux(segment_ids_BS, experts_BSK, probs_BSE, logits_BSE, dropped)
+
+    def _router_bias(self) -> jax.Array | None:
+        """The router's learned bias [E] on its logits (none here; a family may add one)."""
+        return None
+
+    def _experts(self) -> ExpertWeights:
+        """The routed experts' parameters (a family with expert biases adds them)."""
+        return ExpertWeights(self.w_gate[...], self.w_up[...], self.w_down[...])
+
+    def _act(self):
+        """The experts' gate: act(gate, up) -> the hidden units (SwiGLU's here)."""
+        return _swiglu
 
     def _aux(self, segment_ids_BS, experts_BSK, probs_BSE, logits_BSE, dropped):
         """float32 sums over this call's tokens (padding, segment id 0, excluded)."""
@@ -393,11 +442,12 @@ class MoeMlp(nnx.Module):
         return aux
 
 
-def routed(h_BSD, experts_BSK, weights_BSK, real_BS, weights, moe, dtype):
+def routed(h_BSD, experts_BSK, weights_BSK, real_BS, weights, moe, dtype, act=_swiglu):
     """(sum over each token's experts of weight * expert(token) [B,S,D], real tokens'
     assignments dropped for a capacity or the receive buffer, or None when nothing can be
     dropped), on this device or in `shard_map` over the mesh. Padding (`real_BS` False) is not
-    routed: its output is 0 and it takes no capacity.
+    routed: its output is 0 and it takes no capacity. `weights`: an `ExpertWeights` (or the
+    gate, up and down projections), `act` the experts' gate (`ragged_rows`).
 
     On a mesh the experts are split over the `experts` rule's axis (`_expert_parallel`). With
     `moe.expert_tensor_parallel` and the `mlp` rule's axis (tensor) splitting the tokens, the
@@ -411,14 +461,15 @@ def routed(h_BSD, experts_BSK, weights_BSK, real_BS, weights, moe, dtype):
     then they are cast inside, so their gradients leave `shard_map`, and are summed across
     devices, in the parameters' dtype.
     """
-    rows = GROUPED_MATMULS[grouped_matmul(moe.grouped_matmul)]
+    rows = functools.partial(GROUPED_MATMULS[grouped_matmul(moe.grouped_matmul)], act=act)
     reduce = current_reduce_dtype()
     inside = reduce is not None and reduce != jnp.dtype(dtype)
+    weights = ExpertWeights(*weights)
     if not inside:
-        weights = tuple(w.astype(dtype) for w in weights)
+        weights = ExpertWeights(*(None if w is None else w.astype(dtype) for w in weights))
     counted = moe.capacity_factor is not None or moe.buffer_factor is not None
 
-    def local(h_BSD, experts_BSK, weights_BSK, real_BS, *ws, axis, count_axes, tensor):
+    def local(h_BSD, experts_BSK, weights_BSK, real_BS, ws, *, axis, count_axes, tensor):
         tensor_axis, tensor_dim = tensor
         if tensor_axis is not None:  # the tensor group's tokens, for its slices of the experts
             gather = functools.partial(
@@ -435,11 +486,16 @@ def routed(h_BSD, experts_BSK, weights_BSK, real_BS, weights, moe, dtype):
             shards = jax.lax.axis_size(axis)
             buffer = receive_rows(b * s, k, moe.num_experts, shards, cap, moe.buffer_factor)
             experts = ExpertAxis(axis, buffer, traced_platform() in NATIVE_RAGGED)
+        ws = ExpertWeights(*(None if w is None else w.astype(dtype) for w in ws))
+        if tensor_axis is not None and ws.down_bias is not None:
+            # The devices' partial sums over their slices of d_ff add up: one holds the bias.
+            first = jax.lax.axis_index(tensor_axis) == 0
+            ws = ws._replace(down_bias=jnp.where(first, ws.down_bias, 0))
         y_TKD, dropped = dispatch(
             h_BSD.reshape(b * s, d),
             experts_BSK.reshape(b * s, k),
             jnp.broadcast_to(real_BS.reshape(b * s, 1), (b * s, k)),
-            *(w.astype(dtype) for w in ws),
+            ws,
             rows=rows,
             num_experts=moe.num_experts,
             cap=cap,
@@ -463,7 +519,7 @@ def routed(h_BSD, experts_BSK, weights_BSK, real_BS, weights, moe, dtype):
             experts_BSK,
             weights_BSK,
             real_BS,
-            *weights,
+            weights,
             axis=None,
             count_axes=(),
             tensor=(None, 0),
@@ -487,17 +543,22 @@ def routed(h_BSD, experts_BSK, weights_BSK, real_BS, weights, moe, dtype):
     tensor = _expert_tensor_axis(moe, mesh, rules, tokens, axis)
     w_in = PartitionSpec(axis, None, tensor[0])
     w_out = PartitionSpec(axis, tensor[0], None)
+    b_in, b_out = PartitionSpec(axis, tensor[0]), PartitionSpec(axis, None)
+    # The specs of the weights there are (the biases' only with biases).
+    w_specs = [
+        spec
+        for spec, w in zip((w_in, w_in, w_out, b_in, b_in, b_out), weights, strict=True)
+        if w is not None
+    ]
     count_axes = tuple(a for a in token_axes if a != tensor[0])
 
-    def per_device(h_BSD, experts_BSK, weights_BSK, real_BS, w_gate, w_up, w_down):
+    def per_device(h_BSD, experts_BSK, weights_BSK, real_BS, *ws):
         return local(
             h_BSD,
             experts_BSK,
             weights_BSK,
             real_BS,
-            w_gate,
-            w_up,
-            w_down,
+            ExpertWeights(*ws),
             axis=axis,
             count_axes=count_axes,
             tensor=tensor,
@@ -506,10 +567,10 @@ def routed(h_BSD, experts_BSK, weights_BSK, real_BS, weights, moe, dtype):
     return jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(tokens, tokens, tokens, PartitionSpec(*tokens[:2]), w_in, w_in, w_out),
+        in_specs=(tokens, tokens, tokens, PartitionSpec(*tokens[:2]), *w_specs),
         out_specs=(tokens, PartitionSpec() if counted else None),
         check_vma=False,
-    )(h_BSD, experts_BSK, weights_BSK, real_BS, *weights)
+    )(h_BSD, experts_BSK, weights_BSK, real_BS, *(w for w in weights if w is not None))
 
 
 def _expert_tensor_axis(moe, mesh, rules, tokens, expert_axis) -> tuple[str | None, int]:
@@ -648,7 +709,7 @@ class MoeTransformer(Transformer):
         return (m.num_layers - moe.first_dense_layers) * idle
 
 
-__all__ = ["MoeTransformer", "route", "routed"]
+__all__ = ["ExpertWeights", "MoeTransformer", "route", "routed"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -682,34 +743,8 @@ class MoeHF(LlamaHF):
 
     def check_exportable(self, m, kind: str) -> None:
         super().check_exportable(m, kind)
-        moe, name = m.moe, self.architectures[kind]
-        if moe.balance == "aux_free":
-            raise export_error(
-                "model.moe.balance",
-                moe.balance,
-                f"Hugging Face {name} chooses experts without a routing bias",
-                "model.moe.balance=aux_loss",
-            )
-        routing = (
-            ("score", moe.score, "softmax"),
-            ("n_group", moe.n_group, 1),
-            ("routed_scaling_factor", moe.routed_scaling_factor, 1.0),
-        )
-        for field, value, plain in routing:
-            if value != plain:
-                raise export_error(
-                    f"model.moe.{field}",
-                    value,
-                    f"Hugging Face {name} routes by a softmax over every expert, unscaled",
-                    f"model.moe.{field}={plain}",
-                )
-        if moe.num_shared_experts:
-            raise export_error(
-                "model.moe.num_shared_experts",
-                moe.num_shared_experts,
-                f"Hugging Face {name} has no shared experts",
-                "model.moe.num_shared_experts=0",
-            )
+        moe = m.moe
+        check_routing(moe, self.architectures[kind])
         if kind == "mixtral" and moe.first_dense_layers:
             raise export_error(
                 "model.moe.first_dense_layers",
@@ -791,6 +826,38 @@ class MoeHF(LlamaHF):
         moe = m.moe
         text = f", {moe.num_experts} experts (top {moe.experts_per_token})"
         return text + (f" after {moe.first_dense_layers} dense" if moe.first_dense_layers else "")
+
+
+def check_routing(moe, name: str) -> None:
+    """KilnError naming the field unless Hugging Face's `name` routes as model.moe does: by a
+    softmax over every expert, unscaled, without a routing bias or shared experts."""
+    if moe.balance == "aux_free":
+        raise export_error(
+            "model.moe.balance",
+            moe.balance,
+            f"Hugging Face {name} chooses experts without a routing bias",
+            "model.moe.balance=aux_loss",
+        )
+    routing = (
+        ("score", moe.score, "softmax"),
+        ("n_group", moe.n_group, 1),
+        ("routed_scaling_factor", moe.routed_scaling_factor, 1.0),
+    )
+    for field, value, plain in routing:
+        if value != plain:
+            raise export_error(
+                f"model.moe.{field}",
+                value,
+                f"Hugging Face {name} routes by a softmax over every expert, unscaled",
+                f"model.moe.{field}={plain}",
+            )
+    if moe.num_shared_experts:
+        raise export_error(
+            "model.moe.num_shared_experts",
+            moe.num_shared_experts,
+            f"Hugging Face {name} has no shared experts",
+            "model.moe.num_shared_experts=0",
+        )
 
 
 def _moe_section(hf, path, kind: str) -> dict:

@@ -57,7 +57,7 @@ def yarn_settings(yarn) -> tuple[float, ...] | None:
 
 
 def rope_frequencies(
-    dim: int, theta: float, yarn: tuple[float, ...] | None
+    dim: int, theta: float, yarn: tuple[float, ...] | None, truncate: bool = True
 ) -> tuple[np.ndarray, float]:
     """(inverse frequencies [dim/2] float32, the factor on cos and sin) of the rotary part.
 
@@ -65,7 +65,8 @@ def rope_frequencies(
     beta_slow, mscale, mscale_all_dim), YaRN as Hugging Face computes it:
     the frequencies that turn fewer than beta_slow times over the original context are
     divided by factor, those that turn more than beta_fast times are kept, a linear ramp
-    between (its ends rounded outwards); cos and sin are scaled by
+    between (its ends rounded outwards when `truncate`, as DeepSeek-V3's; GPT-OSS's are not);
+    cos and sin are scaled by
     mscale(factor, mscale) / mscale(factor, mscale_all_dim), or mscale(factor, 1) when either
     is 0.
     """
@@ -77,8 +78,10 @@ def rope_frequencies(
     def correction_dim(rotations: float) -> float:
         return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
     ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
@@ -103,7 +106,8 @@ def softmax_scale(cfg: ModelConfig) -> float:
 
 def rotate(x_BSNP, positions_BS, settings):
     """Rotary embedding in the rotate-half layout (pairs i and i + P/2) at `settings` (width,
-    theta, yarn; cos and sin times YaRN's factor); float32 inside. (DeepSeek's checkpoints pair columns 2i and 2i+1: the Hugging
+    theta, yarn and optionally truncate, as `rope_frequencies` reads them; cos and sin times
+    YaRN's factor); float32 inside. (DeepSeek's checkpoints pair columns 2i and 2i+1: the Hugging
     Face format permutes those columns of the projections on import and back on export.)"""
     freq_h, factor = rope_frequencies(*settings)
     angle_BSh = positions_BS[..., None].astype(jnp.float32) * jnp.asarray(freq_h)
