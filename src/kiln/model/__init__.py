@@ -7,7 +7,8 @@ and the size summary never name a concrete class.
 Modules: `interface` (`LanguageModel`, `ModelOutput`, `KVCache`), `llama` (the decoder-only
 Transformer, and Llama/Qwen3 on Hugging Face), `moe` (llama's blocks with routed experts, and
 Qwen3-MoE/Mixtral), `gemma3` (llama's stack with Gemma 3's norms, GeGLU and scales, and
-Gemma3ForCausalLM), the package `deepseek` (DeepSeek-V3), `attention` (XLA, cuDNN and Pallas
+Gemma3ForCausalLM), `gpt_oss` (llama's attention with biases and sinks over the `moe` family's
+experts with biases, and GptOssForCausalLM), the package `deepseek` (DeepSeek-V3), `attention` (XLA, cuDNN and Pallas
 attention kernels behind one call), `project` (projections with their gradient-reduction
 dtype), `student` (the distillation student's extra parameters), `hf` (what every family's
 Hugging Face format shares), `interop` (config.json and state dicts through each family's
@@ -38,6 +39,7 @@ from kiln.config.axes import entry_axes
 from kiln.errors import KilnError
 from kiln.model.deepseek import DeepseekHF, DeepseekTransformer
 from kiln.model.gemma3 import Gemma3HF, Gemma3Transformer
+from kiln.model.gpt_oss import GptOssHF, GptOssTransformer
 from kiln.model.hf import HFFormat
 from kiln.model.interface import DTYPES, KVCache, LanguageModel, ModelOutput, logits_dtype
 from kiln.model.llama import LlamaHF, Transformer
@@ -69,6 +71,7 @@ FAMILIES: dict[str, Family] = {
     "moe": Family(MoeTransformer, MoeHF()),
     "deepseek": Family(DeepseekTransformer, DeepseekHF()),
     "gemma3": Family(Gemma3Transformer, Gemma3HF()),
+    "gpt_oss": Family(GptOssTransformer, GptOssHF()),
 }
 
 

@@ -164,7 +164,9 @@ def common_section(hf: Mapping[str, Any], path: Path, param_dtype: str) -> dict[
         raise unsupported(path, "hidden_act", hf["hidden_act"], "'silu' (SwiGLU)")
     for field in ("attention_bias", "mlp_bias"):
         if hf.get(field, False):
-            raise unsupported(path, field, hf[field], "false (kiln has no biases)")
+            raise unsupported(
+                path, field, hf[field], "false (of the families, only gpt_oss holds biases)"
+            )
     theta, scaling = rope(hf, path)
     heads = require(hf, "num_attention_heads", path)
     d_model = require(hf, "hidden_size", path)

@@ -136,7 +136,7 @@ def hf_to_kiln(model_cfg, tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
         raise KilnError(
             f"unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all); the "
             f"{architectures()[model_type(model_cfg)]} config.json describes has no such tensor "
-            "(kiln holds no biases)"
+            "(of the families, only gpt_oss holds biases)"
         )
     items: dict[tuple[str, ...], list[np.ndarray]] = {}
     for t in expected:

@@ -291,6 +291,53 @@ class Gemma3Config(Section):
     )
 
 
+class GptOssYarnConfig(YarnConfig):
+    """GPT-OSS's YaRN: DeepSeek-V3's rescaling with its own defaults, the ramp's ends as
+    computed (truncate: false), and no change to the softmax scale."""
+
+    factor: float = Field(
+        32.0, gt=0, allow_inf_nan=False, description="How much the context is extended."
+    )
+    mscale: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="With mscale_all_dim: the rotary cos/sin are scaled by (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) + 1); 0 (GPT-OSS) = by 0.1 ln(factor) + 1.",
+    )
+    mscale_all_dim: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="See mscale; 0 = not given (GPT-OSS). The softmax scale stays 1/sqrt(head_dim).",
+    )
+    truncate: bool = Field(
+        False,
+        description="Round the ends of the ramp between kept and interpolated frequencies outwards to whole dimensions (Hugging Face's default when absent); GPT-OSS: false.",
+    )
+
+
+class GptOssConfig(Section):
+    """The `gpt_oss` family's own numbers (docs/gpt-oss.md); its routed experts are model.moe,
+    its sinks model.attention_sinks, its sliding-window layers model.layer_types."""
+
+    swiglu_alpha: float = Field(
+        1.702,
+        gt=0,
+        allow_inf_nan=False,
+        description="The experts' gate is gate * sigmoid(swiglu_alpha * gate) (Hugging Face's swiglu_alpha).",
+    )
+    swiglu_limit: float = Field(
+        7.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Before the gate, the gate projection is clipped above at swiglu_limit and the up projection to [-swiglu_limit, swiglu_limit] (Hugging Face's swiglu_limit).",
+    )
+    yarn: GptOssYarnConfig | None = Field(
+        default_factory=GptOssYarnConfig,
+        description="The rotary frequencies' YaRN rescaling in every layer (factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim, truncate; GPT-OSS: 32, 4096, 32, 1, 0, 0, false); null = plain rotary frequencies.",
+    )
+
+
 # model.family -> the sections of ModelConfig it reads besides the shared fields (a family may
 # read another's: one with routed experts reads `moe`). kiln.model.FAMILIES holds the
 # implementations under the same names.
@@ -299,6 +346,7 @@ FAMILY_SECTIONS: dict[str, tuple[str, ...]] = {
     "moe": ("moe",),
     "deepseek": ("moe", "deepseek"),
     "gemma3": ("gemma3",),
+    "gpt_oss": ("moe", "gpt_oss"),
 }
 FAMILY_HELP = {
     "llama": "pre-norm RMSNorm blocks, grouped-query attention with rotary embeddings, SwiGLU MLP",
@@ -308,6 +356,8 @@ FAMILY_HELP = {
     "gemma3": "Gemma 3 (text): llama's attention with per-head query/key norms, four (1 + w) "
     "RMSNorms per block, a GeGLU MLP, embeddings times sqrt(d_model), scores scaled by "
     "model.gemma3.query_pre_attn_scalar",
+    "gpt_oss": "GPT-OSS: llama's attention with biases, sinks (model.attention_sinks) and YaRN "
+    "rope (model.gpt_oss.yarn), routed experts (model.moe) with biases and a clamped SwiGLU",
 }
 # model.attention -> what the kernel is; kiln.model.attention.IMPLEMENTATIONS holds the kernels
 # under the same names, and `auto` chooses among them per platform.
@@ -456,6 +506,10 @@ class ModelConfig(Section):
         None,
         description="family: gemma3 only: query_pre_attn_scalar (see docs/gemma3.md); null with family gemma3 = the defaults.",
     )
+    gpt_oss: GptOssConfig | None = Field(
+        None,
+        description="family: gpt_oss only: the experts' clamped SwiGLU and the YaRN rope (swiglu_alpha, swiglu_limit, yarn; see docs/gpt-oss.md); null with family gpt_oss = the defaults.",
+    )
 
     @pydantic.field_validator("family")
     @classmethod
@@ -567,6 +621,27 @@ class ModelConfig(Section):
                 "model.qk_norm is false with model.family gemma3; allowed: true (Gemma 3 "
                 "normalises every query and key head)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _gpt_oss(self) -> ModelConfig:
+        # GPT-OSS: sinks in every attention, routed experts in every layer, YaRN in its section.
+        if self.family != "gpt_oss":
+            return self
+        moe = self.moe
+        given = (
+            ("attention_sinks", self.attention_sinks, True, "true (every GPT-OSS head has a sink)"),
+            ("qk_norm", self.qk_norm, False, "false"),
+            ("rope_scaling", self.rope_scaling, None, "null (use model.gpt_oss.yarn)"),
+            ("local_rope_theta", self.local_rope_theta, None, "null (one rotary in every layer)"),
+            ("moe.first_dense_layers", moe.first_dense_layers, 0, "0 (experts in every layer)"),
+            ("moe.num_shared_experts", moe.num_shared_experts, 0, "0"),
+        )
+        for field, value, want, allowed in given:
+            if value != want:
+                raise ValueError(
+                    f"model.{field} is {value} with model.family gpt_oss; allowed: {allowed}"
+                )
         return self
 
     @model_validator(mode="before")
