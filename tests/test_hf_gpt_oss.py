@@ -163,6 +163,21 @@ def test_import_matches_transformers_and_round_trips_bitwise(hf_dir, hf_model, i
     np.testing.assert_allclose(logits_of(load_hf(out), inputs), ours, atol=TOL, rtol=0)
 
 
+def test_the_hubs_config_form_imports_as_the_same_model(hf_dir, imported, tmp_path):
+    """The Hub's GPT-OSS config.json files give rope_theta and a legacy rope_scaling instead of
+    rope_parameters; without layer_types, GptOssConfig's default (even layers sliding) is this
+    model's."""
+    raw = json.loads((hf_dir / "config.json").read_text())
+    legacy = {k: v for k, v in raw.items() if k not in ("rope_parameters", "layer_types")}
+    scaling = {k: v for k, v in ROPE.items() if k != "rope_theta"}
+    legacy |= {"rope_theta": ROPE["rope_theta"], "rope_scaling": scaling}
+    src = edited_copy(hf_dir, tmp_path / "legacy")
+    (src / "config.json").write_text(json.dumps(legacy))
+    run_dir = tmp_path / "run"
+    assert main(["import-hf", str(src), "--out", str(run_dir)]) == 0
+    assert load_config(run_dir / "config.yaml").model == load_config(imported / "config.yaml").model
+
+
 def test_greedy_generate_past_the_window_matches_transformers(hf_model, imported, tmp_path):
     """kiln generate's cache (the sliding layers mask all but their window) and transformers':
     the same tokens over prompts plus 12 new tokens, longer than the window."""
