@@ -67,6 +67,8 @@ MOE_CANARY = (
 B1 = "configs/models/llama3-1b.yaml"
 B8 = "configs/models/llama3-8b.yaml"
 B8_128K = "configs/models/llama3-8b-128k.yaml"
+GEMMA3_1B = "configs/models/gemma3-1b.yaml"
+GPT_OSS_20B = "configs/models/gpt-oss-20b.yaml"
 QWEN = "configs/models/qwen3-30b-a3b.yaml"
 DEEPSEEK = "configs/models/deepseek-v3-671b.yaml"
 TINY = "configs/tiny.yaml"
@@ -153,6 +155,15 @@ ENTRIES = {
         tpu=True,
     ),
     "8b-128k-v5p-16": Entry(("compile", B8_128K, "--topology", "v5p-16"), canary=True, tpu=True),
+    "gemma3-1b-v5e-8": Entry(
+        ("compile", GEMMA3_1B, "--topology", "v5e-8"),
+        canary=True,
+        tpu=True,
+        cut=(*CANARY, "model.layer_types=[sliding_attention,full_attention]"),  # both kinds
+    ),
+    "gpt-oss-20b-v5p-64": Entry(
+        ("compile", GPT_OSS_20B, "--topology", "v5p-64"), canary=True, tpu=True, cut=MOE_CANARY
+    ),
     "1b": Entry(("compile", B1, "--devices", "8"), canary=True),
     "1b-summary": Entry(SUMMARY_1B, derived=True),
     "1b-2-layers": Entry(("compile", B1, "--devices", "8", "model.num_layers=2"), canary=True),
