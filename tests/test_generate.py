@@ -37,8 +37,8 @@ def full_forward_logits(model, rows):
     return np.asarray(forward(x, positions, segment_ids))
 
 
-# A sliding window shorter than the prompts, between full layers, with sinks: the cache keeps
-# every slot and a sliding layer masks those before its window.
+# A sliding window shorter than the prompts, between full layers, with sinks: the sliding
+# layer's cache keeps its last 4 slots only (a rolling cache), the full layer's every slot.
 WINDOW = dict(
     sliding_window=4,
     layer_types=["sliding_attention", "full_attention"],
@@ -49,8 +49,8 @@ WINDOW = dict(
 
 @pytest.mark.parametrize(
     ("mesh", "extra"),
-    [(None, {}), (dict(fsdp=4, tensor=2), {}), (None, WINDOW)],
-    ids=["one_device", "fsdp4_tensor2", "window_sinks"],
+    [(None, {}), (dict(fsdp=4, tensor=2), WINDOW), (None, WINDOW)],
+    ids=["one_device", "fsdp4_tensor2-window_sinks", "window_sinks"],
 )
 def test_cache_decode_logits_equal_full_forward(mesh, extra):
     config = make_config(
@@ -99,6 +99,21 @@ def test_cache_decode_logits_equal_full_forward(mesh, extra):
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert len(again.tokens[0]) == n and compiles == []
+
+
+def test_sliding_layers_keep_only_their_window_in_the_cache():
+    """A cache longer than the window holds the sliding layer's last W slots and the full
+    layer's every slot; shorter, every layer's every slot. The summary says so."""
+    config = make_config(model=dict(MODEL, max_seq_len=32, **WINDOW), data=dict(seq_len=16))
+    model = create_model(config, None, seed=0)
+    cache = jax.eval_shape(lambda: model.init_cache(3, 20))
+    assert cache.k.shape[:3] == (1, 3, 20) and cache.local_k.shape[:3] == (1, 3, 4)
+    short = jax.eval_shape(lambda: model.init_cache(3, 4))
+    assert short.k.shape[:3] == (2, 3, 4) and short.local_k is None
+    per_token, what = model.cache_bytes_per_token()
+    assert per_token == 2 * 2 * 2 * 8 * 4  # every layer until the window is full
+    assert "of them, 1 sliding_attention keep their last 4 tokens only, 512 bytes" in what
+    assert "so 128 bytes per token after that" in what
 
 
 def test_sampling_against_numpy():

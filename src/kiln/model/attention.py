@@ -137,19 +137,32 @@ def dense_attention(
 
 
 def cached_attention(
-    q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, segment_ids_BT, index, *, window=None, sinks_N=None
+    q_BSNH,
+    k_BTKH,
+    v_BTKH,
+    segment_ids_BS,
+    segment_ids_BT,
+    index,
+    *,
+    window=None,
+    sinks_N=None,
+    slots_T=None,
 ):
     """S new query rows at cache slots index..index+S-1 over a cache of T slots (decoding).
 
     Slot t is visible to the row at slot i when t <= i (and i - t < window) and their segment
     ids are equal: empty slots and padding (segment 0) are never seen by real tokens, so rows
     of different prompt lengths in one left-padded batch each attend to their own prompt only.
+    `slots_T`: the slot of each key when the keys are not slots 0..T-1 in order (a rolling
+    cache's ring, then the new tokens).
     """
     b, s, n, h = q_BSNH.shape
     k = k_BTKH.shape[2]
     idx_S = index + jnp.arange(s)
     q_BSKGH = q_BSNH.reshape(b, s, k, n // k, h)
-    out = _rows(q_BSKGH, idx_S, segment_ids_BS, k_BTKH, v_BTKH, segment_ids_BT, window, sinks_N)
+    out = _rows(
+        q_BSKGH, idx_S, segment_ids_BS, k_BTKH, v_BTKH, segment_ids_BT, window, sinks_N, slots_T
+    )
     return out.reshape(b, s, n, v_BTKH.shape[-1])
 
 

@@ -56,11 +56,28 @@ class KVCache(NamedTuple):
 
     k, v: [L,B,T,K,H] in the compute dtype; segment_ids [B,T] int32 (0 = empty slot or
     padding, which real tokens never attend to); index: int32 scalar, the next slot to write.
+    With sliding-window layers whose window W is shorter than T, `k` and `v` hold the other
+    layers only and `local_k`, `local_v` [L_local,B,W,K,H] the sliding layers' last W slots,
+    slot t at t mod W (a rolling cache); None otherwise.
     """
 
     k: jax.Array
     v: jax.Array
     segment_ids: jax.Array
+    index: jax.Array
+    local_k: jax.Array | None = None
+    local_v: jax.Array | None = None
+
+
+class RollingLayer(NamedTuple):
+    """A sliding-window layer's rolling cache as its attention reads it: keys and values
+    [B,W,K,H] of the W slots before `index`, ring position j holding slot `slots[j]` (negative:
+    never written), with those slots' segment ids [B,W] (0 where never written)."""
+
+    k: jax.Array
+    v: jax.Array
+    segment_ids: jax.Array
+    slots: jax.Array
     index: jax.Array
 
 

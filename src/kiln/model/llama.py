@@ -20,7 +20,14 @@ from kiln.errors import KilnError
 from kiln.losses import logits as head_logits
 from kiln.model.attention import attention, cached_attention, causal_attention
 from kiln.model.hf import HFFormat, Tensor, unsupported
-from kiln.model.interface import CACHE_LBTKH, DTYPES, KVCache, ModelOutput, logits_dtype
+from kiln.model.interface import (
+    CACHE_LBTKH,
+    DTYPES,
+    KVCache,
+    ModelOutput,
+    RollingLayer,
+    logits_dtype,
+)
 from kiln.model.project import project
 from kiln.parallel.mesh import constrain
 
@@ -258,9 +265,10 @@ class Attention(nnx.Module):
         """(output, new keys [B,S,K,H], new values) of S new tokens over a layer's cache.
 
         `layer` is (k_BTKH, v_BTKH, segment_ids_BT, index) with the new tokens' segment ids
-        already at slots index.., or None for an empty cache (a prefill: the new tokens
-        attend only to each other, through the blocked XLA attention, which takes any length
-        on any platform). A sliding_attention layer masks the slots before its window.
+        already at slots index.., a `RollingLayer` (a sliding_attention layer's last W slots),
+        or None for an empty cache (a prefill: the new tokens attend only to each other,
+        through the blocked XLA attention, which takes any length on any platform). A
+        sliding_attention layer masks the slots before its window.
         """
         q_BSNH, k_BSKH, v_BSKH = self._qkv(x_BSD, positions_BS, local)
         if layer is None:
@@ -269,6 +277,19 @@ class Attention(nnx.Module):
                 return causal_attention(q, k, v, segment_ids_BS, **masks)
 
             out_BSNH = self._attend(q_BSNH, k_BSKH, v_BSKH, local, fn)
+        elif isinstance(layer, RollingLayer):  # the window's slots, then the new tokens
+            s = x_BSD.shape[1]
+            k_BTKH = jnp.concatenate([layer.k, k_BSKH.astype(layer.k.dtype)], axis=1)
+            v_BTKH = jnp.concatenate([layer.v, v_BSKH.astype(layer.v.dtype)], axis=1)
+            segment_ids_BT = jnp.concatenate([layer.segment_ids, segment_ids_BS], axis=1)
+            slots_T = jnp.concatenate([layer.slots, layer.index + jnp.arange(s)])
+
+            def fn(q, k, v, **masks):
+                return cached_attention(
+                    q, k, v, segment_ids_BS, segment_ids_BT, layer.index, slots_T=slots_T, **masks
+                )
+
+            out_BSNH = self._attend(q_BSNH, k_BTKH, v_BTKH, local, fn)
         else:
             k_BTKH, v_BTKH, segment_ids_BT, index = layer
             at = (0, index, 0, 0)
@@ -509,30 +530,51 @@ class Transformer(nnx.Module):
         return constrain(x_BSD.astype(DTYPES[self.cfg.dtype]), ACT_BSD)
 
     def init_cache(self, batch: int, length: int) -> KVCache:
-        """An empty cache [L,B,length,K,H] in the compute dtype (zeros; index 0)."""
+        """An empty cache [L,B,length,K,H] in the compute dtype (zeros; index 0); with
+        sliding_attention layers whose window W is shorter than `length`, those layers keep
+        their last W slots only (`KVCache.local_k`)."""
         c = self.cfg
-        shape = (c.num_layers, batch, length, c.kv_heads, c.resolved_head_dim)
-        kv = constrain(jnp.zeros(shape, DTYPES[c.dtype]), CACHE_LBTKH)
+        local = sum(c.local_layers()) if c.sliding_window and c.sliding_window < length else 0
+
+        def zeros(layers: int, slots: int):
+            shape = (layers, batch, slots, c.kv_heads, c.resolved_head_dim)
+            return constrain(jnp.zeros(shape, DTYPES[c.dtype]), CACHE_LBTKH)
+
+        kv = zeros(c.num_layers - local, length)
         segment_ids_BT = constrain(jnp.zeros((batch, length), jnp.int32), ("batch", None))
-        return KVCache(kv, kv, segment_ids_BT, jnp.zeros((), jnp.int32))
+        rolling = zeros(local, c.sliding_window) if local else None
+        return KVCache(kv, kv, segment_ids_BT, jnp.zeros((), jnp.int32), rolling, rolling)
 
     def cache_bytes_per_token(self) -> tuple[int, str]:
-        """Keys and values of every layer: 2 x layers x key/value heads x head_dim values."""
+        """Keys and values of every layer: 2 x layers x key/value heads x head_dim values
+        (a sliding_attention layer's only until its window is full: it keeps W tokens)."""
         c = self.cfg
         itemsize = jnp.dtype(DTYPES[c.dtype]).itemsize
+        per_layer = 2 * c.kv_heads * c.resolved_head_dim * itemsize
         what = (
             f"keys and values, {c.num_layers} layers x {c.kv_heads} heads x "
             f"{c.resolved_head_dim}, {c.dtype}"
         )
-        return 2 * c.num_layers * c.kv_heads * c.resolved_head_dim * itemsize, what
+        local = sum(c.local_layers())
+        if not local:
+            return c.num_layers * per_layer, what
+        what += (
+            f"; of them, {local} sliding_attention keep their last {c.sliding_window} tokens "
+            f"only, {local * per_layer * c.sliding_window:,} bytes in all once that many are "
+            f"decoded, so {(c.num_layers - local) * per_layer:,} bytes per token after that"
+        )
+        return c.num_layers * per_layer, what
 
     def constrain_cache(self, cache: KVCache) -> KVCache:
         """The cache pinned to its layout: rows split like the batch, heads like the keys'."""
+        rolling = cache.local_k is not None
         return KVCache(
             constrain(cache.k, CACHE_LBTKH),
             constrain(cache.v, CACHE_LBTKH),
             constrain(cache.segment_ids, ("batch", None)),
             cache.index,
+            constrain(cache.local_k, CACHE_LBTKH) if rolling else None,
+            constrain(cache.local_v, CACHE_LBTKH) if rolling else None,
         )
 
     def extend(self, inputs_BS, positions_BS, segment_ids_BS, cache: KVCache, *, fresh=False):
@@ -548,6 +590,10 @@ class Transformer(nnx.Module):
         segment_ids_BT = jax.lax.dynamic_update_slice(
             cache.segment_ids, segment_ids_BS.astype(jnp.int32), at
         )
+        if cache.local_k is not None:
+            return self._extend_rolling(
+                x_BSD, positions_BS, segment_ids_BS, segment_ids_BT, cache, fresh
+            )
         new_k, new_v, first = [], [], 0
         for blocks in self._stacks():
             graphdef, params = nnx.split(blocks)
@@ -582,6 +628,56 @@ class Transformer(nnx.Module):
         index = cache.index + inputs_BS.shape[1]
         cache = self.constrain_cache(KVCache(k, v, segment_ids_BT, index))
         return self.final_norm(x_BSD), cache
+
+    def _extend_rolling(self, x_BSD, positions_BS, segment_ids_BS, segment_ids_BT, cache, fresh):
+        """`extend` over a rolling cache: the layers one by one (a stack of both kinds has two
+        cache shapes), each sliding_attention layer reading its window's W slots and keeping
+        the new tokens' last W at slot mod W; the other layers as in `extend`."""
+        c, index = self.cfg, cache.index
+        w, s = c.sliding_window, x_BSD.shape[1]
+        # Ring position j holds the latest slot before index that is j mod W (none yet: < 0).
+        slots_W = index - 1 - jnp.mod(index - 1 - jnp.arange(w), w)
+        ring_segments_BW = jnp.where(
+            slots_W >= 0, jnp.take(cache.segment_ids, jnp.maximum(slots_W, 0), axis=1), 0
+        )
+        local = c.local_layers()
+        new = {True: [], False: []}
+        for blocks in self._stacks():
+            graphdef, params = nnx.split(blocks)
+            for j in range(stack_size(blocks)):
+                kind = local[len(new[True]) + len(new[False])]
+                i = len(new[kind])
+                if fresh:
+                    layer = None
+                elif kind:
+                    k_BWKH, v_BWKH = cache.local_k[i], cache.local_v[i]
+                    layer = RollingLayer(k_BWKH, v_BWKH, ring_segments_BW, slots_W, index)
+                else:
+                    layer = (cache.k[i], cache.v[i], segment_ids_BT, index)
+                block = nnx.merge(graphdef, jax.tree.map(lambda p, j=j: p[j], params))
+                x_BSD, k_BSKH, v_BSKH = block.cached(
+                    x_BSD, positions_BS, segment_ids_BS, layer, kind
+                )
+                new[kind].append((k_BSKH, v_BSKH))
+        k, v = cache.k, cache.v
+        if new[False]:
+            at = (0, 0, index, 0, 0)
+            k = jax.lax.dynamic_update_slice(
+                k, jnp.stack([x for x, _ in new[False]]).astype(k.dtype), at
+            )
+            v = jax.lax.dynamic_update_slice(
+                v, jnp.stack([y for _, y in new[False]]).astype(v.dtype), at
+            )
+        # The new tokens' last min(S, W) go to their ring positions (distinct: fewer than W).
+        kept = min(s, w)
+        ring_W = jnp.mod(index + s - kept + jnp.arange(kept), w)
+        local_k, local_v = cache.local_k, cache.local_v
+        new_k = jnp.stack([x[:, s - kept :] for x, _ in new[True]]).astype(local_k.dtype)
+        new_v = jnp.stack([y[:, s - kept :] for _, y in new[True]]).astype(local_v.dtype)
+        local_k = local_k.at[:, :, ring_W].set(new_k)
+        local_v = local_v.at[:, :, ring_W].set(new_v)
+        cache = KVCache(k, v, segment_ids_BT, index + s, local_k, local_v)
+        return self.final_norm(x_BSD), self.constrain_cache(cache)
 
     def head_weight(self, dtype=None) -> jax.Array:
         """LM head [D, V] (the embedding transposed when tied) in `dtype` (None: logits dtype)."""
