@@ -374,7 +374,7 @@ def test_train_end_to_end_writes_every_tag_and_learns(tmp_path):
 
     proc = kiln_main(
         "train", "configs/tiny.yaml",
-        f"train.output_dir={tmp_path}", "train.steps=30", "train.log_every_steps=5",
+        f"train.output_dir={tmp_path}", "train.steps=15", "train.log_every_steps=5",
         "train.eval_every_steps=15", "optim.warmup_steps=5", "data.source=synthetic",
         "data.synthetic_kind=markov", "data.paths=[]", "loss.z_loss_multiplier=1e-4",
         "model.num_layers=2", "checkpoint.every_steps=0",
@@ -388,11 +388,11 @@ def test_train_end_to_end_writes_every_tag_and_learns(tmp_path):
     assert tags >= REQUIRED_TAGS, REQUIRED_TAGS - tags
     assert "perf/mfu" not in tags  # CPU: no known peak, so no MFU (logging.peak_tflops_per_device)
     loss = [e.value for e in events.Scalars("learning/loss")]
-    assert len(loss) == 6
+    assert len(loss) == 3
     assert loss[-1] < loss[0] - 0.5, loss  # the Markov source is learnable
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "learning/loss" in r] == [5, 10, 15, 20, 25, 30]
+    assert [r["step"] for r in records if "learning/loss" in r] == [5, 10, 15]
     z = [r["learning/z_loss"] for r in records if "learning/z_loss" in r]
     assert all(0 < v < 0.01 for v in z), z  # a per-token mean of 1e-4 * lse^2, not a sum
     assert (run_dir / "config.yaml").is_file()
-    assert (run_dir / "checkpoints" / "30").is_dir()
+    assert (run_dir / "checkpoints" / "15").is_dir()
