@@ -86,16 +86,24 @@ def kiln_run(tmp_path: Path, *, data=None, **model) -> tuple[Path, object]:
         "train": {"output_dir": str(tmp_path / "runs"), "run_name": "r", "global_batch_size": B},
     }
     config = config_from_dict(raw)
+    m = config.model
+    if m.logit_softcap or m.sliding_window or m.attention_sinks:
+        config.run_dir.mkdir(parents=True)
+        (config.run_dir / "config.yaml").write_text(config.to_yaml())
+        return config.run_dir, None  # export refuses it before reading any checkpoint
+    return noised_run(config, 0.1)
+
+
+def noised_run(config, scale: float) -> tuple[Path, object]:
+    """A run directory of `config` saved at step 0, every parameter (norms too) its initial
+    value plus `scale` x standard normal noise; returns (run dir, state)."""
     run_dir = config.run_dir
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(config.to_yaml())
-    m = config.model
-    if m.logit_softcap or m.sliding_window or m.attention_sinks:
-        return run_dir, None  # export refuses it before reading any checkpoint
     state = init_state(config)
     leaves, treedef = jax.tree.flatten(state.params)
     keys = jax.random.split(jax.random.key(1), len(leaves))
-    noisy = [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    noisy = [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
     state = state.replace(params=jax.tree.unflatten(treedef, noisy))
     ckpt = Checkpointer(run_dir, config.checkpoint)
     ckpt.save(0, checkpoint_tree(state), {})

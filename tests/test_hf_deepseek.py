@@ -22,7 +22,7 @@ from kiln.cli import main
 from kiln.config import load_config
 from kiln.runs.runmodel import load_run_model
 from test_hf import all_tensors, edited_copy, hf_logits, kiln_logits, tokens, write_tokenizer
-from test_hf_moe import TEXTS, hf_greedy
+from test_hf_moe import hf_greedy, kiln_greedy
 
 TOL = 1e-4  # whole-model float32 logits, kiln vs transformers (as tests/test_hf.py)
 V = 128
@@ -128,17 +128,8 @@ def test_import_matches_transformers_and_round_trips_bitwise(hf_dir, imported, t
 def test_greedy_generate_matches_transformers(hf_dir, imported, tmp_path):
     """kiln generate decodes from its cache of latents and rotary keys (queries absorbed into
     the latent space); transformers expands keys and values: the same tokens."""
-    from kiln.data.tokenizers import load_tokenizer
-
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in TEXTS))
-    out = tmp_path / "out.jsonl"
-    argv = ["generate", str(imported), "--prompts", str(prompts), "--out", str(out)]
-    assert main([*argv, "--temperature", "0", "--max-new-tokens", "12"]) == 0
-    got = [json.loads(line) for line in out.read_text().splitlines()]
-    tok = load_tokenizer(str(imported / "tokenizer.json"))
-    encoded = [[tok.eos_id, *tok.encode(t)] for t in TEXTS]
-    wanted = hf_greedy(hf_dir, "deepseek", encoded, 12, tok.eos_id, architecture=ARCH)
+    got, encoded, eos = kiln_greedy(imported, tmp_path)
+    wanted = hf_greedy(hf_dir, "deepseek", encoded, 12, eos, architecture=ARCH)
     for record, want in zip(got, wanted, strict=True):
         assert record["tokens"] == want[: len(record["tokens"])]
         assert len(record["tokens"]) == 12 or record["finish"] == "eos"

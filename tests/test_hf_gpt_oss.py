@@ -28,12 +28,9 @@ from kiln.errors import KilnError
 from kiln.model.gpt_oss import GptOssMlp
 from kiln.model.interop import hf_config
 from kiln.parallel.mesh import make_mesh, use_mesh
-from kiln.runs.checkpoint import Checkpointer
 from kiln.runs.runmodel import load_run_model
-from kiln.training.loop import checkpoint_tree
-from kiln.training.train import init_state
-from test_hf import B, S, all_tensors, edited_copy, kiln_logits, write_tokenizer
-from test_hf_moe import TEXTS
+from test_hf import B, S, all_tensors, edited_copy, kiln_logits, noised_run, write_tokenizer
+from test_hf_moe import greedy, kiln_greedy
 from test_moe import rel_err
 
 TOL = 1e-4  # whole-model float32 logits, kiln vs transformers (as tests/test_hf.py)
@@ -181,30 +178,9 @@ def test_the_hubs_config_form_imports_as_the_same_model(hf_dir, imported, tmp_pa
 def test_greedy_generate_past_the_window_matches_transformers(hf_model, imported, tmp_path):
     """kiln generate's cache (the sliding layers mask all but their window) and transformers':
     the same tokens over prompts plus 12 new tokens, longer than the window."""
-    import torch
-
-    from kiln.data.tokenizers import load_tokenizer
-
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in TEXTS))
-    out = tmp_path / "out.jsonl"
-    argv = ["generate", str(imported), "--prompts", str(prompts), "--out", str(out)]
-    assert main([*argv, "--temperature", "0", "--max-new-tokens", "12"]) == 0
-    got = [json.loads(line) for line in out.read_text().splitlines()]
-    tok = load_tokenizer(str(imported / "tokenizer.json"))
-    for record, text in zip(got, TEXTS, strict=True):
-        prompt = [tok.eos_id, *tok.encode(text)]
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            seq = hf_model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=12,
-                do_sample=False,
-                eos_token_id=tok.eos_id,
-                pad_token_id=tok.eos_id,
-            )
-        want = seq[0, len(prompt) :].tolist()
+    got, encoded, eos = kiln_greedy(imported, tmp_path)
+    wanted = greedy(hf_model, encoded, 12, eos)
+    for record, want, prompt in zip(got, wanted, encoded, strict=True):
         assert record["tokens"] == want[: len(record["tokens"])]
         assert len(record["tokens"]) == 12 or record["finish"] == "eos"
         assert len(prompt) + len(record["tokens"]) > 2 * WINDOW
@@ -245,17 +221,7 @@ def test_a_kiln_model_exports_with_equal_logits_and_imports_back_bitwise(tmp_pat
             "train": {"output_dir": str(tmp_path), "run_name": "r", "global_batch_size": B},
         }
     )
-    run_dir = config.run_dir
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(config.to_yaml())
-    state = init_state(config)
-    leaves, treedef = jax.tree.flatten(state.params)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    noisy = [x + 0.2 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    state = state.replace(params=jax.tree.unflatten(treedef, noisy))
-    ckpt = Checkpointer(run_dir, config.checkpoint)
-    ckpt.save(0, checkpoint_tree(state), {})
-    ckpt.close()
+    run_dir, _ = noised_run(config, 0.2)
 
     out = tmp_path / "hf"
     assert main(["export-hf", str(run_dir), "--out", str(out)]) == 0

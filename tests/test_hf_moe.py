@@ -127,6 +127,13 @@ def hf_greedy(hf_dir, kind, prompts, max_new_tokens, eos_id, architecture=None):
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     assert type(model).__name__ == (architecture or ARCH[kind])
+    return greedy(model, prompts, max_new_tokens, eos_id)
+
+
+def greedy(model, prompts, max_new_tokens, eos_id):
+    """A loaded transformers model's greedy continuation of each prompt (ending at EOS)."""
+    import torch
+
     out = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
@@ -143,18 +150,24 @@ def hf_greedy(hf_dir, kind, prompts, max_new_tokens, eos_id, architecture=None):
     return out
 
 
-def test_greedy_generate_matches_transformers(imported, tmp_path):
-    kind, src, run_dir = imported
+def kiln_greedy(run_dir, tmp_path, max_new_tokens=12):
+    """`kiln generate RUN --temperature 0` over TEXTS: (its records, the prompts as it encodes
+    them, the run's EOS id)."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in TEXTS))
     out = tmp_path / "out.jsonl"
     argv = ["generate", str(run_dir), "--prompts", str(prompts), "--out", str(out)]
-    assert main([*argv, "--temperature", "0", "--max-new-tokens", "12"]) == 0
+    assert main([*argv, "--temperature", "0", "--max-new-tokens", str(max_new_tokens)]) == 0
     got = [json.loads(line) for line in out.read_text().splitlines()]
     tok = load_tokenizer(str(run_dir / "tokenizer.json"))
     # kiln generate starts each prompt with EOS, as every training document does.
-    encoded = [[tok.eos_id, *tok.encode(t)] for t in TEXTS]
-    for record, want in zip(got, hf_greedy(src, kind, encoded, 12, tok.eos_id), strict=True):
+    return got, [[tok.eos_id, *tok.encode(t)] for t in TEXTS], tok.eos_id
+
+
+def test_greedy_generate_matches_transformers(imported, tmp_path):
+    kind, src, run_dir = imported
+    got, encoded, eos = kiln_greedy(run_dir, tmp_path)
+    for record, want in zip(got, hf_greedy(src, kind, encoded, 12, eos), strict=True):
         assert record["tokens"] == want[: len(record["tokens"])]
         assert len(record["tokens"]) == 12 or record["finish"] == "eos"
 
