@@ -176,7 +176,7 @@ def test_the_hubs_config_form_imports_as_the_same_model(hf_dir, imported, tmp_pa
 
 
 def test_greedy_generate_past_the_window_matches_transformers(hf_model, imported, tmp_path):
-    """kiln generate's cache (the sliding layers mask all but their window) and transformers':
+    """kiln generate's cache (the sliding layers keep their window only) and transformers':
     the same tokens over prompts plus 12 new tokens, longer than the window."""
     got, encoded, eos = kiln_greedy(imported, tmp_path)
     wanted = greedy(hf_model, encoded, 12, eos)

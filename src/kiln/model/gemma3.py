@@ -184,13 +184,7 @@ class Gemma3HF(HFFormat):
 
     def check_exportable(self, m, kind: str) -> None:
         arch = self.architectures[kind]
-        if m.logit_softcap is not None:
-            raise export_error(
-                "model.logit_softcap",
-                m.logit_softcap,
-                f"kiln reads {arch}'s final_logit_softcapping only as null",
-                "model.logit_softcap=null",
-            )
+        self.check_no_softcap(m, kind, f"kiln reads {arch}'s final_logit_softcapping only as null")
         if m.attention_sinks:
             raise export_error(
                 "model.attention_sinks", True, f"{arch} has no sinks", "model.attention_sinks=false"

@@ -206,13 +206,7 @@ class GptOssHF(MoeHF):
 
     def check_exportable(self, m, kind: str) -> None:
         arch = self.architectures[kind]
-        if m.logit_softcap is not None:
-            raise export_error(
-                "model.logit_softcap",
-                m.logit_softcap,
-                f"Hugging Face {arch} has no logit soft-capping",
-                "model.logit_softcap=null",
-            )
+        self.check_no_softcap(m, kind)
         check_routing(m.moe, arch)
         if not m.moe.norm_topk_prob:
             raise export_error(

@@ -57,13 +57,7 @@ class HFFormat:
 
     def check_exportable(self, m, kind: str) -> None:
         """KilnError naming the field when Hugging Face's `kind` cannot hold the model."""
-        if m.logit_softcap is not None:
-            raise export_error(
-                "model.logit_softcap",
-                m.logit_softcap,
-                f"Hugging Face {self.architectures[kind]} has no logit soft-capping",
-                "model.logit_softcap=null",
-            )
+        self.check_no_softcap(m, kind)
         arch = self.architectures[kind]
         for field, value, allowed in (
             ("model.sliding_window", m.sliding_window, "model.sliding_window=null"),
@@ -73,6 +67,17 @@ class HFFormat:
                 raise export_error(
                     field, value, f"Hugging Face {arch} attends to every earlier token", allowed
                 )
+
+    def check_no_softcap(self, m, kind: str, why: str | None = None) -> None:
+        """KilnError when the model caps its logits, which `kind` does not (`why`: the
+        family's own words for it)."""
+        if m.logit_softcap is not None:
+            raise export_error(
+                "model.logit_softcap",
+                m.logit_softcap,
+                why or f"Hugging Face {self.architectures[kind]} has no logit soft-capping",
+                "model.logit_softcap=null",
+            )
 
     def export_notes(self, m) -> list[str]:
         """What an export leaves behind that changes no inference result."""
