@@ -521,6 +521,23 @@ class _Ring:
     def merge(self, halves):
         return jnp.concatenate(halves, axis=1)
 
+    def row_tiles(self, seg_BL, pos_L):
+        """The positions [T, C] and segment ids [T, B, C] of the shard's query tiles."""
+        b = seg_BL.shape[0]
+        return pos_L.reshape(-1, self.tile), seg_BL.reshape(b, -1, self.tile).transpose(1, 0, 2)
+
+    def seen(self, fn, state, half, pos_C, seg_BC, g: int):
+        """`fn(state, k_BUKH, v_BUKV, mask)` over one key half when these query rows see any
+        of its keys; `state` as it is when the causal mask or the window empties the half."""
+        k_BUKH, v_BUKV, seg_BU, pos_U = half
+
+        def update(state):
+            mask = _ring_mask(pos_C, seg_BC, pos_U, seg_BU, self.window, g)
+            return fn(state, k_BUKH, v_BUKV, mask)
+
+        visible = _ring_visible(pos_C, pos_U, self.window)
+        return jax.lax.cond(visible, update, lambda state: state, state)
+
 
 def _ring_tiles(rows: int, query_block: int) -> tuple[int, int]:
     """(query rows per tile, key halves per block) of a shard of `rows` rows: two halves when
@@ -560,8 +577,7 @@ def _ring_forward(ring: _Ring, q_BLNH, k_BLKH, v_BLKV, seg_BL, pos_L):
     g = n // k
     q_TBKRH = ring.query_tiles(q_BLNH, k)
     tiles, r = q_TBKRH.shape[0], q_TBKRH.shape[3]
-    pos_TC = pos_L.reshape(tiles, ring.tile)
-    seg_TBC = seg_BL.reshape(b, tiles, ring.tile).transpose(1, 0, 2)
+    pos_TC, seg_TBC = ring.row_tiles(seg_BL, pos_L)
     state = (
         jnp.full((tiles, b, k, r), MASKED, jnp.float32),
         jnp.zeros((tiles, b, k, r), jnp.float32),
@@ -569,19 +585,15 @@ def _ring_forward(ring: _Ring, q_BLNH, k_BLKH, v_BLKV, seg_BL, pos_L):
     )
 
     def step(state, block):
-        ks, vs, segs, poss = block
-
         def tile(xs):
             q_BKRH, pos_C, seg_BC, *tile_state = xs
+
+            def attend(state, k_BUKH, v_BUKV, mask):
+                return _ring_forward_block(state, q_BKRH, k_BUKH, v_BUKV, mask)
+
             tile_state = tuple(tile_state)
-            for k_BUKH, v_BUKV, seg_BU, pos_U in zip(ks, vs, segs, poss):
-
-                def update(s, k_BUKH=k_BUKH, v_BUKV=v_BUKV, seg_BU=seg_BU, pos_U=pos_U):
-                    mask = _ring_mask(pos_C, seg_BC, pos_U, seg_BU, ring.window, g)
-                    return _ring_forward_block(s, q_BKRH, k_BUKH, v_BUKV, mask)
-
-                visible = _ring_visible(pos_C, pos_U, ring.window)
-                tile_state = jax.lax.cond(visible, update, lambda s: s, tile_state)
+            for half in zip(*block):
+                tile_state = ring.seen(attend, tile_state, half, pos_C, seg_BC, g)
             return tile_state
 
         return jax.lax.map(tile, (q_TBKRH, pos_TC, seg_TBC, *state))
@@ -607,36 +619,28 @@ def _ring_backward(
     each with its key/value gradients accumulated by every shard it visits; one last hop
     brings those home. The log-sum-exp's cotangent (the sinks') joins each row's delta:
     d lse / d score = prob."""
-    b, _, n, _ = q_BLNH.shape
-    k = k_BLKH.shape[2]
+    n, k = q_BLNH.shape[2], k_BLKH.shape[2]
     g = n // k
     delta_BLN = (do_BLNV.astype(jnp.float32) * out_BLNV.astype(jnp.float32)).sum(-1) - dlse_BLN
     q_TBKRH = ring.query_tiles(q_BLNH, k)
     do_TBKRV = ring.query_tiles(do_BLNV.astype(v_BLKV.dtype), k)
     lse_TBKR = ring.query_tiles(lse_BLN[..., None], k)[..., 0]
     delta_TBKR = ring.query_tiles(delta_BLN[..., None], k)[..., 0]
-    tiles = q_TBKRH.shape[0]
-    pos_TC = pos_L.reshape(tiles, ring.tile)
-    seg_TBC = seg_BL.reshape(b, tiles, ring.tile).transpose(1, 0, 2)
+    pos_TC, seg_TBC = ring.row_tiles(seg_BL, pos_L)
 
     def step(dq_TBKRH, block, dkv):
-        ks, vs, segs, poss = block
-
         def tile(dkv, xs):
             q_BKRH, do_BKRV, lse_BKR, delta_BKR, pos_C, seg_BC, dq_BKRH = xs
-            dks, dvs = list(dkv[0]), list(dkv[1])
-            for j, (k_BUKH, v_BUKV, seg_BU, pos_U) in enumerate(zip(ks, vs, segs, poss)):
 
-                def update(grads, k_BUKH=k_BUKH, v_BUKV=v_BUKV, seg_BU=seg_BU, pos_U=pos_U):
-                    mask = _ring_mask(pos_C, seg_BC, pos_U, seg_BU, ring.window, g)
-                    return _ring_backward_block(
-                        grads, q_BKRH, k_BUKH, v_BUKV, do_BKRV, lse_BKR, delta_BKR, mask
-                    )
-
-                visible = _ring_visible(pos_C, pos_U, ring.window)
-                dq_BKRH, dks[j], dvs[j] = jax.lax.cond(
-                    visible, update, lambda x: x, (dq_BKRH, dks[j], dvs[j])
+            def differentiate(grads, k_BUKH, v_BUKV, mask):
+                return _ring_backward_block(
+                    grads, q_BKRH, k_BUKH, v_BUKV, do_BKRV, lse_BKR, delta_BKR, mask
                 )
+
+            dks, dvs = list(dkv[0]), list(dkv[1])
+            for j, half in enumerate(zip(*block)):
+                grads = (dq_BKRH, dks[j], dvs[j])
+                dq_BKRH, dks[j], dvs[j] = ring.seen(differentiate, grads, half, pos_C, seg_BC, g)
             return (tuple(dks), tuple(dvs)), dq_BKRH
 
         xs = (q_TBKRH, do_TBKRV, lse_TBKR, delta_TBKR, pos_TC, seg_TBC, dq_TBKRH)
