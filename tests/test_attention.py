@@ -88,6 +88,14 @@ def value_and_grads(fn, q, k, v, seg, cot):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
 
+def on_mesh(mesh, rules, q, k, v, seg, cot):
+    """The inputs placed as the model places them: q and the cotangent by query heads, k and
+    v by key/value heads, the segment ids like the batch."""
+    q, cot = (jax.device_put(x, logical_sharding(mesh, rules, HEADS)) for x in (q, cot))
+    k, v = (jax.device_put(x, logical_sharding(mesh, rules, KV_HEADS)) for x in (k, v))
+    return q, k, v, jax.device_put(seg, batch_sharding(mesh, rules)), cot
+
+
 def assert_equal_values_and_grads(got, want, tol):
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert rel_err(g, w) < tol
@@ -167,9 +175,7 @@ def test_causal_skipping_sequence_sharded_equals_unsharded(mesh):
     config = make_config(mesh=mesh)
     mesh_, rules = make_mesh(config), config.mesh.rules
     # Placed as the model places them: queries, keys and values split along the sequence.
-    q, cot = (jax.device_put(x, logical_sharding(mesh_, rules, HEADS)) for x in (q, cot))
-    k, v = (jax.device_put(x, logical_sharding(mesh_, rules, KV_HEADS)) for x in (k, v))
-    seg = jax.device_put(seg, batch_sharding(mesh_, rules))
+    q, k, v, seg, cot = on_mesh(mesh_, rules, q, k, v, seg, cot)
     with use_mesh(mesh_, rules):
         assert sequence_shards() == mesh["sequence"]
         got = value_and_grads(lambda *a: causal_attention(*a, query_block=32), q, k, v, seg, cot)
@@ -397,9 +403,7 @@ def test_windows_and_sinks_sequence_sharded_equal_unsharded():
     want = masked_value_and_grads(dense, q, k, v, seg, cot, SINKS)
     config = make_config(mesh=dict(fsdp=2, tensor=2, sequence=2))
     mesh_, rules = make_mesh(config), config.mesh.rules
-    q, cot = (jax.device_put(x, logical_sharding(mesh_, rules, HEADS)) for x in (q, cot))
-    k, v = (jax.device_put(x, logical_sharding(mesh_, rules, KV_HEADS)) for x in (k, v))
-    seg = jax.device_put(seg, batch_sharding(mesh_, rules))
+    q, k, v, seg, cot = on_mesh(mesh_, rules, q, k, v, seg, cot)
     with use_mesh(mesh_, rules):
         fn = lambda *a, **kw: causal_attention(*a, query_block=32, window=window, **kw)  # noqa: E731
         got = masked_value_and_grads(fn, q, k, v, seg, cot, SINKS)
@@ -626,9 +630,7 @@ def test_ring_equals_one_device_values_and_every_gradient(case):
     mesh, rules = make_mesh(config), config.mesh.rules
     order = balanced_order(c["s"], c["shards"]) if c["balanced"] else np.arange(c["s"])
     q, k, v, seg, cot = (jnp.take(x, order, axis=1) for x in (q, k, v, seg, cot))
-    q, cot = (jax.device_put(x, logical_sharding(mesh, rules, HEADS)) for x in (q, cot))
-    k, v = (jax.device_put(x, logical_sharding(mesh, rules, KV_HEADS)) for x in (k, v))
-    seg = jax.device_put(seg, batch_sharding(mesh, rules))
+    q, k, v, seg, cot = on_mesh(mesh, rules, q, k, v, seg, cot)
     ring = functools.partial(ring_attention, query_block=c["query_block"], window=c["window"])
     with use_mesh(mesh, rules), load_balanced(c["balanced"]):
         assert sequence_shards() == c["shards"]
