@@ -556,13 +556,13 @@ class Transformer(nnx.Module):
             f"{c.resolved_head_dim}, {c.dtype}"
         )
         local = sum(c.local_layers())
-        if not local:
-            return c.num_layers * per_layer, what
-        what += (
-            f"; of them, {local} sliding_attention keep their last {c.sliding_window} tokens "
-            f"only, {local * per_layer * c.sliding_window:,} bytes in all once that many are "
-            f"decoded, so {(c.num_layers - local) * per_layer:,} bytes per token after that"
-        )
+        if local:
+            what += (
+                f"; of them, {local} sliding_attention keep their last {c.sliding_window} "
+                f"tokens only, {local * per_layer * c.sliding_window:,} bytes in all once that "
+                f"many are decoded, so {(c.num_layers - local) * per_layer:,} bytes per token "
+                "after that"
+            )
         return c.num_layers * per_layer, what
 
     def constrain_cache(self, cache: KVCache) -> KVCache:
