@@ -91,7 +91,10 @@ def _scalar(value) -> float | None:
 def read_events(folder: Path) -> Series:
     """Scalars of every TensorBoard event file in `folder`, files in name (= time) order."""
     from google.protobuf.message import DecodeError
-    from tensorboardX.proto.event_pb2 import Event
+
+    from kiln.util.tensorboard import tensorboardx
+
+    Event = tensorboardx().proto.event_pb2.Event
 
     points: dict[str, dict[int, float]] = {}
     for path in sorted(folder.glob("events.out.tfevents.*")):

@@ -58,9 +58,9 @@ def run_eval(
         write_whole(path, json.dumps(report, indent=1) + "\n")
         report["written"] = str(path)
         if tensorboard:
-            from tensorboardX import SummaryWriter
+            from kiln.util.tensorboard import tensorboardx
 
-            writer = SummaryWriter(str(run_dir / "tensorboard"))
+            writer = tensorboardx().SummaryWriter(str(run_dir / "tensorboard"))
             for tag, value in tags(results).items():
                 writer.add_scalar(tag, value, run.step)
             writer.close()

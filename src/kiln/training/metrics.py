@@ -86,7 +86,7 @@ class MetricsLogger:
         self.last: dict[str, float] = {}  # the latest value of every tag, for the summary
         if not enabled:
             return
-        from tensorboardX import SummaryWriter
+        from kiln.util.tensorboard import tensorboardx
 
         self.console = RunConsole(
             self.total, start_step, progress=config.logging.progress, started=started
@@ -97,7 +97,9 @@ class MetricsLogger:
         self.jsonl_path = run_dir / "metrics.jsonl"
         try:
             trimmed = drop_rows_after(self.jsonl_path, start_step)
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
+            self.tb = tensorboardx().SummaryWriter(
+                str(run_dir / "tensorboard"), purge_step=start_step + 1
+            )
             # Unbuffered: each row is one write of whole bytes, undone if the write fails.
             self.jsonl = open(self.jsonl_path, "ab", buffering=0)  # noqa: SIM115 - see close()
         except OSError as e:
