@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from kiln.errors import KilnError
+from kiln.util.tensorboard import tensorboardx
 
 # tag -> (steps, values), steps increasing; a step logged twice (e.g. re-logged after a
 # resume) keeps its last value.
@@ -91,8 +92,6 @@ def _scalar(value) -> float | None:
 def read_events(folder: Path) -> Series:
     """Scalars of every TensorBoard event file in `folder`, files in name (= time) order."""
     from google.protobuf.message import DecodeError
-
-    from kiln.util.tensorboard import tensorboardx
 
     Event = tensorboardx().proto.event_pb2.Event
 

@@ -19,6 +19,7 @@ from kiln.training.scoring import LOGGED, Evaluator, load_tasks, tags
 from kiln.util.atomic import write_whole
 from kiln.util.files import check_creatable
 from kiln.util.humanize import plural
+from kiln.util.tensorboard import tensorboardx
 
 
 def run_eval(
@@ -58,8 +59,6 @@ def run_eval(
         write_whole(path, json.dumps(report, indent=1) + "\n")
         report["written"] = str(path)
         if tensorboard:
-            from kiln.util.tensorboard import tensorboardx
-
             writer = tensorboardx().SummaryWriter(str(run_dir / "tensorboard"))
             for tag, value in tags(results).items():
                 writer.add_scalar(tag, value, run.step)

@@ -19,6 +19,7 @@ from kiln.training.console import RunConsole, Summary
 from kiln.training.tracking import WandbMirror
 from kiln.util.atomic import write_whole
 from kiln.util.humanize import plural
+from kiln.util.tensorboard import tensorboardx
 
 # Dense bf16 peak TFLOP/s per device, by the start of `jax.Device.device_kind`.
 PEAK_TFLOPS = {
@@ -86,8 +87,6 @@ class MetricsLogger:
         self.last: dict[str, float] = {}  # the latest value of every tag, for the summary
         if not enabled:
             return
-        from kiln.util.tensorboard import tensorboardx
-
         self.console = RunConsole(
             self.total, start_step, progress=config.logging.progress, started=started
         )
