@@ -77,6 +77,7 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.05"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
 import jax  # noqa: E402 - after the environment above, which JAX reads when imported
+import jax.extend  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -310,6 +311,16 @@ def shared(tmp_path_factory, name: str, build: Callable[[Path], Any]) -> Path:
 TOKENIZER_LINES = [
     f"line {i}: the quick brown fox {i * 7} jumps over {i % 5} lazy dogs" for i in range(200)
 ]
+
+
+def equations(jaxpr) -> list:
+    """Every equation of `jaxpr` (a core Jaxpr) and of the jaxprs nested in its equations."""
+    found = []
+    for eqn in jaxpr.eqns:
+        found.append(eqn)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found.extend(equations(sub))
+    return found
 
 
 def blocked_and_whole(make_run, *args) -> tuple[Any, Any]:

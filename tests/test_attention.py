@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_user_error, kiln, kiln_main, make_config
+from conftest import REPO, assert_user_error, equations, kiln, kiln_main, make_config
 from kiln.errors import KilnError
 from kiln.model import create_model
 from kiln.model.attention import (
@@ -237,6 +237,36 @@ def test_splash_under_shard_map_over_batch_and_heads_with_sequence_sharding(spla
         )
     # 1e-5 relative: each device runs the same kernel on its batch rows and heads.
     assert_equal_values_and_grads(got, dense, 1e-5)
+
+
+def test_splash_on_balanced_sequence_shards_keeps_each_shards_queries(splash_case):
+    """Rows placed zigzag over 2 sequence shards (with fsdp and tensor), a window and sinks:
+    each shard's kernel takes its own 128 query rows (not the gathered 256) against the 256
+    keys put back in order, and the attention equals the dense path's in order."""
+    (q, k, v, seg, cot), _ = splash_case
+    window = 100
+    dense = lambda *a, **kw: dense_attention(*a, window=window, **kw)  # noqa: E731
+    want = masked_value_and_grads(dense, q, k, v, seg, cot, SINKS)
+    order = balanced_order(SPLASH_S, 2)
+    placed = [jnp.take(x, order, axis=1) for x in (q, k, v, seg, cot)]
+    config = make_config(mesh=dict(fsdp=2, tensor=2, sequence=2))
+    mesh, rules = make_mesh(config), config.mesh.rules
+    splash = functools.partial(splash_attention, block=128, interpret=True, window=window)
+    with use_mesh(mesh, rules), load_balanced():
+        placed = on_mesh(mesh, rules, *placed)
+        loss, grads = masked_value_and_grads(splash, *placed[:4], placed[4], SINKS)
+        jaxpr = jax.make_jaxpr(splash)(*placed[:4])
+    kernel_rows = {  # rows of the kernel's first two float operands: queries and keys
+        tuple(x.aval.shape[-2] for x in eqn.invars if x.aval.dtype == jnp.float32)[:2]
+        for eqn in equations(jaxpr.jaxpr)
+        if eqn.primitive.name == "pallas_call"
+    }
+    assert kernel_rows == {(SPLASH_S // 2, SPLASH_S)}
+    back = np.argsort(order)
+    in_order = [jnp.take(g, back, axis=1) for g in grads[:3]] + list(grads[3:])
+    # 1e-5 relative: float32 online softmax (flash blocks) against the one-pass softmax; the
+    # shards only change which query rows a kernel call computes.
+    assert_equal_values_and_grads((loss, in_order), want, 1e-5)
 
 
 def test_splash_bf16_stays_close_to_the_float32_dense_path(splash_case):

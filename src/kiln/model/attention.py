@@ -808,11 +808,15 @@ def splash_attention(
 ):
     """Pallas splash attention (TPU), under `shard_map` over batch and heads.
 
-    Inside each shard the whole sequence is one kernel call per batch row (vmapped), with a
-    causal mask (a `LocalMask` of W-1 keys to the left with a window), the segment ids and the
-    sinks (the kernel's own); the kernel skips the blocks the mask empties. A
-    sequence-sharded mesh gathers the queries of all shards first (the kernel sees the whole
-    sequence), so sequence sharding costs no accuracy but does not split this work.
+    Inside each shard one kernel call per batch row (vmapped), with a causal mask (a
+    `LocalMask` of W-1 keys to the left with a window), the segment ids and the sinks (the
+    kernel's own); the kernel skips the blocks the mask empties. On a sequence-sharded mesh
+    (`model.context_parallel: all_gather`) each shard keeps its own queries and reads the
+    keys and values gathered whole: the kernel is made for the whole [S, S] mask split into
+    the shards' query rows (`q_seq_shards`), its mask blocks passed into the `shard_map` split
+    the same way, so each shard computes only its rows' attention. Under load balance a
+    shard's rows are chunks p and 2P-1-p: the mask's query positions are those
+    (`balanced_order`), and the gathered keys go back in order inside the shard.
     `interpret=True` runs the kernel in Pallas' interpreter (CPU; tests only).
     """
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
@@ -827,26 +831,37 @@ def splash_attention(
             f"when longer), got {s}"
         )
 
-    def per_shard(q_BSNH, k_BTKH, v_BTKH, seg_BS, sinks_N):
-        heads = q_BSNH.shape[2]
+    def make_kernel(heads: int, head_shards: int = 1, q_shards: int = 1, rows=None):
+        """The kernel for `heads` query heads over the [S, S] mask, its query rows at positions
+        `rows` (None: in order), split into `q_shards` pieces and the heads into
+        `head_shards`; query blocks no longer than a piece."""
+        bq = min(blk, s // q_shards)
+        if (s // q_shards) % bq or bq % 128:
+            raise KilnError(
+                f"model.attention: 'splash' on {q_shards} sequence shards needs data.seq_len / "
+                f"{q_shards} a multiple of 128 (and of {block} when longer), got {s // q_shards}"
+            )
         if window is None:
             one = splash.CausalMask((s, s))
         else:
             one = splash.LocalMask((s, s), window_size=(window - 1, 0), offset=0)
-        mask = splash.MultiHeadMask([one] * heads)
-        sizes = dict(block_q=blk, block_kv=blk, block_q_dkv=blk, block_kv_dkv=blk)
-        sizes.update(block_q_dq=blk, block_kv_dq=blk)
-        kernel = splash.make_splash_mha(
-            mask,
+        if rows is not None:
+            one.q_sequence = rows.astype(np.int32)
+        sizes = dict(block_q=bq, block_kv=blk, block_q_dkv=bq, block_kv_dkv=blk)
+        sizes.update(block_q_dq=bq, block_kv_dq=blk)
+        return splash.make_splash_mha(
+            splash.MultiHeadMask([one] * heads),
             block_sizes=splash.BlockSizes(**sizes),
-            head_shards=1,
-            q_seq_shards=1,
+            head_shards=head_shards,
+            q_seq_shards=q_shards,
             interpret=interpret,
         )
+
+    def run(kernel, q_BSNH, k_BTKH, v_BTKH, seg_BS, seg_BT, sinks_N):
         # The kernel does not scale the scores: scale the queries (exact for H a power of 4).
         q_BNSH = (q_BSNH * h**-0.5).astype(q_BSNH.dtype).transpose(0, 2, 1, 3)
         k_BKTH, v_BKTH = k_BTKH.transpose(0, 2, 1, 3), v_BTKH.transpose(0, 2, 1, 3)
-        segments = splash.SegmentIds(q=seg_BS, kv=seg_BS)
+        segments = splash.SegmentIds(q=seg_BS, kv=seg_BT)
         if sinks_N is None:
             out_BNSH = jax.vmap(kernel)(q_BNSH, k_BKTH, v_BKTH, segments)
         else:
@@ -856,21 +871,57 @@ def splash_attention(
             )
         return out_BNSH.transpose(0, 2, 1, 3)
 
+    def per_shard(q_BSNH, k_BTKH, v_BTKH, seg_BS, sinks_N):
+        kernel = make_kernel(q_BSNH.shape[2])
+        return run(kernel, q_BSNH, k_BTKH, v_BTKH, seg_BS, seg_BS, sinks_N)
+
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return per_shard(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, sinks_N)
     rules = current_rules()
-    q_spec = logical_spec(("batch", None, "act_heads", None), rules)
     kv_spec = logical_spec(("batch", None, "act_kv_heads", None), rules)
-    seg_spec = logical_spec(("batch", None), rules)
     sinks_spec = None if sinks_N is None else logical_spec(("act_heads",), rules)
+    p = sequence_shards()
+    if p == 1:
+        q_spec = logical_spec(("batch", None, "act_heads", None), rules)
+        seg_spec = logical_spec(("batch", None), rules)
+        return jax.shard_map(
+            per_shard,
+            mesh=mesh,
+            in_specs=(q_spec, kv_spec, kv_spec, seg_spec, sinks_spec),
+            out_specs=q_spec,
+            check_vma=False,
+        )(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, sinks_N)
+
+    # Sequence shards: each keeps its query rows; keys, values and their segment ids whole.
+    heads_axes, seq_axes = mesh_axes(("act_heads", "length"), rules, dict(mesh.shape))
+    balanced = _BALANCED.get()
+    order = balanced_order(s, p) if balanced else None
+    kernel = make_kernel(
+        q_BSNH.shape[2],
+        head_shards=int(np.prod([mesh.shape[a] for a in heads_axes])),
+        q_shards=p,
+        rows=order,
+    )
+    spec = jax.sharding.PartitionSpec(heads_axes or None, seq_axes)
+    kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, spec))
+    back = None if order is None else np.argsort(order)
+
+    def per_rows(kernel, q_BSNH, k_BTKH, v_BTKH, seg_BS, seg_BT, sinks_N):
+        if back is not None:  # the gathered keys are in balanced order: back in order
+            k_BTKH, v_BTKH, seg_BT = (jnp.take(x, back, axis=1) for x in (k_BTKH, v_BTKH, seg_BT))
+        return run(kernel, q_BSNH, k_BTKH, v_BTKH, seg_BS, seg_BT, sinks_N)
+
+    q_spec = logical_spec(("batch", "length", "act_heads", None), rules)
+    seg_q_spec = logical_spec(("batch", "length"), rules)
+    seg_kv_spec = logical_spec(("batch", None), rules)
     return jax.shard_map(
-        per_shard,
+        per_rows,
         mesh=mesh,
-        in_specs=(q_spec, kv_spec, kv_spec, seg_spec, sinks_spec),
+        in_specs=(kernel_spec, q_spec, kv_spec, kv_spec, seg_q_spec, seg_kv_spec, sinks_spec),
         out_specs=q_spec,
         check_vma=False,
-    )(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, sinks_N)
+    )(kernel, q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, segment_ids_BS, sinks_N)
 
 
 IMPLEMENTATIONS = {
@@ -922,8 +973,9 @@ def attention(
     name = resolve(implementation, q_BSNH.dtype)
     h, hv = q_BSNH.shape[-1], v_BTKH.shape[-1]
     fn = functools.partial(IMPLEMENTATIONS[name], window=window, sinks_N=sinks_N)
-    if name != "xla" and p > 1 and _BALANCED.get():
-        # The fused kernels see the whole sequence in order: rows back in order for them.
+    if name == "cudnn" and p > 1 and _BALANCED.get():
+        # cuDNN sees the whole sequence in order: rows back in order for it (splash places
+        # the rows of a balanced shard itself).
         order = balanced_order(q_BSNH.shape[1], p)
         back, kernel = np.argsort(order), fn
 
