@@ -5,18 +5,26 @@ aux terms to the loss and the metrics."""
 from __future__ import annotations
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import make_config
+from conftest import equations, make_config
 from kiln.config import FAMILY_SECTIONS, MESH_AXES
 from kiln.model import FAMILIES, Family, ModelOutput
 from kiln.model.llama import Transformer
-from kiln.model.moe import MoeMlp, blocked_rows, expert_layout, ragged_rows
-from kiln.parallel.exchange import take_rows
+from kiln.model.moe import (
+    ExpertWeights,
+    MoeMlp,
+    _blocked_assignments,
+    _swiglu,
+    blocked_rows,
+    expert_layout,
+    ragged_rows,
+    sort_by_expert,
+)
+from kiln.parallel.exchange import take_copies, take_rows
 from kiln.parallel.mesh import make_mesh, use_mesh
 from kiln.training import train
 
@@ -415,6 +423,43 @@ def test_gather_permutes_equal_the_scatter_ones_bitwise_values_and_gradients():
     assert np.array_equal(got, want) and np.array_equal(got_dx, want_dx)  # bitwise
 
 
+def test_tokens_straight_into_blocks_equal_the_grouped_layout_then_blocks_bitwise():
+    """On one device the blocked matmul's tokens go straight from the sort into their blocks
+    and back (`_blocked_assignments`, outputs in token order): the same outputs and gradients,
+    bitwise, as gathering the grouped layout and then the blocks (`blocked_rows`), with
+    padding and a capacity dropping assignments."""
+    rng = np.random.default_rng(5)
+    t, k, e = 64, 2, 8
+    e_A = rng.integers(0, e, t * k).astype(np.int32)
+    e_A[rng.uniform(size=t * k) < 0.1] = e  # padding: no expert
+    src, slot, kept, _ = expert_layout(jnp.asarray(e_A), e, cap=10)
+    sort = sort_by_expert(jnp.asarray(e_A), e, cap=10)
+    x = jnp.asarray(rng.standard_normal((t, D)), jnp.float32)
+    g_KTD = jnp.asarray(rng.standard_normal((k, t, D)), jnp.float32)
+    w = ExpertWeights(
+        *(
+            jnp.asarray(rng.standard_normal(s) * 0.2, jnp.float32)
+            for s in [(e, D, F), (e, D, F), (e, F, D)]
+        )
+    )
+
+    def composed(x, w):  # [T, K, D]
+        return _blocked_assignments(x, jnp.asarray(e_A), sort, w, _swiglu)
+
+    def two_steps(x, w):  # [K, T, D]
+        a = t * k
+        x_CD = take_copies(x, jnp.where(src < a, src % t, t), slot.reshape(k, t))
+        return take_rows(blocked_rows(x_CD, kept, *w[:3]), slot, src).reshape(k, t, D)
+
+    assert int(jnp.sum(kept)) < int(np.sum(e_A < e))  # the capacity drops some assignments
+    got, got_vjp = jax.vjp(composed, x, w)
+    want, want_vjp = jax.vjp(two_steps, x, w)
+    assert np.array_equal(got.transpose(1, 0, 2), want)  # bitwise
+    got_grads, want_grads = got_vjp(g_KTD.transpose(1, 0, 2)), want_vjp(g_KTD)
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        assert np.array_equal(a, b)  # bitwise
+
+
 def test_a_layer_sorts_once_and_moves_rows_only_by_gathers():
     """The gradient of the layer (ragged_dot, the TPU path) has one sort and no scatter of
     rows: its scatters are the sort's integer inverse and the router's [B, S, E] weights."""
@@ -426,16 +471,7 @@ def test_a_layer_sorts_once_and_moves_rows_only_by_gathers():
     def loss(state, x):
         return jnp.sum(nnx.merge(graphdef, state)(x, jnp.ones((B, S), jnp.int32))[0])
 
-    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, x)
-    eqns = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            eqns.append(eqn)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jaxpr.jaxpr)
+    eqns = equations(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, x).jaxpr)
     sorts = [q for q in eqns if q.primitive.name == "sort"]
     scatters = [q.outvars[0].aval for q in eqns if q.primitive.name.startswith("scatter")]
     assert len(sorts) == 1

@@ -113,36 +113,65 @@ def _group_of(ends, i):
     return jnp.searchsorted(ends, i, side="right", method=method).astype(jnp.int32)
 
 
-def expert_layout(e_A, num_experts: int, cap: int | None):
-    """The layer's one sort: assignments grouped by expert, each expert's in the order of e_A.
+class Sorted(NamedTuple):
+    """Assignments sorted by expert (`sort_by_expert`): order_A the stable sort, start_E1 each
+    expert's first sorted position (and the end), kept_E the rows each expert keeps, rank_A
+    each assignment's rank among its expert's, kept_A whether it is kept."""
 
-    e_A [A] int32: each assignment's expert, `num_experts` for none (padding). Returns
-    (src_C, slot_A, kept_E, dropped): slot c of the grouped layout holds assignment src_C[c]
-    (A for the slots past the kept rows); an expert keeps its first `cap` assignments (all
-    when cap is None); slot_A is the inverse (A for an assignment not kept), kept_E the rows
-    per expert and `dropped` the real assignments past a capacity.
-    """
+    order_A: jax.Array
+    start_E1: jax.Array
+    kept_E: jax.Array
+    rank_A: jax.Array
+    kept_A: jax.Array
+    dropped: jax.Array
+
+
+def sort_by_expert(e_A, num_experts: int, cap: int | None) -> Sorted:
+    """The layer's one sort. e_A [A] int32: each assignment's expert, `num_experts` for none
+    (padding); an expert keeps its first `cap` assignments in the order of e_A (all when cap
+    is None); `dropped` counts the real assignments past a capacity."""
     a = e_A.shape[0]
     order_A = jnp.argsort(e_A, stable=True)
     bounds = jnp.arange(num_experts + 1, dtype=e_A.dtype)
     start_E1 = jnp.searchsorted(e_A[order_A], bounds, side="left").astype(jnp.int32)
     count_E = start_E1[1:] - start_E1[:-1]
     kept_E = count_E if cap is None else jnp.minimum(count_E, cap)
-    kend_E = jnp.cumsum(kept_E)
-    kstart_E = kend_E - kept_E
-    c = jnp.arange(a, dtype=jnp.int32)
-    e_C = _group_of(kend_E, c)
-    e_Cs = jnp.minimum(e_C, num_experts - 1)
-    src_C = jnp.where(
-        e_C < num_experts, order_A[jnp.minimum(start_E1[e_Cs] + c - kstart_E[e_Cs], a - 1)], a
-    )
     # The sort's inverse (an integer scatter, outside the gradient): each assignment's position.
+    c = jnp.arange(a, dtype=jnp.int32)
     pos_A = jnp.zeros((a,), jnp.int32).at[order_A].set(c, unique_indices=True)
     e_As = jnp.minimum(e_A, num_experts - 1)
     rank_A = pos_A - start_E1[e_As]
     kept_A = (e_A < num_experts) & (rank_A < kept_E[e_As])
-    slot_A = jnp.where(kept_A, kstart_E[e_As] + rank_A, a)
-    return src_C, slot_A, kept_E, jnp.sum(count_E - kept_E)
+    return Sorted(order_A, start_E1, kept_E, rank_A, kept_A, jnp.sum(count_E - kept_E))
+
+
+def placed(e_A, sort: Sorted, start_E, slots: int):
+    """Each expert's kept assignments at slots start_E[e] + rank: (src_S, slot_A). Slot s
+    holds assignment src_S[s] (A for the slots no assignment fills, of `slots`), and
+    slot_A is the inverse (`slots` for an assignment not kept)."""
+    a, num_experts = e_A.shape[0], start_E.shape[0]
+    s = jnp.arange(slots, dtype=jnp.int32)
+    e_S = _group_of(start_E[1:], s) if num_experts > 1 else jnp.zeros_like(s)
+    e_Ss = jnp.minimum(e_S, num_experts - 1)
+    q_S = s - start_E[e_Ss]
+    fill = (q_S >= 0) & (q_S < sort.kept_E[e_Ss])
+    src_S = jnp.where(fill, sort.order_A[jnp.clip(sort.start_E1[e_Ss] + q_S, 0, a - 1)], a)
+    e_As = jnp.minimum(e_A, num_experts - 1)
+    slot_A = jnp.where(sort.kept_A, start_E[e_As] + sort.rank_A, slots)
+    return src_S, slot_A
+
+
+def expert_layout(e_A, num_experts: int, cap: int | None):
+    """The assignments grouped by expert, each expert's in the order of e_A (one sort,
+    `sort_by_expert`). Returns (src_C, slot_A, kept_E, dropped): slot c of the grouped layout
+    holds assignment src_C[c] (A for the slots past the kept rows), slot_A is the inverse (A
+    for an assignment not kept), kept_E the rows per expert and `dropped` the real
+    assignments past a capacity.
+    """
+    sort = sort_by_expert(e_A, num_experts, cap)
+    kstart_E = jnp.cumsum(sort.kept_E) - sort.kept_E
+    src_C, slot_A = placed(e_A, sort, kstart_E, e_A.shape[0])
+    return src_C, slot_A, sort.kept_E, sort.dropped
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,20 +211,21 @@ def ragged_rows(xs_RD, sizes_E, w_gate, w_up, w_down, *, biases=None, act=_swigl
     return ys_RD if biases is None else ys_RD + biases[2][e_R]
 
 
-def blocked_rows(
-    xs_RD, sizes_E, w_gate, w_up, w_down, block: int | None = None, *, biases=None, act=_swiglu
-):
-    """Each group padded to whole blocks of `block` rows, each block multiplied by its
-    expert's weights (a batched matmul); rows past the groups give 0. Exact; the padding adds
-    at most E * (block - 1) rows, which the default block keeps near 1/8 of the rows. XLA's
-    CPU backend has no grouped matmul of its own (it runs `ragged_dot` as E dense matmuls
-    over every row). The rows move into and out of the blocks by `take_rows` (gathers both
-    ways)."""
-    rows, d = xs_RD.shape
+def _block_rows(rows: int, num_experts: int) -> int:
+    """The default block: a power of two near a quarter of an expert's even share of `rows`,
+    8 to BLOCK_ROWS, which keeps the padding near 1/8 of the rows."""
+    per_expert = max(1, rows // (4 * num_experts))
+    return max(8, min(BLOCK_ROWS, 1 << (per_expert.bit_length() - 1)))
+
+
+def block_layout(sizes_E, rows: int, block: int | None = None):
+    """Groups of `sizes_E` rows (of `rows`, grouped by expert) padded to whole blocks of
+    `block` rows: (src_U, dst_R, expert_N, block). Block slot u holds grouped row src_U[u]
+    (`rows` for padding), grouped row r goes to slot dst_R[r] (past the slots for rows past
+    the groups), block n belongs to expert expert_N[n]. The padding is at most
+    E * (block - 1) rows (`_block_rows`: the default block)."""
     num_experts = sizes_E.shape[0]
-    if block is None:
-        per_expert = max(1, rows // (4 * num_experts))
-        block = max(8, min(BLOCK_ROWS, 1 << (per_expert.bit_length() - 1)))
+    block = block or _block_rows(rows, num_experts)
     blocks = -(-(rows + num_experts * (block - 1)) // block)
     padded_E = -(-sizes_E // block) * block
     pend_E = jnp.cumsum(padded_E)
@@ -211,17 +241,34 @@ def blocked_rows(
     e_R = _group_of(gend_E, r)
     e_Rs = jnp.minimum(e_R, num_experts - 1)
     dst_R = jnp.where(e_R < num_experts, pstart_E[e_Rs] + r - gstart_E[e_Rs], blocks * block)
-    xs_NbD = take_rows(xs_RD, src_U, dst_R).reshape(blocks, block, d)
     expert_N = jnp.minimum(_group_of(pend_E, u[::block]), num_experts - 1)
+    return src_U, dst_R, expert_N, block
+
+
+def _blocks(xs_NbD, expert_N, w_gate, w_up, w_down, biases, act):
+    """Each block of rows through its expert's weights (batched matmuls)."""
     gate = jnp.einsum("NbD,NDF->NbF", xs_NbD, w_gate[expert_N])
     up = jnp.einsum("NbD,NDF->NbF", xs_NbD, w_up[expert_N])
     if biases is not None:  # each block's expert's
         gate, up = gate + biases[0][expert_N, None], up + biases[1][expert_N, None]
     gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
     ys_NbD = jnp.einsum("NbF,NFD->NbD", act(gate, up), w_down[expert_N])
-    if biases is not None:
-        ys_NbD = ys_NbD + biases[2][expert_N, None]
-    return take_rows(ys_NbD.reshape(blocks * block, d), dst_R, src_U)
+    return ys_NbD if biases is None else ys_NbD + biases[2][expert_N, None]
+
+
+def blocked_rows(
+    xs_RD, sizes_E, w_gate, w_up, w_down, block: int | None = None, *, biases=None, act=_swiglu
+):
+    """Each group padded to whole blocks of `block` rows (`block_layout`), each block
+    multiplied by its expert's weights (a batched matmul); rows past the groups give 0. Exact.
+    XLA's CPU backend has no grouped matmul of its own (it runs `ragged_dot` as E dense
+    matmuls over every row). The rows move into and out of the blocks by `take_rows` (gathers
+    both ways)."""
+    rows, d = xs_RD.shape
+    src_U, dst_R, expert_N, block = block_layout(sizes_E, rows, block)
+    xs_NbD = take_rows(xs_RD, src_U, dst_R).reshape(-1, block, d)
+    ys_NbD = _blocks(xs_NbD, expert_N, w_gate, w_up, w_down, biases, act)
+    return take_rows(ys_NbD.reshape(-1, d), dst_R, src_U)
 
 
 def _run_rows(rows, xs_RD, sizes_E, weights: ExpertWeights):
@@ -286,6 +333,10 @@ def dispatch(x_TD, e_TK, real_TK, weights: ExpertWeights, *, rows, num_experts, 
     """
     t, k = e_TK.shape
     e_A = jnp.where(real_TK, e_TK, num_experts).T.reshape(-1)
+    if experts is None and getattr(rows, "func", rows) is blocked_rows:
+        sort = sort_by_expert(e_A, num_experts, cap)
+        y_TKD = _blocked_assignments(x_TD, e_A, sort, weights, rows.keywords["act"])
+        return y_TKD, sort.dropped
     src_C, slot_A, kept_E, dropped = expert_layout(e_A, num_experts, cap)
     a = t * k
     x_CD = take_copies(x_TD, jnp.where(src_C < a, src_C % t, t), slot_A.reshape(k, t))
@@ -296,6 +347,32 @@ def dispatch(x_TD, e_TK, real_TK, weights: ExpertWeights, *, rows, num_experts, 
         dropped = dropped + lost
     y_AD = take_rows(y_CD, slot_A, src_C)
     return y_AD.reshape(k, t, -1).transpose(1, 0, 2), dropped
+
+
+def _blocked_assignments(x_TD, e_A, sort: Sorted, weights: ExpertWeights, act):
+    """`blocked_rows` for every expert here, straight from the sort: each expert's kept
+    assignments padded to whole blocks, the tokens gathered straight into their blocks and the
+    outputs straight back to their assignments (no grouped layout between: one gather each
+    way, and one per way in the backward pass). Outputs [T, K, D] (gathered in token order,
+    not transposed from the assignments' order): the same numbers as the grouped layout
+    through `blocked_rows`."""
+    t, d = x_TD.shape
+    a, num_experts = e_A.shape[0], sort.kept_E.shape[0]
+    block = _block_rows(a, num_experts)
+    blocks = -(-(a + num_experts * (block - 1)) // block)
+    padded_E = -(-sort.kept_E // block) * block
+    pend_E = jnp.cumsum(padded_E)
+    assignment_U, slot_A = placed(e_A, sort, pend_E - padded_E, blocks * block)
+    token_U = jnp.where(assignment_U < a, assignment_U % t, t)
+    xs_NbD = take_copies(x_TD, token_U, slot_A.reshape(-1, t)).reshape(blocks, block, d)
+    first_N = jnp.arange(blocks, dtype=jnp.int32) * block
+    expert_N = jnp.minimum(_group_of(pend_E, first_N), num_experts - 1)
+    biases = None if weights.gate_bias is None else weights[3:]
+    ys_NbD = _blocks(xs_NbD, expert_N, *weights[:3], biases, act)
+    k = a // t  # assignment j·T + t is row t·K + j of the output
+    slot_TK = slot_A.reshape(k, t).T.reshape(-1)
+    row_U = jnp.where(assignment_U < a, (assignment_U % t) * k + assignment_U // t, a)
+    return take_rows(ys_NbD.reshape(-1, d), slot_TK, row_U).reshape(t, k, d)
 
 
 def _expert_parallel(x_CD, kept_E, weights, rows, experts: ExpertAxis):
