@@ -111,6 +111,23 @@ def noised_run(config, scale: float) -> tuple[Path, object]:
     return run_dir, state
 
 
+def trained_run(raw: dict, steps: int = 2) -> Path:
+    """The run of config `raw` (a dict) trained `steps` steps on synthetic tokens from its
+    initialisation (learning rate 1e-2, no warm-up), in this process: every parameter, norms,
+    biases and sinks included, moved by the optimizer. Returns the run directory."""
+    raw = {
+        **raw,
+        "data": {**raw["data"], "source": "synthetic"},
+        "optim": {"learning_rate": 1e-2, "warmup_steps": 0},
+        "train": {**raw["train"], "steps": steps},
+    }
+    config = config_from_dict(raw)
+    path = Path(config.train.output_dir) / "trained.yaml"
+    path.write_text(config.to_yaml())
+    assert main(["train", str(path)]) == 0
+    return config.run_dir
+
+
 def random_hf_model(path: Path, dtype: str = "float32", **overrides) -> Path:
     """A random LlamaForCausalLM (GQA, norm weights away from 1) saved with save_pretrained."""
     import torch
