@@ -115,50 +115,36 @@ def _group_of(ends, i):
 
 class Sorted(NamedTuple):
     """Assignments sorted by expert (`sort_by_expert`): order_A the stable sort, start_E1 each
-    expert's first sorted position (and the end), kept_E the rows each expert keeps, rank_A
-    each assignment's rank among its expert's, kept_A whether it is kept."""
+    expert's first sorted position (and the end), count_E the assignments of each expert and
+    kept_E those it keeps."""
 
     order_A: jax.Array
     start_E1: jax.Array
+    count_E: jax.Array
     kept_E: jax.Array
-    rank_A: jax.Array
-    kept_A: jax.Array
-    dropped: jax.Array
+
+    def ranks(self, e_A):
+        """(e_As each assignment's expert clipped to a real one, rank_A its rank among its
+        expert's assignments, kept_A whether its expert keeps it). The sort's inverse is an
+        integer scatter, outside the gradient."""
+        a, num_experts = e_A.shape[0], self.kept_E.shape[0]
+        c = jnp.arange(a, dtype=jnp.int32)
+        pos_A = jnp.zeros((a,), jnp.int32).at[self.order_A].set(c, unique_indices=True)
+        e_As = jnp.minimum(e_A, num_experts - 1)
+        rank_A = pos_A - self.start_E1[e_As]
+        return e_As, rank_A, (e_A < num_experts) & (rank_A < self.kept_E[e_As])
 
 
 def sort_by_expert(e_A, num_experts: int, cap: int | None) -> Sorted:
     """The layer's one sort. e_A [A] int32: each assignment's expert, `num_experts` for none
     (padding); an expert keeps its first `cap` assignments in the order of e_A (all when cap
-    is None); `dropped` counts the real assignments past a capacity."""
-    a = e_A.shape[0]
+    is None)."""
     order_A = jnp.argsort(e_A, stable=True)
     bounds = jnp.arange(num_experts + 1, dtype=e_A.dtype)
     start_E1 = jnp.searchsorted(e_A[order_A], bounds, side="left").astype(jnp.int32)
     count_E = start_E1[1:] - start_E1[:-1]
     kept_E = count_E if cap is None else jnp.minimum(count_E, cap)
-    # The sort's inverse (an integer scatter, outside the gradient): each assignment's position.
-    c = jnp.arange(a, dtype=jnp.int32)
-    pos_A = jnp.zeros((a,), jnp.int32).at[order_A].set(c, unique_indices=True)
-    e_As = jnp.minimum(e_A, num_experts - 1)
-    rank_A = pos_A - start_E1[e_As]
-    kept_A = (e_A < num_experts) & (rank_A < kept_E[e_As])
-    return Sorted(order_A, start_E1, kept_E, rank_A, kept_A, jnp.sum(count_E - kept_E))
-
-
-def placed(e_A, sort: Sorted, start_E, slots: int):
-    """Each expert's kept assignments at slots start_E[e] + rank: (src_S, slot_A). Slot s
-    holds assignment src_S[s] (A for the slots no assignment fills, of `slots`), and
-    slot_A is the inverse (`slots` for an assignment not kept)."""
-    a, num_experts = e_A.shape[0], start_E.shape[0]
-    s = jnp.arange(slots, dtype=jnp.int32)
-    e_S = _group_of(start_E[1:], s) if num_experts > 1 else jnp.zeros_like(s)
-    e_Ss = jnp.minimum(e_S, num_experts - 1)
-    q_S = s - start_E[e_Ss]
-    fill = (q_S >= 0) & (q_S < sort.kept_E[e_Ss])
-    src_S = jnp.where(fill, sort.order_A[jnp.clip(sort.start_E1[e_Ss] + q_S, 0, a - 1)], a)
-    e_As = jnp.minimum(e_A, num_experts - 1)
-    slot_A = jnp.where(sort.kept_A, start_E[e_As] + sort.rank_A, slots)
-    return src_S, slot_A
+    return Sorted(order_A, start_E1, count_E, kept_E)
 
 
 def expert_layout(e_A, num_experts: int, cap: int | None):
@@ -168,10 +154,18 @@ def expert_layout(e_A, num_experts: int, cap: int | None):
     for an assignment not kept), kept_E the rows per expert and `dropped` the real
     assignments past a capacity.
     """
+    a = e_A.shape[0]
     sort = sort_by_expert(e_A, num_experts, cap)
-    kstart_E = jnp.cumsum(sort.kept_E) - sort.kept_E
-    src_C, slot_A = placed(e_A, sort, kstart_E, e_A.shape[0])
-    return src_C, slot_A, sort.kept_E, sort.dropped
+    kend_E = jnp.cumsum(sort.kept_E)
+    kstart_E = kend_E - sort.kept_E
+    c = jnp.arange(a, dtype=jnp.int32)
+    e_C = _group_of(kend_E, c)
+    e_Cs = jnp.minimum(e_C, num_experts - 1)
+    first = sort.order_A[jnp.minimum(sort.start_E1[e_Cs] + c - kstart_E[e_Cs], a - 1)]
+    src_C = jnp.where(e_C < num_experts, first, a)
+    e_As, rank_A, kept_A = sort.ranks(e_A)
+    slot_A = jnp.where(kept_A, kstart_E[e_As] + rank_A, a)
+    return src_C, slot_A, sort.kept_E, jnp.sum(sort.count_E - sort.kept_E)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,7 +330,7 @@ def dispatch(x_TD, e_TK, real_TK, weights: ExpertWeights, *, rows, num_experts, 
     if experts is None and getattr(rows, "func", rows) is blocked_rows:
         sort = sort_by_expert(e_A, num_experts, cap)
         y_TKD = _blocked_assignments(x_TD, e_A, sort, weights, rows.keywords["act"])
-        return y_TKD, sort.dropped
+        return y_TKD, jnp.sum(sort.count_E - sort.kept_E)
     src_C, slot_A, kept_E, dropped = expert_layout(e_A, num_experts, cap)
     a = t * k
     x_CD = take_copies(x_TD, jnp.where(src_C < a, src_C % t, t), slot_A.reshape(k, t))
@@ -362,11 +356,18 @@ def _blocked_assignments(x_TD, e_A, sort: Sorted, weights: ExpertWeights, act):
     blocks = -(-(a + num_experts * (block - 1)) // block)
     padded_E = -(-sort.kept_E // block) * block
     pend_E = jnp.cumsum(padded_E)
-    assignment_U, slot_A = placed(e_A, sort, pend_E - padded_E, blocks * block)
+    pstart_E = pend_E - padded_E
+    u = jnp.arange(blocks * block, dtype=jnp.int32)
+    e_U = _group_of(pend_E, u)
+    e_Us = jnp.minimum(e_U, num_experts - 1)
+    q_U = u - pstart_E[e_Us]
+    first = sort.order_A[jnp.minimum(sort.start_E1[e_Us] + q_U, a - 1)]
+    assignment_U = jnp.where((e_U < num_experts) & (q_U < sort.kept_E[e_Us]), first, a)
+    e_As, rank_A, kept_A = sort.ranks(e_A)
+    slot_A = jnp.where(kept_A, pstart_E[e_As] + rank_A, blocks * block)
     token_U = jnp.where(assignment_U < a, assignment_U % t, t)
     xs_NbD = take_copies(x_TD, token_U, slot_A.reshape(-1, t)).reshape(blocks, block, d)
-    first_N = jnp.arange(blocks, dtype=jnp.int32) * block
-    expert_N = jnp.minimum(_group_of(pend_E, first_N), num_experts - 1)
+    expert_N = jnp.minimum(_group_of(pend_E, u[::block]), num_experts - 1)
     biases = None if weights.gate_bias is None else weights[3:]
     ys_NbD = _blocks(xs_NbD, expert_N, *weights[:3], biases, act)
     k = a // t  # assignment j·T + t is row t·K + j of the output
