@@ -7,13 +7,47 @@ import os
 from pathlib import Path
 
 from kiln.config import Config
+from kiln.errors import KilnError
 
 # What `--restart` moves aside: everything a run writes (a lock file or the like stays).
 RUN_FILES = ("checkpoints", "tensorboard", "metrics.jsonl", "metrics.jsonl.damaged", "config.yaml")
 
+# What a run writes in its directory: name -> (whether it is a directory, what it holds).
+RUN_ENTRIES = {
+    "config.yaml": (False, "its resolved config"),
+    "metrics.jsonl": (False, "a row of metrics per logged step"),
+    "metrics.jsonl.damaged": (False, "the damaged rows of metrics.jsonl set aside"),
+    "inputs.json": (False, "the inputs it pinned"),
+    "checkpoints": (True, "its checkpoints"),
+    "tensorboard": (True, "its TensorBoard event files"),
+}
+
 
 class RunComplete(Exception):
     """The run's latest checkpoint is at or past train.steps: nothing to train, nothing written."""
+
+
+def check_entries(run_dir: Path, restart: bool = False) -> None:
+    """KilnError naming the first path of `run_dir` that a run writes but that is of the other
+    kind (a directory where a file goes, or the reverse): checked before anything is written.
+    `restart`: what `--restart` moves aside is not checked."""
+    for name, (is_dir, holds) in RUN_ENTRIES.items():
+        path = run_dir / name
+        if (restart and name in RUN_FILES) or not (path.exists() or path.is_symlink()):
+            continue
+        if is_dir and not path.is_dir():
+            found = "not a directory"
+        elif not is_dir and path.is_dir():
+            found = "a directory"
+        elif not (is_dir or path.is_file()):
+            found = "not a regular file"
+        else:
+            continue
+        kind = "a directory" if is_dir else "a regular file"
+        raise KilnError(
+            f"{path}: {found}, where the run keeps {holds}; allowed: {kind} or nothing (move it "
+            "out of the run directory)"
+        )
 
 
 def metrics_rows(run_dir: Path) -> int:

@@ -102,7 +102,7 @@ class MetricsLogger:
             # Unbuffered: each row is one write of whole bytes, undone if the write fails.
             self.jsonl = open(self.jsonl_path, "ab", buffering=0)  # noqa: SIM115 - see close()
         except OSError as e:
-            raise write_error(e, run_dir) from None
+            raise write_error(e, e.filename or run_dir) from None
         self.wandb = None
         if config.logging.wandb is not None:
             self.wandb = WandbMirror(run_dir, config)

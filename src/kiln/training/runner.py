@@ -39,7 +39,13 @@ from kiln.runs.checkpoint import (
 from kiln.runs.lock import RunLock
 from kiln.runs.paths import check_output_paths
 from kiln.runs.remote import local_run
-from kiln.runs.rundir import RunComplete, keep_config_history, move_aside, restart_target
+from kiln.runs.rundir import (
+    RunComplete,
+    check_entries,
+    keep_config_history,
+    move_aside,
+    restart_target,
+)
 from kiln.training import train
 from kiln.training.loop import Loop, checkpoint_tree
 from kiln.training.metrics import MetricsLogger
@@ -134,7 +140,7 @@ def open_run_dir(
             keep_config_history(run_dir, config, start_step)
             (run_dir / "config.yaml").write_text(config.to_yaml())
         except OSError as e:
-            raise write_error(e, run_dir) from None
+            raise write_error(e, e.filename or run_dir) from None
     return is_main, note
 
 
@@ -275,6 +281,7 @@ def prepare_run(
 
 def _prepare(config, build, command, check, lock, started, restart, wrap) -> PreparedRun:
     # These read only metrics.jsonl, config.yaml and the checkpoint steps.
+    check_entries(config.run_dir, restart)
     checkpoints = config.run_dir / "checkpoints"
     over = None if restart else starts_over(config.run_dir, latest_complete_step(checkpoints))
     restart = restart or over is not None
