@@ -1,19 +1,29 @@
-"""Attacks on a run directory's own files: a file of the wrong kind is bad input, one line
-naming it, exit 2, before any work and with nothing written."""
+"""Attacks on what `kiln import-hf`, `kiln export-hf` and `kiln compare` write, and on a run
+directory's own files. An output that cannot be written is bad input: one line naming it, exit 2,
+before any work and with nothing written. A full disk is a fault: one line, exit 1, nothing
+half-written left behind, and the same command run again after space is freed does the work."""
 
+import errno
+import json
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
+from safetensors import SafetensorError
 
 from conftest import kiln_main, make_config
-from kiln.runs.checkpoint import Checkpointer
+from kiln.commands.hf import export_hf
+from kiln.runs.checkpoint import Checkpointer, latest_complete_step
 from kiln.training import train
 from kiln.training.loop import checkpoint_tree
 
 SEQ, BATCH = 16, 8
 MODEL = {"vocab_size": 384, "d_model": 16, "num_layers": 1, "num_heads": 2, "d_ff": 32,
          "max_seq_len": SEQ}  # fmt: skip
+ROOT = pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+ENOSPC = os.strerror(errno.ENOSPC)
 
 
 def run_config(root: Path):
@@ -37,12 +47,145 @@ def saved_run(tmp_path_factory) -> Path:
     return config.run_dir
 
 
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory, saved_run) -> Path:
+    """The saved run as a Hugging Face model directory (config.json, model.safetensors)."""
+    out = tmp_path_factory.mktemp("hf") / "model"
+    export_hf(saved_run, out)
+    return out
+
+
 def files(root: Path) -> dict[Path, tuple[int, int] | None]:
     """Every path under `root`, with a file's size and modification time."""
     return {
         p: (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() else None
         for p in root.rglob("*")
     }
+
+
+def metrics_run(root: Path) -> Path:
+    """A run directory holding only a metrics.jsonl of two steps (what `kiln compare` reads)."""
+    run = root / "logged"
+    run.mkdir()
+    rows = [{"step": s, "learning/loss": 5.0 - s} for s in (1, 2)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# Unwritable outputs: refused before any work, in one line naming --out
+
+
+def _read_only(tmp_path: Path) -> Path:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH)
+    return ro / "out"
+
+
+def _file_in_the_way(tmp_path: Path) -> Path:
+    (tmp_path / "afile").write_text("")
+    return tmp_path / "afile" / "out"
+
+
+@pytest.mark.parametrize("command", ["import-hf", "export-hf", "compare"])
+@pytest.mark.parametrize(
+    "where, why",
+    [
+        pytest.param(_read_only, "cannot be created or written (Permission denied in {tmp}/ro)",
+                     marks=ROOT, id="read-only"),
+        pytest.param(lambda _: Path("/proc/kiln-out"),
+                     "cannot be created or written (No such file or directory in /proc)", id="proc"),
+        pytest.param(_file_in_the_way, "cannot be created: {tmp}/afile is not a directory",
+                     id="file-in-the-way"),
+    ],
+)  # fmt: skip
+def test_unwritable_output_is_refused_before_any_work(
+    tmp_path, saved_run, hf_dir, command, where, why
+):
+    target = where(tmp_path)  # the directory to write, or (compare) the image's directory
+    if command == "import-hf":
+        args = ("import-hf", hf_dir, "--out", target)
+    elif command == "export-hf":
+        args = ("export-hf", saved_run, "--out", target)
+    else:
+        args = ("compare", metrics_run(tmp_path), "--out", target / "cmp.png")
+    before = files(tmp_path)
+    proc = kiln_main(*args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        f"kiln: error: --out: {target} {why.format(tmp=tmp_path)}; allowed: a directory kiln "
+        "can create or write"
+    ]
+    assert proc.stdout == ""
+    assert files(tmp_path) == before
+
+
+def test_compare_refuses_an_image_path_that_is_a_directory(tmp_path):
+    run, out = metrics_run(tmp_path), tmp_path / "cmp.png"
+    out.mkdir()
+    before = files(tmp_path)
+    proc = kiln_main("compare", run, "--out", out)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        f"kiln: error: --out: {out} is a directory; allowed: the path of an image file"
+    ]
+    assert files(tmp_path) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# A full disk while writing: one line, exit 1, nothing half-written, and the rerun works
+
+
+def full_safetensors(tensors, path, metadata=None):
+    """safetensors' `save_file` on a disk that fills up: half the file, then its error."""
+    Path(path).write_bytes(b"\0" * 4096)
+    raise SafetensorError(f"Error while serializing: I/O error: {ENOSPC} (os error 28)")
+
+
+def full_disk(*args, **kwargs):
+    raise OSError(errno.ENOSPC, ENOSPC)
+
+
+@pytest.mark.parametrize("command", ["export-hf", "import-hf", "compare"])
+def test_full_disk_keeps_nothing_half_written_and_the_rerun_works(
+    tmp_path, monkeypatch, saved_run, hf_dir, command
+):
+    if command == "export-hf":
+        out, then = tmp_path / "hf", "export it"
+        args = ("export-hf", saved_run, "--out", out)
+        # config.json is written first, then the weights fill the disk.
+        monkeypatch.setattr("kiln.commands.hf.save_file", full_safetensors)
+    elif command == "import-hf":
+        out, then = tmp_path / "imported", "import it"
+        args = ("import-hf", hf_dir, "--out", out)
+        # orbax has written the step's arrays; the checksums sealing it fill the disk.
+        monkeypatch.setattr("kiln.runs.checkpoint.write_manifest", full_disk)
+    else:
+        out, then = tmp_path / "cmp.png", "plot the runs"
+        out.write_bytes(b"the previous image")  # replaced whole or not at all
+        args = ("compare", metrics_run(tmp_path), "--out", out)
+        monkeypatch.setattr(os, "fsync", full_disk)  # the image's bytes reach no disk
+    before = files(tmp_path)
+    proc = kiln_main(*args, cwd=tmp_path)
+    monkeypatch.undo()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        f"kiln: error: no space left on device writing {out}; nothing half-written was kept: "
+        f"free space, then run the same command again to {then}"
+    ]
+    assert files(tmp_path) == before  # no partial output, no staging directory
+    proc = kiln_main(*args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if command == "export-hf":
+        assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    elif command == "import-hf":
+        assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.yaml"]
+        assert latest_complete_step(out / "checkpoints") == 0
+    else:
+        assert out.read_bytes().startswith(b"\x89PNG")
+    assert not list(tmp_path.glob(".*"))  # no staging directory or temporary file
 
 
 # ---------------------------------------------------------------------------------------------

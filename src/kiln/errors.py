@@ -11,6 +11,18 @@ class RunStopped(Exception):
     """A run that cannot go on (e.g. too many non-finite steps): the CLI prints it and exits 1."""
 
 
+class WriteFailed(RunStopped):
+    """A write that failed (`write_error`); `error` is the OSError behind it, for a caller that
+    reports it under another path (a staging directory's file under the output it becomes)."""
+
+    def __init__(self, message: str, error: OSError):
+        super().__init__(message)
+        self.error = error
+
+    def __reduce__(self):  # across processes (pickle) with its error: args hold the message only
+        return type(self), (str(self), self.error)
+
+
 def first_line(e: BaseException, limit: int = 300) -> str:
     """The first line of an exception's message (its type's name if it has none), at most
     `limit` characters: a library's error inside one line of kiln's."""
@@ -20,7 +32,7 @@ def first_line(e: BaseException, limit: int = 300) -> str:
 
 def write_error(
     e: OSError, path: object, kept: int | str | None = "", *, then: str | None = None
-) -> RunStopped:
+) -> WriteFailed:
     """A failed write to a run's files as one line; a full disk (or quota) says so.
 
     `kept`: the step of the last complete checkpoint, None if there is none ("" = not known).
@@ -33,11 +45,13 @@ def write_error(
         resume += f" (step {kept})"
     resume = then or resume
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return RunStopped(
+        return WriteFailed(
             f"no space left on device writing {path}; nothing half-written was kept: free "
-            f"space, then run the same command again to {resume}"
+            f"space, then run the same command again to {resume}",
+            e,
         )
-    return RunStopped(
+    return WriteFailed(
         f"cannot write {path}: {e.strerror or e}; nothing half-written was kept: fix the "
-        f"directory, then run the same command again to {resume}"
+        f"directory, then run the same command again to {resume}",
+        e,
     )

@@ -9,6 +9,7 @@ last K logged points.
 from __future__ import annotations
 
 import fnmatch
+import io
 import json
 import math
 import struct
@@ -17,7 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, write_error
+from kiln.util.atomic import write_whole
+from kiln.util.files import check_creatable
 from kiln.util.tensorboard import tensorboardx
 
 # tag -> (steps, values), steps increasing; a step logged twice (e.g. re-logged after a
@@ -271,6 +274,20 @@ def final_values(runs: dict[str, Series], metrics: Sequence[str], window: int = 
     return "\n".join(lines)
 
 
+def check_out(out: str | Path) -> None:
+    """KilnError unless `out` names an image file, of a format matplotlib writes, in a directory
+    kiln can create or write; checked before any run is read."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    out = Path(out)
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    if out.suffix.lstrip(".").lower() not in formats:
+        raise KilnError(f"--out {out}: unknown image suffix; allowed: {', '.join(sorted(formats))}")
+    if out.is_dir():
+        raise KilnError(f"--out: {out} is a directory; allowed: the path of an image file")
+    check_creatable(out.absolute().parent, "--out")
+
+
 def compare(
     run_dirs: Sequence[str | Path],
     metrics: Sequence[str],
@@ -284,13 +301,16 @@ def compare(
     `notes` receives a line for each metric a run lacks."""
     if window < 1:
         raise KilnError(f"--smooth: got {window}; must be >= 1 (1 = no smoothing)")
+    check_out(out)
     out = Path(out)
     metrics = expand_metrics(run_dirs, metrics)
     runs = load_runs(run_dirs, metrics, notes)
     fig = plot(runs, metrics, window=window, log_scale=log_scale)
-    formats = fig.canvas.get_supported_filetypes()
-    if out.suffix.lstrip(".").lower() not in formats:
-        raise KilnError(f"--out {out}: unknown image suffix; allowed: {', '.join(sorted(formats))}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
+    image = io.BytesIO()
+    fig.savefig(image, format=out.suffix.lstrip(".").lower())
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_whole(out, image.getvalue())  # a failed write leaves no partial image
+    except OSError as e:
+        raise write_error(e, out, then="plot the runs") from None
     return fig

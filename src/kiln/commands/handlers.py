@@ -137,8 +137,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from kiln.commands.compare import compare, expand_metrics, final_values, load_runs
+    from kiln.commands.compare import check_out, compare, expand_metrics, final_values, load_runs
 
+    check_out(args.out)  # before any run is read
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
     metrics = expand_metrics(args.run_dirs, metrics)  # eval/loss/*: every source of a mixture
     notes: list[str] = []

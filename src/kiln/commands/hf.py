@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,6 +35,7 @@ from kiln.parallel.mesh import make_mesh, sharded_abstract
 from kiln.runs.checkpoint import Checkpointer, abstract_like, restore_params
 from kiln.training.runner import checkpoint_tree
 from kiln.training.train import state_from_model
+from kiln.util.files import check_creatable, staged_directory
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -77,9 +80,22 @@ def _param_dtype(tensors: Mapping[str, np.ndarray]) -> str:
     return "bfloat16" if names == {"bfloat16"} else "float32"
 
 
-def _empty_dir(path: Path, flag: str) -> None:
+def _check_out(path: Path) -> None:
+    """KilnError unless --out is new or an empty directory, in a directory kiln can write."""
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise KilnError(f"{flag}: {path} already exists and is not empty; choose a new directory")
+        raise KilnError(f"--out: {path} already exists and is not empty; choose a new directory")
+    check_creatable(path, "--out", beside=True)  # written beside it, then renamed into place
+
+
+def _save_tensors(tensors: Mapping[str, np.ndarray], path: Path) -> None:
+    """`save_file`, with a failed write (a full disk) as the OSError it came from."""
+    try:
+        save_file(dict(tensors), path, metadata={"format": "pt"})
+    except SafetensorError as e:
+        code = re.search(r"\(os error (\d+)\)", str(e))  # safetensors' message keeps only this
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
 
 
 def _steps(checkpoints: Path) -> list[int]:
@@ -145,6 +161,7 @@ def _copy_tokenizer(tok, out: Path) -> list[str]:
 def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> str:
     """`kiln export-hf`: config.json, model.safetensors and tokenizer files of a run's checkpoint."""
     run_dir, out = Path(run_dir).expanduser(), Path(out).expanduser()
+    _check_out(out)  # before the run is read
     config = read_run_config(run_dir, "export-hf")
     tok, note = _load_run_tokenizer(config.data.tokenizer)
     hf = hf_config(config.model, tok and tok.bos_id, tok and tok.eos_id)
@@ -154,7 +171,6 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
         raise KilnError(f"{run_dir}: no complete checkpoint in {checkpoints}")
     if step is not None and step not in steps:
         raise KilnError(f"--step: no checkpoint {step} in {checkpoints}; available: {steps}")
-    _empty_dir(out, "--out")
 
     # Whole parameters on the host CPU: export runs anywhere, whatever mesh trained the model.
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
@@ -167,14 +183,14 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     )
     tensors = kiln_to_hf(config.model, jax.device_get(nnx.to_pure_dict(params)))
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    save_file(tensors, out / WEIGHTS, metadata={"format": "pt"})
-    # safetensors creates the file owner-only (0600); give it config.json's mode (the umask's).
-    (out / WEIGHTS).chmod((out / "config.json").stat().st_mode & 0o777)
-    written = ["config.json", WEIGHTS]
-    if tok is not None:
-        written += _copy_tokenizer(tok, out)
+    with staged_directory(out, then="export it") as staging:
+        (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        _save_tensors(tensors, staging / WEIGHTS)
+        # safetensors creates the file owner-only (0600); give it config.json's mode (the umask's).
+        (staging / WEIGHTS).chmod((staging / "config.json").stat().st_mode & 0o777)
+        written = ["config.json", WEIGHTS]
+        if tok is not None:
+            written += _copy_tokenizer(tok, staging)
     lines = [*skipped, f"exported {run_dir} step {step} to {out}: {', '.join(written)}"]
     lines += [f"note: {n}" for n in export_notes(config.model)]
     if note is None and config.data.tokenizer == "byte":
@@ -190,6 +206,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
 def import_hf(hf_dir: str | Path, out: str | Path) -> str:
     """`kiln import-hf`: a run directory (config.yaml, step-0 checkpoint) from a local HF model."""
     hf_dir, out = Path(hf_dir).expanduser(), Path(out).expanduser().absolute()
+    _check_out(out)  # before the model is read
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise KilnError(f"{hf_dir}: no config.json; give a local Hugging Face model directory")
@@ -208,7 +225,6 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> str:
             f"{config_path}: quantization_config is {method!r}; kiln imports only unquantized "
             "float32, bfloat16 or float16 weights (dequantize the checkpoint first)"
         )
-    _empty_dir(out, "--out")
     tensors = read_hf_tensors(hf_dir)
     model = model_section(hf, config_path, _param_dtype(tensors), tensors.keys())
     tokenizer = _tokenizer_source(hf_dir)
@@ -241,20 +257,19 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> str:
     state = jax.device_put(state, shardings)
     train_state = state_from_model(config, mesh, nnx.merge(graphdef, state))
 
-    out.mkdir(parents=True, exist_ok=True)
     copied = []
-    if tokenizer is not None:
-        for name in (tokenizer.name, *TOKENIZER_FILES[1:]):
-            if (hf_dir / name).is_file():
-                shutil.copyfile(hf_dir / name, out / name)
-                copied.append(name)
-    ckpt = Checkpointer(out, config.checkpoint)
-    try:
-        ckpt.save(0, checkpoint_tree(train_state), {})
-    finally:
-        ckpt.close()
-    # Written last: a directory with config.yaml is a complete run.
-    (out / "config.yaml").write_text(config.to_yaml())
+    with staged_directory(out, then="import it") as staging:
+        if tokenizer is not None:
+            for name in (tokenizer.name, *TOKENIZER_FILES[1:]):
+                if (hf_dir / name).is_file():
+                    shutil.copyfile(hf_dir / name, staging / name)
+                    copied.append(name)
+        ckpt = Checkpointer(staging, config.checkpoint)
+        try:
+            ckpt.save(0, checkpoint_tree(train_state), {})
+        finally:
+            ckpt.close()
+        (staging / "config.yaml").write_text(config.to_yaml())
     m = config.model
     return (
         f"imported {hf_dir} ({hf['model_type']}) to {out}: {m.num_layers} layers{describe(m)}, "

@@ -55,7 +55,7 @@ from kiln.data.upload import prepare_to_url
 from kiln.data.workers import sigterm_as_interrupt, worker_pool
 from kiln.errors import KilnError, write_error
 from kiln.util import storage
-from kiln.util.files import check_creatable, write_array
+from kiln.util.files import check_creatable, pid_alive, write_array
 from kiln.util.humanize import plural
 
 _MIN_TASK_BYTES = 64 << 10
@@ -220,17 +220,6 @@ def _remove_stale_staging(output: Path) -> None:
         if not pid.isdigit() or pid_alive(int(pid)):
             continue
         shutil.rmtree(path, ignore_errors=True)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` of this host still runs (staging directories name their writer)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _publish(staging: Path, output: Path) -> None:

@@ -31,11 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from kiln.data.prepare import pid_alive
 from kiln.errors import KilnError, write_error
 from kiln.util.atomic import write_whole
 from kiln.util.checksums import crc32_of
-from kiln.util.files import write_array
+from kiln.util.files import pid_alive, write_array
 
 MANIFEST = "manifest.json"
 SHARD_INFO = "shard.json"
