@@ -231,3 +231,28 @@ def test_a_run_file_of_the_wrong_kind_is_named_before_anything_is_written(
         "nothing (move it out of the run directory)"
     ]
     assert files(tmp_path) == before  # config.yaml included: nothing trained, nothing written
+
+
+# ---------------------------------------------------------------------------------------------
+# Another model in a run directory with metrics but no checkpoint: refused, as with checkpoints
+
+
+def test_a_model_change_is_refused_before_the_first_checkpoint(tmp_path):
+    earlier = run_config(tmp_path)
+    run_dir = earlier.run_dir
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(earlier.to_yaml())
+    rows = [{"step": s, "learning/loss": 6.0 - s} for s in (1, 2)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = tmp_path / "c.yaml"
+    config.write_text(earlier.to_yaml())
+    before = files(tmp_path)
+    proc = kiln_main("train", config, "model.d_ff=64", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        f"kiln: error: model.d_ff: the run in {run_dir} was started with 32, this config says 64; "
+        "a run cannot change it, even before its first checkpoint: its directory holds the "
+        "metrics of one model and token stream (use a new train.run_name, or --restart to start "
+        "this run over)"
+    ]
+    assert files(tmp_path) == before  # nothing moved aside, nothing written

@@ -131,8 +131,15 @@ def test_metrics_without_checkpoints_start_over_with_the_earlier_run_moved_aside
         old_config := "# the earlier run's\n" + (run_dir / "config.yaml").read_text()
     )
     old_metrics = (run_dir / "metrics.jsonl").read_text()
-    # Nothing to resume: the same command starts over (a changed model too: nothing mixes).
+    # Another model is refused, as on resume: the directory holds the earlier model's metrics.
+    before = snapshot(run_dir)
     code, err = kiln_main(capsys, "train", config, "model.d_model=64")
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("kiln: error: model.d_model: the run in "), err
+    assert "even before its first checkpoint" in err[0] and "--restart" in err[0], err
+    assert snapshot(run_dir) == before
+    # Nothing to resume: the same command starts over, the earlier run moved aside.
+    code, err = kiln_main(capsys, "train", config, "optim.learning_rate=2e-3")
     assert code == 0, err
     moved = run_dir / "restart-1"
     assert (
@@ -152,4 +159,4 @@ def test_metrics_without_checkpoints_start_over_with_the_earlier_run_moved_aside
         yaml.safe_load(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().split("\n") if x
     ]
     assert steps == [1, 2]  # no earlier row stays
-    assert yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["d_model"] == 64
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["optim"]["learning_rate"] == 2e-3

@@ -1,7 +1,8 @@
 """Whether a config may start or continue the run in its directory: a finished run, another
 optimizer than the checkpoint's, or a longer schedule whose learning rate would jump at the
 resume step, is refused (or, when finished, reported) before anything is written; a run with
-metrics but no checkpoint starts over."""
+metrics but no checkpoint starts over (with the same model and token stream: another one is
+refused, `kiln.training.runner.resume_changes`)."""
 
 from __future__ import annotations
 

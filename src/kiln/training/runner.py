@@ -84,19 +84,29 @@ def previous_config(run_dir: Path) -> Config | None:
     return read_run_config(run_dir, "resume (the earlier run's config)")
 
 
-def resume_changes(old: Config, new: Config) -> list[str]:
-    """Changed fields as 'a.b: old -> new'; a KilnError if a frozen field changed."""
+def resume_changes(old: Config, new: Config, resumed: bool = True) -> list[str]:
+    """Changed fields as 'a.b: old -> new'; a KilnError if a frozen field changed, whether the
+    run resumes a checkpoint (`resumed`) or has none yet: its directory holds one model and
+    token stream."""
     before, after = _flatten(old.model_dump(mode="json")), _flatten(new.model_dump(mode="json"))
     changes = []
     for key in sorted(set(before) | set(after)):
         if before.get(key) == after.get(key):
             continue
         if any(key == f or key.startswith(f + ".") for f in FROZEN_ON_RESUME):
+            if resumed:
+                why = "a resumed run cannot change it"
+                ways = "checkpoint.load_params_from to start from its weights, or "
+            else:
+                why = (
+                    "a run cannot change it, even before its first checkpoint: its directory "
+                    "holds the metrics of one model and token stream"
+                )
+                ways = ""
             raise KilnError(
                 f"{key}: the run in {new.run_dir} was started with {before.get(key)!r}, this config "
-                f"says {after.get(key)!r}; a resumed run cannot change it (use a new "
-                "train.run_name, or checkpoint.load_params_from to start from its weights, or "
-                "--restart to start this run over)"
+                f"says {after.get(key)!r}; {why} (use a new train.run_name, or {ways}--restart "
+                "to start this run over)"
             )
         changes.append(f"{key}: {before.get(key)!r} -> {after.get(key)!r}")
     return changes
@@ -145,16 +155,16 @@ def open_run_dir(
 
 
 def resume_notes(config: Config, restart: bool = False) -> list[str]:
-    """What changed since the earlier invocation of this run (KilnError if it may not change);
-    then whether the run has anything to do (`kiln.training.resume.check_start`)."""
+    """What changed since the earlier invocation of this run (KilnError if it may not change,
+    checkpoint or not); then whether the run has anything to do
+    (`kiln.training.resume.check_start`)."""
     if restart:
         return []
     previous = previous_config(config.run_dir)
-    notes = (
-        [f"changed on resume: {c}" for c in resume_changes(previous, config)] if previous else []
-    )
-    check_start(config, previous, latest_complete_step(config.run_dir / "checkpoints"))
-    return notes
+    latest = latest_complete_step(config.run_dir / "checkpoints")
+    changes = resume_changes(previous, config, latest is not None) if previous else []
+    check_start(config, previous, latest)
+    return [f"changed on resume: {c}" for c in changes]
 
 
 def restore_latest(config: Config, state, batches) -> tuple[Any, list[str], list[int]]:
@@ -282,10 +292,11 @@ def prepare_run(
 def _prepare(config, build, command, check, lock, started, restart, wrap) -> PreparedRun:
     # These read only metrics.jsonl, config.yaml and the checkpoint steps.
     check_entries(config.run_dir, restart)
+    notes = resume_notes(config, restart)  # a changed model is refused, checkpoint or not
     checkpoints = config.run_dir / "checkpoints"
     over = None if restart else starts_over(config.run_dir, latest_complete_step(checkpoints))
-    restart = restart or over is not None
-    notes = resume_notes(config, restart)
+    if over is not None:  # a new start, not a resume: nothing "changed on resume"
+        notes, restart = [], True
     mesh = make_mesh(config)
     # Before data is read or a parameter allocated.
     check_state_memory(config, mesh, make_optimizer(config.optim).init, state_name(config.optim))
