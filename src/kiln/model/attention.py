@@ -383,7 +383,7 @@ def causal_attention(
     def per_shard(x_BT, names):
         """[B, P, S/C, C, ...]: one copy of x's tiles per sequence shard, placed on that shard."""
         x_BNU = x_BT.reshape(b, s // c, c, *x_BT.shape[2:])
-        if p == 1:  # unsharded: the one array, as before
+        if p == 1:  # unsharded: the one array
             return x_BNU
         return constrain(jnp.broadcast_to(x_BNU[:, None], (b, p, *x_BNU.shape[1:])), names)
 
