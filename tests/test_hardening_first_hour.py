@@ -2,11 +2,14 @@
 to run, on a CPU machine with the development install (libtpu included)."""
 
 import importlib.util
+import os
 import re
+import sys
+import types
 
 import pytest
 
-from conftest import REPO, assert_user_error, kiln
+from conftest import REPO, assert_user_error, kiln, kiln_env, run_process
 from kiln.util import platforms
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -61,6 +64,46 @@ def test_jax_platforms_is_chosen_only_without_an_accelerator_or_a_users_choice(
         platforms.cpu_unless_attached(environ)
         assert environ == {}
         (tmp_path / device).unlink()
+
+
+@pytest.mark.skipif(platforms.accelerator_attached(), reason="an accelerator: JAX chooses")
+@pytest.mark.parametrize("imports", ["import kiln, jax", "import jax, kiln"])
+def test_importing_kiln_on_a_cpu_machine_with_libtpu_installed_prints_nothing(imports, tmp_path):
+    """The docs' Python snippets and benchmarks/*.py import kiln, before JAX or after it, with
+    JAX_PLATFORMS unset: the process takes the CLI's choice, JAX's CPU backend, and an
+    installed libtpu is not started (it would print its errors about the missing TPU)."""
+    code = f"{imports}; print(jax.default_backend(), len(jax.devices()))"
+    env = kiln_env(JAX_PLATFORMS=None)
+    proc = run_process([sys.executable, "-c", code], cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[0] == "cpu"
+    assert proc.stderr == ""
+
+
+def test_import_kiln_keeps_a_platform_chosen_in_the_environment_or_in_jaxs_config(
+    tmp_path, monkeypatch
+):
+    """JAX imported first has read the environment already: the choice goes to its config too,
+    unless it names a platform there."""
+    monkeypatch.setattr(platforms, "TPU_DEVICE_FILES", (str(tmp_path / "accel*"),))
+    monkeypatch.setattr(platforms, "GPU_DEVICE_FILES", (str(tmp_path / "nvidia0"),))
+    config = types.SimpleNamespace(jax_platforms=None)
+    config.update = lambda name, value: setattr(config, name, value)
+    monkeypatch.setitem(sys.modules, "jax", types.SimpleNamespace(config=config))
+    monkeypatch.delenv("JAX_PLATFORMS")
+    platforms.cpu_by_default()
+    assert os.environ["JAX_PLATFORMS"] == "cpu" and config.jax_platforms == "cpu"
+    # Chosen in JAX's config: kept there.
+    monkeypatch.delenv("JAX_PLATFORMS")
+    config.jax_platforms = "tpu"
+    platforms.cpu_by_default()
+    assert config.jax_platforms == "tpu"
+    # Chosen in the environment (empty: JAX's automatic choice): nothing changes.
+    for chosen in ("", "cuda"):
+        monkeypatch.setenv("JAX_PLATFORMS", chosen)
+        config.jax_platforms = None
+        platforms.cpu_by_default()
+        assert os.environ["JAX_PLATFORMS"] == chosen and config.jax_platforms is None
 
 
 def test_the_docs_run_their_commands_in_the_environment_the_first_one_activates():

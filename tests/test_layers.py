@@ -13,7 +13,9 @@ SRC = REPO / "src"
 
 # Bottom to top: a module may import its own package and the packages of lower layers.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("kiln", "kiln.errors"),  # the version and the user-error types; import nothing of kiln
+    # Which accelerators are attached (device files, no JAX): `import kiln` reads it.
+    ("kiln.util.platforms",),
+    ("kiln", "kiln.errors"),  # the version, the platform choice and the user-error types
     ("kiln.util",),  # files at paths or URLs, checksums, signals, numbers in words
     ("kiln.data",),  # documents -> token shards -> batches; eval task data (no JAX)
     ("kiln.config",),  # the schema, YAML loading, cross-field rules, the axis resolver

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from importlib import metadata
 from typing import NoReturn
 
-import kiln
+import kiln  # the platform choice (kiln/__init__.py), made before any command imports JAX
 from kiln.commands.handlers import (
     cmd_compare,
     cmd_compile,
@@ -26,7 +26,6 @@ from kiln.commands.handlers import (
 )
 from kiln.errors import KilnError, RunStopped
 from kiln.util.interrupt import exit_code, exit_on_signals, signal_of, stop_line
-from kiln.util.platforms import cpu_unless_attached
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -373,9 +372,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    # Before any command imports JAX: an installed libtpu is not started on a machine without
-    # an accelerator (it would print its own errors above kiln's one line).
-    cpu_unless_attached(os.environ)
     try:
         if args.command in ("train", "distill", "teacher-logits", "generate", "eval"):
             # One line and an immediate exit on a signal (a run's loop takes the signals over
