@@ -5,10 +5,12 @@ import json
 import os
 import re
 
+import numpy as np
 import pytest
 
 from conftest import config_dict, kiln, kiln_main, make_config, write_config
 from kiln.distill import online as distill
+from kiln.model.moe import MoeTransformer
 from kiln.training.console import next_commands, step_line
 from kiln.training.metrics import perf_metrics
 
@@ -186,6 +188,24 @@ def test_distillation_lines_show_hard_and_soft_losses():
     assert "feature" not in line  # beta = 0: the feature term is off
     values["distill/feature_loss"] = 0.25
     assert "feature 0.2500" in step_line(7, 10, values)
+
+
+def test_moe_lines_show_the_router_terms_and_the_expert_balance():
+    """The MoE columns come from the tags an MoE step logs: its router terms and the worst
+    layer's load over the mean (`MoeTransformer.aux_metrics`), not each layer's."""
+    moe = {"num_experts": 4, "experts_per_token": 1, "d_ff_expert": 16, "capacity_factor": 1.0}
+    config = make_config(model={**MODEL, "family": "moe", "moe": moe}, data={"seq_len": 16})
+    # Two MoE layers' assignments per expert (means 2 and 2) and the assignments each dropped.
+    sums = {"moe/expert_tokens": np.array([[6.0, 2, 0, 0], [3, 2, 2, 1]]),
+            "moe/dropped_tokens": np.array([2.0, 0.0])}  # fmt: skip
+    values = {k: float(v) for k, v in MoeTransformer.aux_metrics(config.model, sums).items()}
+    values.update({"learning/loss": 3.0, "learning/router_z_loss": 0.0034})
+    values.update({"learning/moe_lb_loss": 0.0401, "learning/raw_grad_norm": 0.5})
+    line = step_line(7, 10, values)
+    assert "loss 3.0000  router_z 0.0034  lb_loss 0.0401  load_max/mean 3.00  dropped 12.5%" in line
+    assert "layer_" not in line and line.endswith("grad_norm 0.5")
+    # A dense model's line has none of them.
+    assert step_line(7, 10, {"learning/loss": 3.0}) == "step 7/10  loss 3.0000"
 
 
 def test_a_skipped_step_prints_its_non_finite_figures():

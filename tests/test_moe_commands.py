@@ -370,6 +370,13 @@ def test_online_distillation_from_a_dense_teacher_into_a_moe_student(teachers):
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
         assert_router_losses_join_the_total(record)
+    # Each step line shows the router terms and the expert balance the step logged.
+    lines = [s for s in proc.stdout.splitlines() if s.startswith("step ") and " loss " in s]
+    assert len(lines) == len(records)
+    for line, record in zip(lines, records):
+        assert f"router_z {record['learning/router_z_loss']:.4f}" in line, line
+        assert f"lb_loss {record['learning/moe_lb_loss']:.4f}" in line, line
+        assert f"load_max/mean {record['moe/expert_load_max_over_mean']:.2f}" in line, line
 
 
 @pytest.mark.slow

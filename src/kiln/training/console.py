@@ -19,14 +19,20 @@ from kiln.config import Config
 from kiln.util.humanize import count, plural
 
 # What a step line shows, in order, with its short name: the loss as trained (in distillation
-# the balanced total), then the parts a reader compares, the raw (unclipped) gradient norm,
-# the learning rate and speed. Absent tags are left out (perf/mfu without a known peak).
+# the balanced total), then the parts a reader compares, an MoE model's router terms and
+# expert balance (the worst layer's most loaded expert over the mean load, the assignments
+# dropped), the raw (unclipped) gradient norm, the learning rate and speed. Absent tags are
+# left out (perf/mfu without a known peak, the MoE columns of a dense model).
 STEP_COLUMNS = (
     ("learning/loss", "loss"),
     ("distill/hard_loss", "hard"),
     ("distill/soft_loss", "soft"),
     ("distill/feature_loss", "feature"),
     ("learning/z_loss", "z_loss"),
+    ("learning/router_z_loss", "router_z"),
+    ("learning/moe_lb_loss", "lb_loss"),
+    ("moe/expert_load_max_over_mean", "load_max/mean"),
+    ("moe/dropped_fraction", "dropped"),
     ("learning/raw_grad_norm", "grad_norm"),
     ("learning/current_learning_rate", "lr"),
     ("perf/tokens_per_sec", "tok/s"),
@@ -67,8 +73,10 @@ def _shown(tag: str, values: Mapping[str, float]) -> bool:
 def _cell(tag: str, name: str, value: float) -> str:
     if tag == "perf/tokens_per_sec":
         return f"{count(value)} {name}"
-    if tag == "perf/mfu":
+    if tag in ("perf/mfu", "moe/dropped_fraction"):
         return f"{name} {value:.1%}"
+    if tag == "moe/expert_load_max_over_mean":
+        return f"{name} {value:.2f}"
     if "loss" in tag:
         return f"{name} {value:.4f}"
     if tag == "learning/current_learning_rate":
