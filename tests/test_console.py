@@ -4,6 +4,7 @@ the raw gradient norm, no MFU without a known peak, distillation's parts."""
 import json
 import os
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from conftest import config_dict, kiln, kiln_main, make_config, write_config
 from kiln.distill import online as distill
 from kiln.model.moe import MoeTransformer
-from kiln.training.console import next_commands, step_line
+from kiln.training.console import Summary, next_commands, step_line, summary_rows
 from kiln.training.metrics import perf_metrics
 
 MODEL = {"vocab_size": 384, "d_model": 32, "num_layers": 1, "num_heads": 2, "d_ff": 64, "max_seq_len": 16}  # fmt: skip
@@ -72,12 +73,27 @@ def test_summary_names_figures_checkpoint_and_next_commands(tiny_run):
         checkpoint == str(run_dir / "checkpoints" / "4")
         and (run_dir / "checkpoints" / "4").is_dir()
     )
-    assert re.search(r"tokens/s\s+[\d,]+ *$", out, re.MULTILINE)
+    assert re.search(r"tokens/s\s+[\d,]+$", out, re.MULTILINE)
+    assert [line for line in out.splitlines() if line != line.rstrip()] == []  # no padding
     assert out.endswith("next:\n" + "".join(f"  {c}\n" for c in next_commands(config_of(run_dir))))
     assert f"tensorboard --logdir {run_dir / 'tensorboard'}" in out
     assert f"kiln compare {run_dir} " in out and f"kiln export-hf {run_dir} " in out
     # Synthetic tokens: no text to continue or score.
     assert "kiln generate" not in out and "kiln eval" not in out
+
+
+def test_a_distillation_summary_names_its_objective_and_its_cross_entropy_apart():
+    """The balanced objective is not a cross-entropy: the summary labels it, and gives the
+    student's train cross-entropy (distill/hard_loss) to compare with the eval loss."""
+    figures = dict(steps=6, last_step=6, seconds=93.0, tokens_per_sec=2509.0, train_loss=4.1079)
+    figures.update(eval_loss=3.0146, checkpoint=None, next=[])
+    rows = dict(summary_rows(Summary(Path("runs/d"), **figures, hard_loss=2.71)))
+    assert rows["train objective"].startswith("4.1079 ")
+    assert rows["train hard loss"].startswith("2.7100 ") and rows["eval loss"] == "3.0146"
+    assert "train loss" not in rows
+    # Pre-training's loss is a cross-entropy (with its z-term), as the eval loss is.
+    rows = dict(summary_rows(Summary(Path("runs/t"), **figures)))
+    assert rows["train loss"] == "4.1079" and "train objective" not in rows
 
 
 def config_of(run_dir):
@@ -118,7 +134,7 @@ def test_next_commands_fit_the_runs_data(data):
         "tensorboard --logdir runs/r/tensorboard",
         "kiln compare runs/r --metrics learning/loss,eval/loss --out runs/r/loss.png",
         *want,
-        "kiln export-hf runs/r --out runs/r-hf",
+        "kiln export-hf runs/r --out exported/r",
     ]
 
 

@@ -347,6 +347,10 @@ def test_online_distillation_from_a_moe_teacher_into_a_dense_student(teachers):
     hard, soft = last["distill/hard_loss"], last["distill/soft_loss"]
     # float32 arithmetic on both sides: 1e-6 relative.
     assert last["learning/loss"] == pytest.approx(0.5 * hard + 0.5 * soft, rel=1e-6)
+    # The summary names the objective and the train cross-entropy apart.
+    out = proc.stdout[proc.stdout.index("run complete") :]
+    assert f"train objective  {last['learning/loss']:.4f} " in out
+    assert f"train hard loss  {hard:.4f} " in out and "train loss" not in out
 
 
 def assert_router_losses_join_the_total(record):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
+from rich.text import Text
 
 from kiln.config import Config
 from kiln.util.humanize import count, plural
@@ -93,30 +93,47 @@ class Summary:
     last_step: int
     seconds: float  # wall time from start-up
     tokens_per_sec: float | None  # after the first step (compilation excluded)
-    train_loss: float | None
+    train_loss: float | None  # learning/loss: what the step optimised
     eval_loss: float | None
     checkpoint: Path | None
     next: list[str]  # commands to run next with the run
+    # Distillation: the student's cross-entropy on the labels (distill/hard_loss), the train
+    # figure eval loss compares with; train_loss is then the balanced objective.
+    hard_loss: float | None = None
 
 
-def summary_table(s: Summary) -> Table:
-    """The end-of-run figures as a two-column table."""
-    table = Table(title="run complete", title_justify="left", box=None, show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
+def summary_rows(s: Summary) -> list[tuple[str, str]]:
+    """The end-of-run figures, (name, value) in order."""
     minutes, seconds = divmod(s.seconds, 60)
     wall = f"{int(minutes)} min {seconds:.0f} s" if minutes else f"{seconds:.1f} s"
-    rows = [
+    loss = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
+    if s.hard_loss is None:
+        train = [("train loss", loss(s.train_loss))]
+    else:
+        train = [
+            ("train objective", f"{loss(s.train_loss)} (what the step optimised)"),
+            ("train hard loss", f"{loss(s.hard_loss)} (cross-entropy on the labels, as eval loss)"),
+        ]
+    return [
         ("steps", f"{plural(s.steps, 'step')} trained, now at step {s.last_step}"),
         ("wall time", f"{wall} (start-up and compilation included)"),
         ("tokens/s", "n/a" if s.tokens_per_sec is None else count(s.tokens_per_sec)),
-        ("train loss", "n/a" if s.train_loss is None else f"{s.train_loss:.4f}"),
+        *train,
         ("eval loss", "not evaluated" if s.eval_loss is None else f"{s.eval_loss:.4f}"),
         ("checkpoint", str(s.checkpoint) if s.checkpoint else "none"),
     ]
+
+
+def summary_text(s: Summary) -> Text:
+    """'run complete' and one line per figure, names in bold and aligned (no trailing spaces)."""
+    rows = summary_rows(s)
+    width = max(len(name) for name, _ in rows)
+    text = Text("run complete")
     for name, value in rows:
-        table.add_row(name, value)
-    return table
+        text.append("\n ")
+        text.append(name, style="bold")
+        text.append(" " * (width - len(name) + 2) + value)
+    return text
 
 
 def next_commands(config: Config) -> list[str]:
@@ -142,7 +159,8 @@ def next_commands(config: Config) -> list[str]:
     ]
     if tasks:
         out.append(f"kiln eval {q(str(run))} {' '.join(q(t) for t in tasks)}")
-    out.append(f"kiln export-hf {q(str(run))} --out {q(str(run) + '-hf')}")
+    # Outside train.output_dir, whose directories are runs (kiln compare lists them).
+    out.append(f"kiln export-hf {q(str(run))} --out {q('exported/' + config.train.run_name)}")
     return out
 
 
@@ -226,7 +244,7 @@ class RunConsole:
 
     def summary(self, s: Summary) -> None:
         self.close()  # the table goes below the finished bar
-        self.out.print(summary_table(s))
+        self.out.print(summary_text(s))
         self.out.print("next:")
         for command in s.next:
             self.out.print(f"  {command}")

@@ -223,6 +223,7 @@ class Loop:
             tokens_per_sec=tokens_per_sec,
             train_loss=self.logger.last.get("learning/loss"),
             eval_loss=self.logger.last.get("eval/loss"),
+            hard_loss=self.logger.last.get("distill/hard_loss"),
             checkpoint=cfg.run_dir / "checkpoints" / str(last),
             next=next_commands(cfg),
         )
