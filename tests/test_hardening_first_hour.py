@@ -10,6 +10,9 @@ import types
 import pytest
 
 from conftest import REPO, assert_user_error, kiln, kiln_env, run_process
+from kiln.config import load_config
+from kiln.model import summary
+from kiln.training.optim import make_optimizer, state_name
 from kiln.util import platforms
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -104,6 +107,16 @@ def test_import_kiln_keeps_a_platform_chosen_in_the_environment_or_in_jaxs_confi
         config.jax_platforms = None
         platforms.cpu_by_default()
         assert os.environ["JAX_PLATFORMS"] == chosen and config.jax_platforms is None
+
+
+def test_the_summary_gives_the_state_in_the_gb_of_the_compiled_figures():
+    """`kiln config --summary`'s state line is in decimal GB, as the compiled step and --hbm-gb
+    below it are: 1,004,015,616 parameters x 4 bytes per device of the 8B config are 4.02 GB."""
+    config = load_config(REPO / "configs" / "models" / "llama3-8b.yaml")
+    text = summary(config, make_optimizer(config.optim).init, state_name(config.optim), 8)
+    assert "GiB" not in text
+    line = "params 4.02 GB + grads 4.02 GB + AdamW moments 8.03 GB = 16.06 GB (state, before"
+    assert f"  {line} activations)" in text.splitlines()
 
 
 def test_the_docs_run_their_commands_in_the_environment_the_first_one_activates():

@@ -160,8 +160,9 @@ def summary(
     model = abstract_model(m)
     embed = m.vocab_size * m.d_model
     flops = model.flops_per_token(config.data.seq_len)
-    gib = per_device * itemsize / 2**30
-    opt_gib = optimizer_state_bytes(config, init, sizes) / 2**30
+    # Decimal GB, as the compiled figures and --hbm-gb are.
+    gb = per_device * itemsize / 1e9
+    opt_gb = optimizer_state_bytes(config, init, sizes) / 1e9
     mesh_text = " x ".join(f"{a}={s}" for a, s in sizes.items())
     inactive = model.inactive_params()
     beside = model.auxiliary_params()
@@ -189,9 +190,9 @@ def summary(
             f"mesh:              {mesh_text} ({plural(math.prod(sizes.values()), 'device')})",
             *_expert_lines(config, sizes),
             f"memory per device: {per_device:,} parameters x {itemsize} bytes ({m.param_dtype})",
-            f"  params {gib:.2f} GiB + grads {gib:.2f} GiB + "
-            f"{state_name} {opt_gib:.2f} GiB "
-            f"= {2 * gib + opt_gib:.2f} GiB (state, before activations)",
+            f"  params {gb:.2f} GB + grads {gb:.2f} GB + "
+            f"{state_name} {opt_gb:.2f} GB "
+            f"= {2 * gb + opt_gb:.2f} GB (state, before activations)",
         ]
     )
 
