@@ -119,6 +119,19 @@ def test_the_summary_gives_the_state_in_the_gb_of_the_compiled_figures():
     assert f"  {line} activations)" in text.splitlines()
 
 
+def test_the_peak_buffers_sample_names_the_line_of_the_layer_scan():
+    """docs/scaling.md's `--peak-buffers` sample: the stacked outputs are written at the layer
+    scan of src/kiln/model/llama.py (`scan_blocks`), and the source line it quotes is that
+    call's line today (rerun the sample's command when llama.py moves it)."""
+    source = (REPO / "src" / "kiln" / "model" / "llama.py").read_text().splitlines()
+    start = source.index(next(line for line in source if line.startswith("def scan_blocks(")))
+    end = next(i for i in range(start + 1, len(source)) if source[i].startswith("def "))
+    scans = [i + 1 for i in range(start, end) if "jax.lax.scan(" in source[i]]
+    assert len(scans) == 1, scans
+    quoted = re.findall(r"src/kiln/model/llama\.py:(\d+)", (REPO / "docs/scaling.md").read_text())
+    assert quoted and set(map(int, quoted)) == set(scans), (quoted, scans)
+
+
 def test_the_docs_run_their_commands_in_the_environment_the_first_one_activates():
     """Later commands are bare (`kiln`, `tensorboard`): the README's first one activates .venv,
     and no page mixes in `.venv/bin/...`; a full-size model's summary names its devices."""
