@@ -132,6 +132,27 @@ def test_the_peak_buffers_sample_names_the_line_of_the_layer_scan():
     assert quoted and set(map(int, quoted)) == set(scans), (quoted, scans)
 
 
+# `kiln train configs/tiny.yaml ...` in a code block (`$ ` prompt or not) or a code span.
+TINY_TRAIN = re.compile(
+    r"^(?:\$ )?(kiln train configs/tiny\.yaml.*)$|`(kiln train configs/tiny\.yaml[^`]*)`", re.M
+)
+
+
+def test_every_changed_tiny_run_the_docs_show_has_a_run_name_of_its_own():
+    """After the quickstart, runs/tiny is finished: a command that changes the config without
+    naming a new run says `run complete` (or is refused) and trains nothing. Quoted refusals
+    (the command followed by its `kiln: error:` line) are what they show."""
+    for page in PAGES:
+        text = page.read_text()
+        for match in TINY_TRAIN.finditer(text):
+            command = (match.group(1) or match.group(2)).split(" > ")[0].split("  #")[0]
+            words = command.replace("\\\n", " ").split()
+            overrides = [w for w in words[3:] if "=" in w]
+            refused = text[match.end() : match.end() + 14] == "\nkiln: error: "
+            if overrides and not refused:
+                assert any("train.run_name=" in w for w in overrides), (page.name, command)
+
+
 def test_the_docs_run_their_commands_in_the_environment_the_first_one_activates():
     """Later commands are bare (`kiln`, `tensorboard`): the README's first one activates .venv,
     and no page mixes in `.venv/bin/...`; a full-size model's summary names its devices."""
