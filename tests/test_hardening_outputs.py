@@ -7,7 +7,10 @@ import errno
 import json
 import os
 import shutil
+import socket
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -186,6 +189,45 @@ def test_full_disk_keeps_nothing_half_written_and_the_rerun_works(
     else:
         assert out.read_bytes().startswith(b"\x89PNG")
     assert not list(tmp_path.glob(".*"))  # no staging directory or temporary file
+
+
+def test_full_disk_into_an_existing_empty_out_leaves_it_empty(tmp_path, monkeypatch, saved_run):
+    out = tmp_path / "mounted"  # an existing empty directory (a mount point): staged inside it
+    out.mkdir()
+    monkeypatch.setattr("kiln.commands.hf.save_file", full_safetensors)
+    proc = kiln_main("export-hf", saved_run, "--out", out)
+    monkeypatch.undo()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        f"kiln: error: no space left on device writing {out}; nothing half-written was kept: "
+        "free space, then run the same command again to export it"
+    ]
+    assert list(out.iterdir()) == []  # no staging directory, no entry moved up
+    assert kiln_main("export-hf", saved_run, "--out", out).returncode == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def dead_pid() -> int:
+    """The pid of a process of this host that has ended."""
+    proc = subprocess.Popen([sys.executable, "-c", ""])
+    proc.wait()
+    return proc.pid
+
+
+def test_staging_directories_of_dead_writers_are_removed(tmp_path, saved_run):
+    """A writer that died with its machine leaves its staging directory: beside a new --out,
+    or inside an existing empty one, which still counts as empty. The next run removes it."""
+    writer = f"partial-{socket.gethostname()}-{dead_pid()}"
+    new, empty = tmp_path / "new", tmp_path / "empty"
+    empty.mkdir()
+    for left in (tmp_path / f".new.{writer}", empty / f".{writer}"):
+        left.mkdir()
+        (left / "config.json").write_text("{")
+    for out in (new, empty):
+        proc = kiln_main("export-hf", saved_run, "--out", out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "new"]
 
 
 # ---------------------------------------------------------------------------------------------

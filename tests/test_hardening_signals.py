@@ -1,8 +1,10 @@
-"""Signals as a user sends them: `kiln generate` and `kiln eval` stopped mid-work say so in one
-line and leave no partial output; Ctrl-C twice in a run says what the same command does next,
-releases the run's lock, and the same command then does it."""
+"""Signals as a user sends them: every command stopped mid-work (`kiln generate`, `eval`,
+`config --summary`, `import-hf`, `export-hf`) says so in one line and leaves no partial output;
+Ctrl-C twice in a run says what the same command does next, releases the run's lock, and the
+same command then does it."""
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -10,7 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import communicate, kiln_main, start_kiln, write_config
+from conftest import (
+    REPO,
+    USER_XLA_FLAGS,
+    communicate,
+    cpu_seconds,
+    kiln_main,
+    start_kiln,
+    wait_until,
+    write_config,
+)
 from kiln.runs.checkpoint import latest_complete_step
 
 RUN = {
@@ -81,6 +92,99 @@ def test_generate_and_eval_stopped_by_a_signal_say_so_and_write_nothing(
     assert rest.splitlines() == [line], rest[-3000:]  # one line, no traceback
     assert stdout == ""
     assert list(out_dir.iterdir()) == []  # no --out, no temporary file beside it
+
+
+@pytest.fixture(scope="module")
+def hf_model(trained, tmp_path_factory) -> Path:
+    """The trained run exported as a Hugging Face model directory, in this process."""
+    out = tmp_path_factory.mktemp("hf") / "llama"
+    proc = kiln_main("export-hf", trained, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def stop_at_work(proc: subprocess.Popen, working, signum: int) -> tuple[str, str]:
+    """Send `signum` once `working()` holds; (stdout, stderr) to the end of both, which comes
+    after the process and anything that removes its files on its way out have ended."""
+    try:
+        wait_until(working, proc, "the command at work")
+        proc.send_signal(signum)
+        return communicate(proc)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def used_cpu(proc: subprocess.Popen, seconds: float):
+    """Whether `proc` has used more than `seconds` of CPU time."""
+    return lambda: cpu_seconds(proc.pid) > seconds
+
+
+def listing(root: Path) -> list[str]:
+    """Every file and directory under `root`, as paths relative to it (links not followed)."""
+    return sorted(
+        str(Path(top, name).relative_to(root))
+        for top, dirs, files in os.walk(root)
+        for name in dirs + files
+    )
+
+
+def staging_of(out: Path):
+    """Whether the staging directory of `out` exists (beside a new `out`, inside an existing
+    one): the command is writing `out`."""
+    return lambda: any(out.parent.glob(f".{out.name}.partial-*")) or any(out.glob(".partial-*"))
+
+
+TINY = REPO / "configs" / "tiny.yaml"
+WEIGHTS = ["config.json", "model.safetensors"]  # what export-hf writes for a byte-level run
+# XLA's own flags, so that compiling takes a user's time (several CPU seconds) and the signal
+# comes while it runs; no persistent cache, which would skip the compile.
+COMPILING = {"XLA_FLAGS": USER_XLA_FLAGS, "JAX_COMPILATION_CACHE_DIR": None}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "command, name",
+    [
+        ("config --summary", "SIGTERM"),
+        ("import-hf", "SIGTERM"),
+        ("import-hf", "SIGINT"),
+        ("export-hf", "SIGTERM"),
+    ],
+)
+def test_every_command_stopped_by_a_signal_says_so_and_leaves_nothing(
+    trained, hf_model, tmp_path, command, name
+):
+    work, tmp = tmp_path / "work", tmp_path / "tmp"
+    work.mkdir()
+    tmp.mkdir()
+    env = {"TMPDIR": str(tmp)}
+    if command == "config --summary":
+        args, out = ("config", TINY, "--summary"), None
+        env |= COMPILING
+    elif command == "import-hf":
+        out = work / "new" / "out"  # its parent is made by the command, and removed again
+        args = ("import-hf", hf_model, "--out", out)
+    else:  # an existing empty --out, here a link to one (or a mount point): written inside
+        (work / "empty").mkdir()
+        out = work / "link"
+        out.symlink_to(work / "empty")
+        args = ("export-hf", trained, "--out", out)
+    before = listing(work)
+    proc = start_kiln(*args, cwd=work, env=env)
+    # Writing its output, or past start-up and importing JAX: lowering or compiling the step.
+    working = used_cpu(proc, 2.0) if out is None else staging_of(out)
+    signum, code, line = SIGNALS[name]
+    stdout, stderr = stop_at_work(proc, working, signum)
+    assert proc.returncode == code, stderr[-3000:]
+    assert stderr.splitlines() == [line], stderr[-3000:]  # one line, no traceback
+    assert stdout == ""
+    # No output, no staging directory, no parent made; nothing in the temporary directory.
+    assert listing(work) == before
+    assert listing(tmp) == []
+    if command == "export-hf":  # the same command then writes into the directory linked to
+        assert kiln_main(*args).returncode == 0
+        assert listing(work) == sorted([*before, *(f"empty/{name}" for name in WEIGHTS)])
 
 
 def first_steps(proc: subprocess.Popen) -> None:

@@ -121,18 +121,20 @@ def test_sigterm_and_sigint_stop_prepare_cleanly(stuck_prepare, tmp_path, signum
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
 
 
-def test_sigterm_handling_is_restored_after_prepare():
-    from kiln.data.workers import sigterm_as_interrupt
+def test_signal_handling_is_restored_after_prepare():
+    from kiln.data.workers import signals_as_interrupt
 
     def mine(_signum, _frame):
         pass
 
-    before = signal.signal(signal.SIGTERM, mine)
+    before = {s: signal.signal(s, mine) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with pytest.raises(KeyboardInterrupt) as e, sigterm_as_interrupt():
+        with pytest.raises(KeyboardInterrupt) as e, signals_as_interrupt():
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)  # the handler runs at the next bytecode; never reached
         assert signal.getsignal(signal.SIGTERM) is mine
+        assert signal.getsignal(signal.SIGINT) is mine
         assert e.value.signum == signal.SIGTERM
     finally:
-        signal.signal(signal.SIGTERM, before)
+        for s, handler in before.items():
+            signal.signal(s, handler)

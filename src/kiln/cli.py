@@ -373,12 +373,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        if args.command in ("train", "distill", "teacher-logits", "generate", "eval"):
-            # One line and an immediate exit on a signal (a run's loop takes the signals over
-            # to checkpoint first); what these commands write is renamed into place whole.
-            with exit_on_signals():
-                return args.func(args)
-        return args.func(args)
+        # Every command: one line and an immediate exit on a signal (a run's loop takes the
+        # signals over to checkpoint first, `kiln prepare` to stop its workers); what commands
+        # write is renamed into place whole or removed on the way out (kiln.util.interrupt).
+        with exit_on_signals():
+            return args.func(args)
     except (KilnError, RunStopped) as e:
         if os.environ.get("KILN_DEBUG") == "1":
             raise
@@ -387,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"kiln: error: {line}", file=sys.stderr)
         return _leave(2 if isinstance(e, KilnError) else 1)
     except KeyboardInterrupt as e:
-        signum = signal_of(e)  # SIGINT, or SIGTERM raised as an exception (kiln prepare)
+        signum = signal_of(e)  # raised inside kiln prepare's work (signals_as_interrupt)
         print(stop_line(signum), file=sys.stderr)
         return _leave(exit_code(signum))
     except BrokenPipeError:

@@ -310,7 +310,7 @@ def compare(
     fig.savefig(image, format=out.suffix.lstrip(".").lower())
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        write_whole(out, image.getvalue())  # a failed write leaves no partial image
+        write_whole(out, image.getvalue())  # a failed write or a signal: no partial image
     except OSError as e:
         raise write_error(e, out, then="plot the runs") from None
     return fig

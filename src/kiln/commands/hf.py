@@ -19,7 +19,7 @@ from flax import nnx
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from kiln.config import config_from_dict, read_run_config
+from kiln.config import Config, config_from_dict, read_run_config
 from kiln.data.tokenizers import load_tokenizer
 from kiln.errors import KilnError
 from kiln.model import DTYPES, abstract_state, build_model
@@ -35,7 +35,7 @@ from kiln.parallel.mesh import make_mesh, sharded_abstract
 from kiln.runs.checkpoint import Checkpointer, abstract_like, restore_params
 from kiln.training.runner import checkpoint_tree
 from kiln.training.train import state_from_model
-from kiln.util.files import check_creatable, staged_directory
+from kiln.util.scratch import check_stageable, staged
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -78,13 +78,6 @@ def _param_dtype(tensors: Mapping[str, np.ndarray]) -> str:
     if other:
         raise KilnError(f"weights of dtype {other[0]}; kiln imports float32, bfloat16 or float16")
     return "bfloat16" if names == {"bfloat16"} else "float32"
-
-
-def _check_out(path: Path) -> None:
-    """KilnError unless --out is new or an empty directory, in a directory kiln can write."""
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise KilnError(f"--out: {path} already exists and is not empty; choose a new directory")
-    check_creatable(path, "--out", beside=True)  # written beside it, then renamed into place
 
 
 def _save_tensors(tensors: Mapping[str, np.ndarray], path: Path) -> None:
@@ -161,7 +154,7 @@ def _copy_tokenizer(tok, out: Path) -> list[str]:
 def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> str:
     """`kiln export-hf`: config.json, model.safetensors and tokenizer files of a run's checkpoint."""
     run_dir, out = Path(run_dir).expanduser(), Path(out).expanduser()
-    _check_out(out)  # before the run is read
+    check_stageable(out, "--out")  # before the run is read
     config = read_run_config(run_dir, "export-hf")
     tok, note = _load_run_tokenizer(config.data.tokenizer)
     hf = hf_config(config.model, tok and tok.bos_id, tok and tok.eos_id)
@@ -171,19 +164,19 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
         raise KilnError(f"{run_dir}: no complete checkpoint in {checkpoints}")
     if step is not None and step not in steps:
         raise KilnError(f"--step: no checkpoint {step} in {checkpoints}; available: {steps}")
-
-    # Whole parameters on the host CPU: export runs anywhere, whatever mesh trained the model.
-    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    abstract = abstract_state(config.model)
-    target = abstract_like(abstract, jax.tree.map(lambda _: cpu, abstract))
-    # The newest intact checkpoint, or exactly --step: verified against its manifest.
-    source = checkpoints if step is None else checkpoints / str(step)
-    params, step, skipped = restore_params(
-        source, target, what="export-hf", checksums=config.checkpoint.verify
-    )
-    tensors = kiln_to_hf(config.model, jax.device_get(nnx.to_pure_dict(params)))
-
-    with staged_directory(out, then="export it") as staging:
+    # Written into a staging directory that becomes --out when complete: an error or a signal
+    # leaves no partial --out, and a failed write is one line naming --out.
+    with staged(out, then="export it") as staging:
+        # Whole parameters on the host CPU: export runs anywhere, whatever mesh trained it.
+        cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+        abstract = abstract_state(config.model)
+        target = abstract_like(abstract, jax.tree.map(lambda _: cpu, abstract))
+        # The newest intact checkpoint, or exactly --step: verified against its manifest.
+        source = checkpoints if step is None else checkpoints / str(step)
+        params, step, skipped = restore_params(
+            source, target, what="export-hf", checksums=config.checkpoint.verify
+        )
+        tensors = kiln_to_hf(config.model, jax.device_get(nnx.to_pure_dict(params)))
         (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         _save_tensors(tensors, staging / WEIGHTS)
         # safetensors creates the file owner-only (0600); give it config.json's mode (the umask's).
@@ -206,7 +199,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
 def import_hf(hf_dir: str | Path, out: str | Path) -> str:
     """`kiln import-hf`: a run directory (config.yaml, step-0 checkpoint) from a local HF model."""
     hf_dir, out = Path(hf_dir).expanduser(), Path(out).expanduser().absolute()
-    _check_out(out)  # before the model is read
+    check_stageable(out, "--out")  # before the model is read
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise KilnError(f"{hf_dir}: no config.json; give a local Hugging Face model directory")
@@ -225,6 +218,24 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> str:
             f"{config_path}: quantization_config is {method!r}; kiln imports only unquantized "
             "float32, bfloat16 or float16 weights (dequantize the checkpoint first)"
         )
+    # Built in a staging directory that becomes --out when complete: an error or a signal
+    # leaves no partial run directory, and a failed write is one line naming --out.
+    with staged(out, then="import it") as staging:
+        config, copied = _write_run(hf_dir, hf, config_path, out, staging)
+    m = config.model
+    return (
+        f"imported {hf_dir} ({hf['model_type']}) to {out}: {m.num_layers} layers{describe(m)}, "
+        f"d_model {m.d_model}, {m.num_heads} heads ({m.kv_heads} key/value), "
+        f"vocab {m.vocab_size}, {m.param_dtype}; checkpoint step 0"
+        + (f"; tokenizer {', '.join(copied)}" if copied else "; no tokenizer file found")
+    )
+
+
+def _write_run(
+    hf_dir: Path, hf: dict, config_path: Path, out: Path, staging: Path
+) -> tuple[Config, list[str]]:
+    """The run directory of `import_hf` written into `staging` (renamed to `out` later): its
+    config and the tokenizer files copied."""
     tensors = read_hf_tensors(hf_dir)
     model = model_section(hf, config_path, _param_dtype(tensors), tensors.keys())
     tokenizer = _tokenizer_source(hf_dir)
@@ -258,25 +269,19 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> str:
     train_state = state_from_model(config, mesh, nnx.merge(graphdef, state))
 
     copied = []
-    with staged_directory(out, then="import it") as staging:
-        if tokenizer is not None:
-            for name in (tokenizer.name, *TOKENIZER_FILES[1:]):
-                if (hf_dir / name).is_file():
-                    shutil.copyfile(hf_dir / name, staging / name)
-                    copied.append(name)
-        ckpt = Checkpointer(staging, config.checkpoint)
-        try:
-            ckpt.save(0, checkpoint_tree(train_state), {})
-        finally:
-            ckpt.close()
-        (staging / "config.yaml").write_text(config.to_yaml())
-    m = config.model
-    return (
-        f"imported {hf_dir} ({hf['model_type']}) to {out}: {m.num_layers} layers{describe(m)}, "
-        f"d_model {m.d_model}, {m.num_heads} heads ({m.kv_heads} key/value), "
-        f"vocab {m.vocab_size}, {m.param_dtype}; checkpoint step 0"
-        + (f"; tokenizer {', '.join(copied)}" if copied else "; no tokenizer file found")
-    )
+    if tokenizer is not None:
+        for name in (tokenizer.name, *TOKENIZER_FILES[1:]):
+            if (hf_dir / name).is_file():
+                shutil.copyfile(hf_dir / name, staging / name)
+                copied.append(name)
+    ckpt = Checkpointer(staging, config.checkpoint)
+    try:
+        ckpt.save(0, checkpoint_tree(train_state), {})
+    finally:
+        ckpt.close()
+    # Written last: a directory with config.yaml is a complete run.
+    (staging / "config.yaml").write_text(config.to_yaml())
+    return config, copied
 
 
 def _tokenizer_source(hf_dir: Path) -> Path | None:

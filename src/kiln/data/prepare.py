@@ -52,7 +52,7 @@ from kiln.data.sources import (
 )
 from kiln.data.tokenizers import Tokenizer, load_tokenizer
 from kiln.data.upload import prepare_to_url
-from kiln.data.workers import sigterm_as_interrupt, worker_pool
+from kiln.data.workers import signals_as_interrupt, worker_pool
 from kiln.errors import KilnError, write_error
 from kiln.util import storage
 from kiln.util.files import check_creatable, pid_alive, write_array
@@ -137,7 +137,7 @@ def _write_shards(
     made = [p for p in (output.parent, *output.parent.parents) if not p.exists()]
     staging = output.parent / f".{output.name}.partial-{socket.gethostname()}-{os.getpid()}"
     start = time.perf_counter()
-    with sigterm_as_interrupt():
+    with signals_as_interrupt():
         try:
             output.parent.mkdir(parents=True, exist_ok=True)
             _remove_stale_staging(output)

@@ -5,7 +5,6 @@ without a manifest is an interrupted upload, never a valid output."""
 from __future__ import annotations
 
 import re
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 from kiln.data.manifest import MANIFEST, up_to_date
 from kiln.errors import KilnError
 from kiln.util import storage
+from kiln.util.scratch import temporary_directory
 
 _SHARD_FILE = re.compile(r"shard-\d{5}\.(bin|idx|wts)")
 
@@ -38,8 +38,8 @@ def prepare_to_url(
             f"{what} {output}: exists and holds {others[0]!r}, so it is not empty or a kiln "
             "prepare output"
         )
-    with tempfile.TemporaryDirectory(prefix="kiln-prepare-") as tmp:
-        local = Path(tmp) / "shards"
+    with temporary_directory("kiln-prepare-") as tmp:  # removed however the command ends
+        local = tmp / "shards"
         manifest, _ = prepare_local(local)
         storage.make_dirs(output, what)
         for stale in names:

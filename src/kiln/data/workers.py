@@ -81,7 +81,7 @@ def _worker_init(parent: int, stop) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     # Ctrl-C reaches the whole process group: the parent alone handles it and stops the workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # The parent's SIGTERM handler (see sigterm_as_interrupt) is inherited by fork; the pool
+    # The parent's SIGTERM handler (see signals_as_interrupt) is inherited by fork; the pool
     # ends a worker with SIGTERM, which should just end it.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if hasattr(signal, "pthread_sigmask"):  # forked while the parent held them back
@@ -101,23 +101,27 @@ def _watch(parent: int, stop) -> None:
 
 
 @contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """Inside the block SIGTERM raises `Stopped` (a KeyboardInterrupt), as SIGINT raises
-    KeyboardInterrupt: the same cleanup, and the CLI exits 143 instead of 130.
+def signals_as_interrupt() -> Iterator[None]:
+    """Inside the block SIGINT raises KeyboardInterrupt and SIGTERM `Stopped` (a
+    KeyboardInterrupt), instead of the immediate exit `kiln.cli` sets: the block's own cleanup
+    runs (its workers stopped, its staging directory removed), and the CLI exits 130 or 143.
 
-    Only in the main thread, and only over a handler set from Python (or the default): one set
+    Only in the main thread, and only over handlers set from Python (or the defaults): one set
     outside Python, e.g. by JAX's preemption service in a multi-process run, could not be put back.
     """
-    previous = signal.getsignal(signal.SIGTERM)
-    if threading.current_thread() is not threading.main_thread() or previous is None:
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.getsignal(s) for s in signals}
+    if threading.current_thread() is not threading.main_thread() or None in previous.values():
         yield
         return
 
     def interrupt(signum, _frame):
         raise Stopped(signum)
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, interrupt)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)

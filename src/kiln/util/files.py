@@ -1,6 +1,5 @@
-"""Local files kiln writes: output directories checked before the work, directories filled
-beside their place and renamed into it whole, and arrays written so that a failed write (a full
-disk, a quota) raises an OSError with its errno.
+"""Local files kiln writes: output directories checked before the work, and arrays written so
+that a failed write (a full disk, a quota) raises an OSError with its errno.
 
 numpy's own writers (`ndarray.tofile`, `np.save` to a real file) write through C stdio and
 report a full disk as a bare OSError ("N requested and M written", "Not enough free space"),
@@ -9,18 +8,13 @@ without the errno that tells it from other faults; Python's file objects keep it
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import os
-import shutil
-import socket
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from kiln.errors import KilnError, WriteFailed, write_error
+from kiln.errors import KilnError
 
 
 def check_creatable(path: Path, field: str, *, beside: bool = False) -> None:
@@ -85,41 +79,6 @@ def _limits(path: Path) -> tuple[int, int]:
 def _short(text: str) -> str:
     """A long path or name cut in the middle for a one-line message."""
     return text if len(text) <= 80 else f"{text[:40]}...{text[-30:]}"
-
-
-@contextlib.contextmanager
-def staged_directory(path: Path, *, then: str) -> Iterator[Path]:
-    """A new directory beside `path` to fill (`.NAME.partial-HOST-PID`), renamed to `path` when
-    the block ends; `path` must not exist or be an empty directory.
-
-    On any error the staging directory and the parents this made are removed, so `path` is as
-    it was; a failed write (an OSError, or a `WriteFailed` under the staging directory) becomes
-    one line naming `path` (`kiln.errors.write_error`; `then`: what running the command again
-    does). Staging directories of writers on this host that have died are removed first.
-    """
-    path = path.absolute()
-    made = [p for p in (path.parent, *path.parent.parents) if not p.exists()]
-    prefix = f".{path.name}.partial-{socket.gethostname()}-"
-    staging = path.parent / f"{prefix}{os.getpid()}"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(f"{glob.escape(prefix)}*"):
-            pid = stale.name.removeprefix(prefix)
-            if pid.isdigit() and not pid_alive(int(pid)):
-                shutil.rmtree(stale, ignore_errors=True)
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
-        yield staging
-        os.replace(staging, path)
-    except BaseException as e:
-        shutil.rmtree(staging, ignore_errors=True)
-        for parent in made:  # deepest first
-            with contextlib.suppress(OSError):
-                parent.rmdir()
-        error = e.error if isinstance(e, WriteFailed) else e
-        if isinstance(error, OSError):
-            raise write_error(error, path, then=then) from None
-        raise
 
 
 def pid_alive(pid: int) -> bool:

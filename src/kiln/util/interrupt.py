@@ -1,13 +1,15 @@
-"""Ctrl-C and SIGTERM outside the training loop: one line and an immediate exit.
+"""Ctrl-C and SIGTERM: one line and an immediate exit, for every command.
 
 Every command exits 128 + the signal's number: 130 for SIGINT (`kiln: interrupted`), 143 for
 SIGTERM (`kiln: stopped by SIGTERM`).
 
 Unwinding a KeyboardInterrupt through half-imported C extensions or past XLA's compile threads
-can abort or crash the interpreter at exit, so until the loop installs its own handlers (which
-checkpoint and stop, see `kiln.training.loop.stop_requests`) a signal ends the process at once with
-`os._exit`: nothing is half-written at that point (the run directory is written only after
-validation, checkpoints only inside orbax's temporary directories), and lock files are released.
+can abort or crash the interpreter at exit, so `kiln.cli` ends the process at once with
+`os._exit` on either signal, for the whole of every command: what a command is writing is
+either renamed into place whole (`kiln.util.atomic`, `kiln.util.scratch`) or removed by the
+cleanups registered here, which run first (lock files are released the same way). A run's loop
+takes the signals over to checkpoint first (see `kiln.training.loop.stop_requests`), and
+`kiln prepare` while its workers run (see `kiln.data.workers.signals_as_interrupt`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import NoReturn
@@ -76,7 +79,11 @@ def _exit_now(signum: int, _frame) -> None:
 
 @contextmanager
 def exit_on_signals() -> Iterator[None]:
-    """Inside, SIGINT exits 130 and SIGTERM 143, each with one line (main thread only)."""
+    """Inside, SIGINT exits 130 and SIGTERM 143, each with one line (in the main thread; a
+    handler can be set only there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     previous = {s: signal.signal(s, _exit_now) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
