@@ -1,8 +1,9 @@
 """Signals as a user sends them: every command stopped mid-work (`kiln generate`, `eval`,
-`config --summary`, `import-hf`, `export-hf`) says so in one line and leaves no partial output;
-Ctrl-C twice in a run says what the same command does next, releases the run's lock, and the
-same command then does it."""
+`config --summary`, `compile --peak-buffers`, `import-hf`, `export-hf`) says so in one line and
+leaves no partial output, nor XLA's dump; Ctrl-C twice in a run says what the same command does
+next, releases the run's lock, and the same command then does it."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -185,6 +186,27 @@ def test_every_command_stopped_by_a_signal_says_so_and_leaves_nothing(
     if command == "export-hf":  # the same command then writes into the directory linked to
         assert kiln_main(*args).returncode == 0
         assert listing(work) == sorted([*before, *(f"empty/{name}" for name in WEIGHTS)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SIGNALS)
+def test_compile_peak_buffers_stopped_by_a_signal_removes_the_xla_dump(tmp_path, name):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+
+    def dumping() -> bool:  # XLA's compile threads are writing the dump
+        with contextlib.suppress(FileNotFoundError):  # removed as the command ended
+            return any(len(list(d.iterdir())) >= 50 for d in tmp.glob("kiln-xla-dump-*"))
+        return False
+
+    args = ("compile", TINY, "--devices", "8", "--peak-buffers", "3")
+    proc = start_kiln(*args, cwd=tmp_path, env={"TMPDIR": str(tmp), **COMPILING})
+    signum, code, line = SIGNALS[name]
+    stdout, stderr = stop_at_work(proc, dumping, signum)
+    assert proc.returncode == code, stderr[-3000:]
+    assert stderr.splitlines() == [line], stderr[-3000:]
+    assert stdout == ""
+    assert list(tmp.iterdir()) == []  # the dump, written to while the signal came, is gone
 
 
 def first_steps(proc: subprocess.Popen) -> None:

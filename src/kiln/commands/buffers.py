@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import os
 import re
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache
 
 from kiln.errors import RunStopped
+from kiln.util.scratch import temporary_directory
 
 # `    fusion.3{}: 4194304 bytes (cumulative: 8388608 bytes)` under `Live ranges at T (peak):`.
 _PEAK_VALUE = re.compile(r"^\s+(\S+): (\d+) bytes \(cumulative")
@@ -68,13 +68,15 @@ def dump_directory() -> Iterator[Path]:
 
     A program found in the cache is not compiled, so nothing would be dumped. JAX decides
     whether its cache is in use once, at the first compile: `reset_cache` makes it decide again.
+    The directory is removed however the command ends: a signal ends it while XLA's compile
+    threads are still writing (kiln.util.scratch).
     """
     before = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache.reset_cache()
     try:
-        with tempfile.TemporaryDirectory(prefix="kiln-xla-dump-") as directory:
-            yield Path(directory)
+        with temporary_directory("kiln-xla-dump-") as directory:
+            yield directory
     finally:
         jax.config.update("jax_enable_compilation_cache", before)
         compilation_cache.reset_cache()
