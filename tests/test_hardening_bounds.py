@@ -134,6 +134,68 @@ def test_numbers_out_of_the_range_they_are_used_in(tmp_path, run_dir, row):
     refused(tmp_path, run_dir, row)
 
 
+# The routed experts' and latent attention's numbers, each refused by the schema when the config
+# is loaded: none reaches the step, where it would overflow int32 (a capacity, an expert id) or
+# build a table on the host (YaRN's ramp, the rotary frequencies).
+MOE = ["model.family=moe"]
+DEEPSEEK = ["model.family=deepseek"]
+EXPERTS = {
+    "train model.moe.capacity_factor=1e30": (
+        "in-process",
+        ["train", "{config}", *MOE, "model.moe.capacity_factor=1e30"],
+        ["model.moe.capacity_factor: got '1e30'; Input should be less than or equal to 1000"],
+    ),
+    "compile model.moe.capacity_factor=1e10": (
+        "subprocess",
+        ["compile", "{config}", *MOE, "model.moe.capacity_factor=1e10"],
+        ["model.moe.capacity_factor: got '1e10'; Input should be less than or equal to 1000"],
+    ),
+    "compile model.moe.num_experts=2^31-1": (
+        "in-process",
+        ["compile", "{config}", *MOE, "model.moe.num_experts=2147483647"],
+        ["model.moe.num_experts: got 2147483647; Input should be less than or equal to 65536"],
+    ),
+    "train model.deepseek.yarn.beta_fast=1e-320": (
+        "in-process",
+        ["train", "{config}", *DEEPSEEK, "model.deepseek.yarn.beta_fast=1e-320"],
+        ["model.deepseek.yarn.beta_fast: got '1e-320'; Input should be greater than or equal "
+         "to 0.001"],
+    ),
+    "train model.deepseek.yarn.mscale_all_dim=1e308": (
+        "in-process",
+        ["train", "{config}", *DEEPSEEK, "model.deepseek.yarn.mscale_all_dim=1e308"],
+        ["model.deepseek.yarn.mscale_all_dim: got '1e308'; Input should be less than or equal "
+         "to 1000"],
+    ),
+    "train model.rope_theta=1 under YaRN": (
+        "in-process",
+        ["train", "{config}", *DEEPSEEK, "model.deepseek.yarn.factor=4", "model.rope_theta=1"],
+        ["model.rope_theta is 1.0 with model.deepseek.yarn; allowed: a base above 1"],
+    ),
+    "train model.deepseek.qk_rope_head_dim=2^31-2": (
+        "in-process",
+        ["train", "{config}", *DEEPSEEK, "model.deepseek.qk_rope_head_dim=2147483646"],
+        ["model.deepseek.qk_rope_head_dim: got 2147483646; Input should be less than or equal "
+         "to 65536"],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("row", list(EXPERTS.values()), ids=list(EXPERTS))
+def test_expert_and_latent_attention_numbers_are_refused_when_loaded(tmp_path, run_dir, row):
+    refused(tmp_path, run_dir, row)
+
+
+def test_a_capacity_above_the_tokens_is_the_tokens():
+    """An expert takes a token at most once: any factor from num_experts / experts_per_token up
+    gives every token room, and the capacity never exceeds the tokens (nor int32)."""
+    from kiln.model.moe import capacity
+
+    assert capacity(64, 2, 8, 1.0) == 16
+    assert capacity(64, 2, 8, 4.0) == capacity(64, 2, 8, 1000.0) == 64
+    assert capacity(2**30, 8, 1, 1000.0) == 2**30
+
+
 PATHS = {
     "kiln.lock is a directory": (
         "subprocess",

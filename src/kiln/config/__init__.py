@@ -12,8 +12,8 @@ and the shards' tokenizer from the data). Imports no JAX.
 Public names: `Config`, `load_config`, `read_run_config`, `config_from_dict`, `yaml_layers`,
 `schema_rows`, `check_devices`, the section classes (`ModelConfig`, `DataConfig`, ...),
 `MESH_AXES`, `MeshAxis`, `FAMILY_SECTIONS` and `ATTENTION_KERNELS` (the registries of
-`model.family` and `model.attention`), `DEFAULT_AXIS_RULES`, `INT32_MAX`, `SEED_LIMIT`,
-`DEFAULT_MAX_KD_SCALE`.
+`model.family` and `model.attention`), `DEFAULT_AXIS_RULES`, `INT32_MAX`, `MAX_EXPERTS`,
+`SEED_LIMIT`, `DEFAULT_MAX_KD_SCALE`.
 """
 
 from kiln.config.axes import DEFAULT_AXIS_RULES, MESH_AXES, MeshAxis, MeshConfig
@@ -31,6 +31,7 @@ from kiln.config.schema import (
     DEFAULT_MAX_KD_SCALE,
     FAMILY_SECTIONS,
     INT32_MAX,
+    MAX_EXPERTS,
     SEED_LIMIT,
     CheckpointConfig,
     DataConfig,
@@ -51,6 +52,7 @@ __all__ = [
     "DEFAULT_MAX_KD_SCALE",
     "FAMILY_SECTIONS",
     "INT32_MAX",
+    "MAX_EXPERTS",
     "MESH_AXES",
     "SEED_LIMIT",
     "CheckpointConfig",

@@ -284,8 +284,11 @@ def grouped_matmul(name: str) -> str:
 
 
 def capacity(tokens: int, k: int, num_experts: int, factor: float | None) -> int | None:
-    """Assignments one expert takes from `tokens` tokens of one device (None: all, dropless)."""
-    return None if factor is None else max(1, math.ceil(factor * tokens * k / num_experts))
+    """Assignments one expert takes from `tokens` tokens of one device (None: all, dropless);
+    at most `tokens`, as a token picks an expert at most once."""
+    if factor is None:
+        return None
+    return max(1, min(tokens, math.ceil(factor * tokens * k / num_experts)))
 
 
 def receive_rows(tokens: int, k: int, num_experts: int, shards: int, cap, factor) -> int:

@@ -19,6 +19,7 @@ from kiln.config.schema.distillation import DistillationConfig
 from kiln.config.schema.model import (
     ATTENTION_KERNELS,
     FAMILY_SECTIONS,
+    MAX_EXPERTS,
     DeepseekConfig,
     ModelConfig,
     MoeConfig,
@@ -31,6 +32,7 @@ __all__ = [
     "DEFAULT_MAX_KD_SCALE",
     "FAMILY_SECTIONS",
     "INT32_MAX",
+    "MAX_EXPERTS",
     "PER_SOURCE",
     "SEED_LIMIT",
     "Z_LOSS_MAX",

@@ -15,6 +15,15 @@ LLAMA3_DEFAULTS = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+# Routed (and shared) experts of one MoE layer: the largest published layers hold a few hundred.
+# A step numbers its assignments' experts and each expert's padded blocks of rows (up to
+# num_experts x 127 rows past the assignments) in int32.
+MAX_EXPERTS = 2**16
+# Rotary width of a latent-attention head: its frequency tables are built on the host.
+MAX_ROPE_HEAD_DIM = 2**16
+# The factors of these sections (capacity, buffer, YaRN's): far above any value in use, low
+# enough that what they scale stays finite, and within int32 where it counts rows.
+MAX_FACTOR = 1e3
 
 
 class RopeScalingConfig(Section):
@@ -80,16 +89,23 @@ class RopeScalingConfig(Section):
 class MoeConfig(Section):
     """The `moe` family's routed experts (docs/moe.md)."""
 
-    num_experts: PositiveInt = Field(8, description="Routed experts per MoE layer (E).")
-    experts_per_token: PositiveInt = Field(
-        2, description="Experts each token is sent to (top-k); at most num_experts."
+    num_experts: int = Field(
+        8, gt=0, le=MAX_EXPERTS, description="Routed experts per MoE layer (E); at most 65536."
+    )
+    experts_per_token: int = Field(
+        2,
+        gt=0,
+        le=MAX_EXPERTS,
+        description="Experts each token is sent to (top-k); at most num_experts.",
     )
     d_ff_expert: PositiveInt = Field(
         256, description="Hidden width of one expert's SwiGLU MLP (and of each shared expert)."
     )
-    num_shared_experts: Count = Field(
+    num_shared_experts: int = Field(
         0,
-        description="Experts every token passes through, ungated (DeepSeek style): one SwiGLU MLP of width num_shared_experts * d_ff_expert added to the routed experts' output.",
+        ge=0,
+        le=MAX_EXPERTS,
+        description="Experts every token passes through, ungated (DeepSeek style): one SwiGLU MLP of width num_shared_experts * d_ff_expert added to the routed experts' output; at most 65536.",
     )
     first_dense_layers: Count = Field(
         0,
@@ -99,12 +115,16 @@ class MoeConfig(Section):
         "softmax",
         description="The router's scores of the experts: softmax over the experts (Qwen3-MoE, Mixtral) or an independent sigmoid per expert (DeepSeek-V3). The load-balance loss reads sigmoid scores normalised over the experts, as DeepSeek-V3's sequence-wise balance loss does.",
     )
-    n_group: PositiveInt = Field(
+    n_group: int = Field(
         1,
+        gt=0,
+        le=MAX_EXPERTS,
         description="Group-limited routing (DeepSeek-V3): the experts form n_group equal groups; a token first picks the topk_group groups with the highest sum of their two best scores (bias included), then its top-k experts within those. 1 = no groups. Must divide num_experts.",
     )
-    topk_group: PositiveInt = Field(
+    topk_group: int = Field(
         1,
+        gt=0,
+        le=MAX_EXPERTS,
         description="Groups each token may route to (at most n_group); with n_group > 1 the top-k must fit in them (experts_per_token <= topk_group * num_experts / n_group).",
     )
     routed_scaling_factor: float = Field(
@@ -146,16 +166,17 @@ class MoeConfig(Section):
     capacity_factor: float | None = Field(
         None,
         gt=0,
+        le=MAX_FACTOR,
         allow_inf_nan=False,
-        description="null = dropless (every token reaches its experts; grouped matmuls over exactly the routed tokens). A number = each expert takes at most capacity_factor * tokens * experts_per_token / num_experts tokens per device and group of tokens; the rest are dropped (their expert output is 0), reported as moe/dropped_fraction.",
+        description="null = dropless (every token reaches its experts; grouped matmuls over exactly the routed tokens). A number = each expert takes at most capacity_factor * tokens * experts_per_token / num_experts tokens per device and group of tokens; the rest are dropped (their expert output is 0), reported as moe/dropped_fraction. At most 1000; from num_experts / experts_per_token up no token is dropped (an expert takes a token at most once).",
     )
 
     buffer_factor: float | None = Field(
         None,
         gt=0,
-        le=1e3,
+        le=MAX_FACTOR,
         allow_inf_nan=False,
-        description="Expert parallelism (mesh.expert > 1): null = each device's receive buffer holds the worst case (dropless: every source's rows, P x T x K rows for P devices on the expert axis). A number = it holds buffer_factor * T * K rows (T tokens and K experts per token of a device: what arrives when the load is even, times the factor); rows past it are dropped (their expert output is 0), last source and last expert first, and reported as moe/dropped_fraction.",
+        description="Expert parallelism (mesh.expert > 1): null = each device's receive buffer holds the worst case (dropless: every source's rows, P x T x K rows for P devices on the expert axis). A number = it holds buffer_factor * T * K rows (T tokens and K experts per token of a device: what arrives when the load is even, times the factor); rows past it are dropped (their expert output is 0), last source and last expert first, and reported as moe/dropped_fraction. At most 1000.",
     )
     expert_tensor_parallel: bool = Field(
         True,
@@ -199,34 +220,42 @@ class YarnConfig(Section):
     short ones kept, a linear ramp between."""
 
     factor: float = Field(
-        40.0, gt=0, allow_inf_nan=False, description="How much the context is extended."
+        40.0,
+        gt=0,
+        le=MAX_FACTOR,
+        allow_inf_nan=False,
+        description="How much the context is extended; at most 1000.",
     )
     original_max_position_embeddings: PositiveInt = Field(
         4096, description="Context length the unscaled frequencies were trained for."
     )
     beta_fast: float = Field(
         32.0,
-        gt=0,
+        ge=1 / MAX_FACTOR,
+        le=MAX_FACTOR,
         allow_inf_nan=False,
-        description="Rotations over the original context below which a frequency is interpolated fully.",
+        description="Rotations over the original context above which a frequency is kept; 0.001..1000.",
     )
     beta_slow: float = Field(
         1.0,
-        gt=0,
+        ge=1 / MAX_FACTOR,
+        le=MAX_FACTOR,
         allow_inf_nan=False,
-        description="Rotations over the original context above which a frequency is kept.",
+        description="Rotations over the original context below which a frequency is interpolated fully; 0.001..1000.",
     )
     mscale: float = Field(
         1.0,
         ge=0,
+        le=MAX_FACTOR,
         allow_inf_nan=False,
-        description="With mscale_all_dim: the rotary cos/sin are scaled by (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) + 1).",
+        description="With mscale_all_dim: the rotary cos/sin are scaled by (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) + 1). At most 1000.",
     )
     mscale_all_dim: float = Field(
         1.0,
         ge=0,
+        le=MAX_FACTOR,
         allow_inf_nan=False,
-        description="The softmax scale is multiplied by (0.1 mscale_all_dim ln(factor) + 1)^2 (0 = not); DeepSeek-V3: 1.",
+        description="The softmax scale is multiplied by (0.1 mscale_all_dim ln(factor) + 1)^2 (0 = not); DeepSeek-V3: 1. At most 1000.",
     )
 
 
@@ -247,9 +276,11 @@ class DeepseekConfig(Section):
     qk_nope_head_dim: PositiveInt = Field(
         32, description="Per-head query/key width without rotary embedding. DeepSeek-V3: 128."
     )
-    qk_rope_head_dim: PositiveInt = Field(
+    qk_rope_head_dim: int = Field(
         16,
-        description="Per-head query width with rotary embedding; the rotary key of this width is shared by every head. Even. DeepSeek-V3: 64.",
+        gt=0,
+        le=MAX_ROPE_HEAD_DIM,
+        description="Per-head query width with rotary embedding; the rotary key of this width is shared by every head. Even, at most 65536. DeepSeek-V3: 64.",
     )
     v_head_dim: PositiveInt = Field(32, description="Per-head value width. DeepSeek-V3: 128.")
     yarn: YarnConfig | None = Field(
@@ -296,19 +327,25 @@ class GptOssYarnConfig(YarnConfig):
     computed (truncate: false), and no change to the softmax scale."""
 
     factor: float = Field(
-        32.0, gt=0, allow_inf_nan=False, description="How much the context is extended."
+        32.0,
+        gt=0,
+        le=MAX_FACTOR,
+        allow_inf_nan=False,
+        description="How much the context is extended; at most 1000.",
     )
     mscale: float = Field(
         0.0,
         ge=0,
+        le=MAX_FACTOR,
         allow_inf_nan=False,
-        description="With mscale_all_dim: the rotary cos/sin are scaled by (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) + 1); 0 (GPT-OSS) = by 0.1 ln(factor) + 1.",
+        description="With mscale_all_dim: the rotary cos/sin are scaled by (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) + 1); 0 (GPT-OSS) = by 0.1 ln(factor) + 1. At most 1000.",
     )
     mscale_all_dim: float = Field(
         0.0,
         ge=0,
+        le=MAX_FACTOR,
         allow_inf_nan=False,
-        description="See mscale; 0 = not given (GPT-OSS). The softmax scale stays 1/sqrt(head_dim).",
+        description="See mscale; 0 = not given (GPT-OSS). The softmax scale stays 1/sqrt(head_dim). At most 1000.",
     )
     truncate: bool = Field(
         False,
@@ -621,6 +658,18 @@ class ModelConfig(Section):
                 "model.qk_norm is false with model.family gemma3; allowed: true (Gemma 3 "
                 "normalises every query and key head)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _yarn_theta(self) -> ModelConfig:
+        # YaRN's ramp between kept and interpolated frequencies divides by ln(rope_theta).
+        for section in ("deepseek", "gpt_oss"):
+            own = getattr(self, section)
+            if own is not None and own.yarn is not None and self.rope_theta <= 1:
+                raise ValueError(
+                    f"model.rope_theta is {self.rope_theta} with model.{section}.yarn; "
+                    "allowed: a base above 1 (YaRN's ramp divides by ln(rope_theta))"
+                )
         return self
 
     @model_validator(mode="after")
