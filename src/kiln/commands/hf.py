@@ -10,13 +10,14 @@ import json
 import os
 import re
 import shutil
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
 import jax
 import numpy as np
 from flax import nnx
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
 from kiln.config import Config, config_from_dict, read_run_config
@@ -40,44 +41,90 @@ from kiln.util.scratch import check_stageable, staged
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# safetensors' dtype codes kiln imports, as numpy names them.
+WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 # ---------------------------------------------------------------------------------------------
 # Files
 
 
-def read_hf_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
-    """Every tensor of model.safetensors, or of the shards a model.safetensors.index.json lists."""
-    if (hf_dir / INDEX).is_file():
+def is_input(path: Path) -> bool:
+    """Whether the input file `path` exists; KilnError when it is there but is not a regular
+    file or a link to one (a named pipe would block the read forever, a device might not end),
+    checked before it is opened."""
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as e:
+        raise KilnError(f"{path}: cannot be read ({e.strerror})") from None
+    if stat.S_ISREG(mode):
+        return True
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"))
+    kinds += ((stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
+    kind = next((name for test, name in kinds if test(mode)), "not a file")
+    raise KilnError(f"{path}: {kind}, not a regular file; allowed: a regular file or a link to one")
+
+
+def weight_files(hf_dir: Path) -> list[Path]:
+    """model.safetensors, or the shards model.safetensors.index.json lists: regular files."""
+    if is_input(hf_dir / INDEX):
         try:
             weight_map = json.loads((hf_dir / INDEX).read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise KilnError(f"{hf_dir / INDEX}: not a safetensors index ({e})") from None
-        files = sorted(set(weight_map.values()))
-    elif (hf_dir / WEIGHTS).is_file():
-        files = [WEIGHTS]
-    else:
-        found = ", ".join(sorted(p.name for p in hf_dir.iterdir())[:8]) or "nothing"
-        raise KilnError(
-            f"{hf_dir}: no {WEIGHTS} or {INDEX} (found: {found}); kiln reads safetensors "
-            "weights only (re-save with save_pretrained(..., safe_serialization=True))"
-        )
-    tensors: dict[str, np.ndarray] = {}
-    for name in files:
+            names = set(weight_map.values())
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise KilnError(f"{hf_dir / INDEX}: not a safetensors index ({e!r})") from None
+        if not all(isinstance(name, str) for name in names):
+            raise KilnError(f"{hf_dir / INDEX}: not a safetensors index (a file name not a string)")
+        files = [hf_dir / name for name in sorted(names)]
+        for path in files:
+            if not is_input(path):
+                raise KilnError(f"{path}: no such file, but {hf_dir / INDEX} lists it")
+        return files
+    if is_input(hf_dir / WEIGHTS):
+        return [hf_dir / WEIGHTS]
+    found = ", ".join(sorted(p.name for p in hf_dir.iterdir())[:8]) or "nothing"
+    raise KilnError(
+        f"{hf_dir}: no {WEIGHTS} or {INDEX} (found: {found}); kiln reads safetensors "
+        "weights only (re-save with save_pretrained(..., safe_serialization=True))"
+    )
+
+
+def tensor_dtypes(files: list[Path]) -> dict[str, str]:
+    """The name and safetensors dtype code (F32, BF16, ...) of every tensor in `files`, from
+    their headers: no weight is read."""
+    dtypes: dict[str, str] = {}
+    for path in files:
         try:
-            tensors.update(load_file(hf_dir / name))
+            with safe_open(path, framework="numpy") as f:
+                names = f.keys()  # a safe_open is not iterable
+                dtypes.update((name, f.get_slice(name).get_dtype()) for name in names)
         except (OSError, SafetensorError) as e:
-            raise KilnError(f"{hf_dir / name}: cannot read safetensors weights: {e}") from None
+            raise KilnError(f"{path}: cannot read safetensors weights: {e}") from None
+    return dtypes
+
+
+def read_hf_tensors(files: list[Path]) -> dict[str, np.ndarray]:
+    """Every tensor of the safetensors `files`."""
+    tensors: dict[str, np.ndarray] = {}
+    for path in files:
+        try:
+            tensors.update(load_file(path))
+        except (OSError, SafetensorError) as e:
+            raise KilnError(f"{path}: cannot read safetensors weights: {e}") from None
     return tensors
 
 
-def _param_dtype(tensors: Mapping[str, np.ndarray]) -> str:
+def _param_dtype(dtypes: Mapping[str, str]) -> str:
     """bfloat16 when every tensor is bfloat16; otherwise float32 (exact for f16 and bf16)."""
-    names = {np.dtype(t.dtype).name for t in tensors.values()}
-    other = sorted(names - {"float32", "bfloat16", "float16"})
-    if other:
-        raise KilnError(f"weights of dtype {other[0]}; kiln imports float32, bfloat16 or float16")
-    return "bfloat16" if names == {"bfloat16"} else "float32"
+    for name, code in dtypes.items():
+        if code not in WEIGHT_DTYPES:
+            raise KilnError(
+                f"tensor {name!r} has dtype {code}; kiln imports float32, bfloat16 or float16 "
+                "weights"
+            )
+    return "bfloat16" if set(dtypes.values()) == {"BF16"} else "float32"
 
 
 def _save_tensors(tensors: Mapping[str, np.ndarray], path: Path) -> None:
@@ -201,7 +248,7 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> str:
     hf_dir, out = Path(hf_dir).expanduser(), Path(out).expanduser().absolute()
     check_stageable(out, "--out")  # before the model is read
     config_path = hf_dir / "config.json"
-    if not config_path.is_file():
+    if not is_input(config_path):
         raise KilnError(f"{hf_dir}: no config.json; give a local Hugging Face model directory")
     try:
         hf = json.loads(config_path.read_text())
@@ -236,9 +283,13 @@ def _write_run(
 ) -> tuple[Config, list[str]]:
     """The run directory of `import_hf` written into `staging` (renamed to `out` later): its
     config and the tokenizer files copied."""
-    tensors = read_hf_tensors(hf_dir)
-    model = model_section(hf, config_path, _param_dtype(tensors), tensors.keys())
-    tokenizer = _tokenizer_source(hf_dir)
+    files = weight_files(hf_dir)
+    tokenizer_files = _tokenizer_files(hf_dir)
+    tokenizer = hf_dir / tokenizer_files[0] if tokenizer_files else None
+    # The headers say which tensors there are: config.json is checked against them before a
+    # weight is read or anything is listed per layer.
+    dtypes = tensor_dtypes(files)
+    model = model_section(hf, config_path, _param_dtype(dtypes), dtypes.keys())
     raw = {
         "model": model,
         "data": {
@@ -252,6 +303,7 @@ def _write_run(
         config = config_from_dict(raw)
     except KilnError as e:
         raise KilnError(f"{config_path}: not a model kiln can hold: {e}") from None
+    tensors = read_hf_tensors(files)
     try:
         params = hf_to_kiln(config.model, tensors)
     except KilnError as e:
@@ -268,12 +320,8 @@ def _write_run(
     state = jax.device_put(state, shardings)
     train_state = state_from_model(config, mesh, nnx.merge(graphdef, state))
 
-    copied = []
-    if tokenizer is not None:
-        for name in (tokenizer.name, *TOKENIZER_FILES[1:]):
-            if (hf_dir / name).is_file():
-                shutil.copyfile(hf_dir / name, staging / name)
-                copied.append(name)
+    for name in tokenizer_files:
+        shutil.copyfile(hf_dir / name, staging / name)
     ckpt = Checkpointer(staging, config.checkpoint)
     try:
         ckpt.save(0, checkpoint_tree(train_state), {})
@@ -281,11 +329,13 @@ def _write_run(
         ckpt.close()
     # Written last: a directory with config.yaml is a complete run.
     (staging / "config.yaml").write_text(config.to_yaml())
-    return config, copied
+    return config, tokenizer_files
 
 
-def _tokenizer_source(hf_dir: Path) -> Path | None:
+def _tokenizer_files(hf_dir: Path) -> list[str]:
+    """The tokenizer files an import copies: tokenizer.json or tokenizer.model first, then
+    tokenizer_config.json and special_tokens_map.json when there; none without a tokenizer."""
     for name in ("tokenizer.json", "tokenizer.model"):
-        if (hf_dir / name).is_file():
-            return hf_dir / name
-    return None
+        if is_input(hf_dir / name):
+            return [name, *(n for n in TOKENIZER_FILES[1:] if is_input(hf_dir / n))]
+    return []

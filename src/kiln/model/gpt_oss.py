@@ -241,6 +241,9 @@ class GptOssHF(MoeHF):
             "rope_scaling": yarn,  # what transformers < 5 reads
         }
 
+    def expert_count_field(self, hf, kind: str) -> None:
+        return None  # a layer's experts share one tensor per projection
+
     def check_import(self, hf, path, kind: str) -> None:
         if not hf.get("attention_bias", True):
             raise unsupported(path, "attention_bias", hf["attention_bias"], "true (GPT-OSS's)")

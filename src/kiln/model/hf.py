@@ -9,6 +9,7 @@ dispatches on it. Conversion is a reshape and a transpose, so values are copied 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
@@ -25,6 +26,9 @@ TOP_TENSORS = (
     ("model.norm.weight", ("final_norm", "scale"), None),
     ("lm_head.weight", ("lm_head",), 1),
 )
+# The index of a layer, and of an expert, in the tensor names of every family's format.
+LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+EXPERT_INDEX = re.compile(r"model\.layers\.\d+\.(?:.+\.)?experts\.(\d+)\.")
 
 
 class Tensor(NamedTuple):
@@ -87,6 +91,11 @@ class HFFormat:
         """The fields of config.json that only `kind` has."""
         return {}
 
+    def expert_count_field(self, hf: Mapping[str, Any], kind: str) -> str | None:
+        """The config.json field that counts a layer's routed experts when `kind` stores each
+        expert's tensors under names of their own (`EXPERT_INDEX`); None when it has none."""
+        return None
+
     def check_import(self, hf: Mapping[str, Any], path: Path, kind: str) -> None:
         """KilnError naming a config.json field whose value the family cannot hold, checked
         before the fields every family reads (`common_section`)."""
@@ -135,6 +144,31 @@ def require(hf: Mapping[str, Any], key: str, path: Path):
 
 def unsupported(path: Path, field: str, value, allowed: str) -> KilnError:
     return KilnError(f"{path}: {field} is {value!r}; kiln imports only {allowed}")
+
+
+def check_held(
+    hf: Mapping[str, Any],
+    path: Path,
+    names: Collection[str],
+    field: str,
+    index: re.Pattern,
+    what: str,
+    bound: int,
+) -> None:
+    """KilnError unless config.json's `field`, when given, is an integer from 1 to `bound` and
+    at most the number of `what` the weights hold: the distinct indices `index` finds in the
+    tensor `names`. Checked before anything is listed per layer or per expert."""
+    value = hf.get(field)
+    if value is None:
+        return  # a missing field is named where the family reads it
+    if type(value) is not int or not 1 <= value <= bound:
+        raise unsupported(path, field, value, f"an integer from 1 to {bound}")
+    held = len({m[1] for m in map(index.match, names) if m})
+    if value > held:
+        raise KilnError(
+            f"{path}: {field} is {value}, but the weights hold {held} {what}; allowed: at most "
+            f"{held} (config.json must describe the weights beside it)"
+        )
 
 
 def common_config(m, kind: str, architecture: str) -> dict[str, Any]:
@@ -267,10 +301,13 @@ def put(tree: dict[str, Any], path: tuple[str, ...], value) -> None:
 
 
 __all__ = [
+    "EXPERT_INDEX",
     "IGNORED_SUFFIXES",
+    "LAYER_INDEX",
     "TOP_TENSORS",
     "HFFormat",
     "Tensor",
+    "check_held",
     "common_config",
     "common_section",
     "export_error",

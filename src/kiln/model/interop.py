@@ -4,19 +4,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from flax import nnx
 
+from kiln.config import INT32_MAX, MAX_EXPERTS
 from kiln.errors import KilnError
 from kiln.model import FAMILIES, Family, abstract_state
 from kiln.model.hf import (
+    EXPERT_INDEX,
     IGNORED_SUFFIXES,
+    LAYER_INDEX,
     TOP_TENSORS,
     Tensor,
+    check_held,
     common_config,
     common_section,
     from_hf,
@@ -67,10 +72,11 @@ def export_notes(model_cfg) -> list[str]:
 
 
 def model_section(
-    hf: Mapping[str, Any], path: Path, param_dtype: str, names: Collection[str] = ()
+    hf: Mapping[str, Any], path: Path, param_dtype: str, names: Collection[str]
 ) -> dict[str, Any]:
-    """kiln's `model` section from a config.json of a model_type some family reads (and the
-    `names` of the tensors beside it); KilnError naming what kiln cannot hold."""
+    """kiln's `model` section from a config.json of a model_type some family reads and the
+    `names` of the tensors beside it; KilnError naming what kiln cannot hold. The counts of
+    layers and experts are checked against the names first, with the schema's bounds."""
     known = architectures()
     kind = hf.get("model_type")
     if kind not in known:
@@ -79,6 +85,10 @@ def model_section(
     if arch != [known[kind]]:
         raise unsupported(path, "architectures", arch, f"[{known[kind]!r}]")
     fmt = _family_of(kind).hf
+    check_held(hf, path, names, "num_hidden_layers", LAYER_INDEX, "layers", INT32_MAX)
+    experts = fmt.expert_count_field(hf, kind)
+    if experts is not None:
+        check_held(hf, path, names, experts, EXPERT_INDEX, "experts", MAX_EXPERTS)
     fmt.check_import(hf, path, kind)
     section = common_section(fmt.common_view(hf, path), path, param_dtype)
     return {**section, **fmt.section(hf, path, kind, names)}
@@ -89,19 +99,17 @@ def describe(model_cfg) -> str:
     return FAMILIES[model_cfg.family].hf.describe(model_cfg)
 
 
-def _tensors(model_cfg) -> list[Tensor]:
+def _tensors(model_cfg) -> Iterator[Tensor]:
     """Every tensor of the model, in order: for each kiln array, its items in index order."""
     m = model_cfg
     fmt = FAMILIES[m.family].hf
     kind = fmt.model_type(m)
-    out = [
-        Tensor(name, path, (), n_in)
-        for name, path, n_in in TOP_TENSORS
-        if not (path == ("lm_head",) and m.tie_embeddings)
-    ]
+    for name, path, n_in in TOP_TENSORS:
+        if not (path == ("lm_head",) and m.tie_embeddings):
+            yield Tensor(name, path, (), n_in)
     for i in range(m.num_layers):
-        out += fmt.layer_tensors(m, kind, i)
-    return out + fmt.extra_tensors(m, kind)
+        yield from fmt.layer_tensors(m, kind, i)
+    yield from fmt.extra_tensors(m, kind)
 
 
 def _copies(model_cfg) -> list[Tensor]:
@@ -112,7 +120,7 @@ def _copies(model_cfg) -> list[Tensor]:
 def kiln_to_hf(model_cfg, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """HF state dict (numpy) from kiln's pure parameter dict (stacked blocks)."""
     out: dict[str, np.ndarray] = {}
-    for t in _tensors(model_cfg) + _copies(model_cfg):
+    for t in chain(_tensors(model_cfg), _copies(model_cfg)):
         x = to_hf(np.asarray(get(params, t.path))[t.index], t.n_in, t.order)
         if t.part is None:
             out[t.name] = x
@@ -126,7 +134,7 @@ def kiln_to_hf(model_cfg, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
 def hf_to_kiln(model_cfg, tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
     """kiln's pure parameter dict from an HF state dict; KilnError naming a bad tensor."""
     shapes = _shapes(nnx.to_pure_dict(abstract_state(model_cfg)))
-    expected = _tensors(model_cfg)
+    expected = _expected(model_cfg, tensors, shapes)
     copies = _copies(model_cfg)
     names = {t.name for t in expected + copies}
     if model_cfg.tie_embeddings:
@@ -140,13 +148,9 @@ def hf_to_kiln(model_cfg, tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
         )
     items: dict[tuple[str, ...], list[np.ndarray]] = {}
     for t in expected:
-        full = get(shapes, t.path)
-        shape = full[len(t.index) :]
-        want = hf_shape(shape, t.n_in)
-        if t.part is not None:
-            want = (*want[:-1], t.part[1] * want[-1])
         if t.name not in tensors:
-            raise KilnError(f"missing tensor {t.name!r} (expected shape {list(want)})")
+            raise _missing(shapes, t)
+        shape, want = get(shapes, t.path)[len(t.index) :], _hf_shape(shapes, t)
         w = tensors[t.name]
         if tuple(w.shape) != want:
             raise KilnError(
@@ -168,6 +172,30 @@ def hf_to_kiln(model_cfg, tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
         # One array per index, in index order: stacked, they are kiln's array.
         put(out, path, np.stack(arrays).reshape(get(shapes, path)))
     return out
+
+
+def _expected(model_cfg, tensors: Mapping[str, Any], shapes) -> list[Tensor]:
+    """`_tensors(model_cfg)`; KilnError naming a missing one as soon as more names are listed
+    than `tensors` holds, so that the list stays as long as the checkpoint, whatever number of
+    layers and experts the config names."""
+    out: list[Tensor] = []
+    names: set[str] = set()
+    for t in _tensors(model_cfg):
+        out.append(t)
+        names.add(t.name)
+        if len(names) > len(tensors):  # so one of them is not there
+            raise _missing(shapes, next(u for u in out if u.name not in tensors))
+    return out
+
+
+def _hf_shape(shapes, t: Tensor) -> tuple[int, ...]:
+    """The shape of HF's tensor `t` for kiln's arrays of `shapes`."""
+    want = hf_shape(get(shapes, t.path)[len(t.index) :], t.n_in)
+    return want if t.part is None else (*want[:-1], t.part[1] * want[-1])
+
+
+def _missing(shapes, t: Tensor) -> KilnError:
+    return KilnError(f"missing tensor {t.name!r} (expected shape {list(_hf_shape(shapes, t))})")
 
 
 def _shapes(tree):

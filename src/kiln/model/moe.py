@@ -880,6 +880,9 @@ class MoeHF(LlamaHF):
             "attention_bias": False,
         }
 
+    def expert_count_field(self, hf, kind: str) -> str:
+        return _experts_field(hf, kind)
+
     def section(self, hf, path, kind: str, names=()) -> dict:
         return {
             "family": "moe",
@@ -964,8 +967,7 @@ def _moe_section(hf, path, kind: str) -> dict:
             "norm_topk_prob": True,
             **common,
         }
-    # transformers 5 writes num_local_experts, the Hub's files and transformers 4 num_experts.
-    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    experts = hf.get(_experts_field(hf, kind))
     if experts is None:
         require(hf, "num_experts", path)
     layers = require(hf, "num_hidden_layers", path)
@@ -984,6 +986,15 @@ def _moe_section(hf, path, kind: str) -> dict:
         "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
         **common,
     }
+
+
+def _experts_field(hf, kind: str) -> str:
+    """The config.json field of the routed experts per layer: Mixtral's num_local_experts;
+    for Qwen3-MoE num_experts (the Hub's files, transformers 4), else num_local_experts
+    (transformers 5 writes both)."""
+    if kind == "qwen3_moe" and hf.get("num_experts") is not None:
+        return "num_experts"
+    return "num_local_experts"
 
 
 def _dense_layers(hf, path, layers: int, experts) -> list[int]:

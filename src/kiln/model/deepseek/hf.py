@@ -120,6 +120,9 @@ class DeepseekHF(HFFormat):
             "attention_bias": False,
         }
 
+    def expert_count_field(self, hf, kind: str) -> str:
+        return "n_routed_experts"
+
     def check_import(self, hf, path, kind: str) -> None:
         if not hf.get("rope_interleave", True):
             raise unsupported(
