@@ -214,8 +214,12 @@ def test_a_trained_run_exports_with_equal_logits_and_imports_back_bitwise(tmp_pa
             {"rope_parameters": {**ROPE, "sliding_attention": ROPE["full_attention"]}},
             "rope_parameters.sliding_attention is",
         ),
+        (
+            {"layer_types": None, "sliding_window_pattern": 0},
+            "sliding_window_pattern is 0; kiln imports only an integer >= 1",
+        ),
     ],
-    ids=["final_softcap", "attn_softcap", "bidirectional", "activation", "sliding_rope"],
+    ids=["final_softcap", "attn_softcap", "bidirectional", "activation", "sliding_rope", "pattern"],
 )
 def test_import_refusals_name_the_field(hf_dir, tmp_path, capsys, config, message):
     src = edited_copy(hf_dir, tmp_path / "edited", config=config)

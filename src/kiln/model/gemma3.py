@@ -232,6 +232,11 @@ class Gemma3HF(HFFormat):
         act = hf.get("hidden_activation", "gelu_pytorch_tanh")
         if act != "gelu_pytorch_tanh":
             raise unsupported(path, "hidden_activation", act, "'gelu_pytorch_tanh' (GeGLU)")
+        pattern = hf.get("sliding_window_pattern", 6)
+        if not hf.get("layer_types") and not (
+            isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1
+        ):  # without layer_types, every pattern-th layer is a full-attention one
+            raise unsupported(path, "sliding_window_pattern", pattern, "an integer >= 1")
 
     def common_view(self, hf, path):
         # The rotary settings are read per layer type by `section`; hidden_act is not
