@@ -212,6 +212,37 @@ def _block_rows(rows: int, num_experts: int) -> int:
     return max(8, min(BLOCK_ROWS, 1 << (per_expert.bit_length() - 1)))
 
 
+class _Padded(NamedTuple):
+    """Groups of sizes_E rows padded to whole blocks (`_padded`): `blocks` of `block` slots,
+    group e's slots from pstart_E[e]; slot u's group e_Us[u] (clipped to a real one), its
+    place q_U[u] in it, whether it holds a row (filled_U); each block's group expert_N."""
+
+    block: int
+    blocks: int
+    pstart_E: jax.Array
+    e_Us: jax.Array
+    q_U: jax.Array
+    filled_U: jax.Array
+    expert_N: jax.Array
+
+
+def _padded(sizes_E, rows: int, block: int) -> _Padded:
+    """The block layout of groups of `sizes_E` rows (of `rows`): enough blocks of `block` slots
+    for any split of the rows, each group padded to whole blocks."""
+    num_experts = sizes_E.shape[0]
+    blocks = -(-(rows + num_experts * (block - 1)) // block)
+    padded_E = -(-sizes_E // block) * block
+    pend_E = jnp.cumsum(padded_E)
+    pstart_E = pend_E - padded_E
+    u = jnp.arange(blocks * block, dtype=jnp.int32)
+    e_U = _group_of(pend_E, u)
+    e_Us = jnp.minimum(e_U, num_experts - 1)
+    q_U = u - pstart_E[e_Us]
+    filled_U = (e_U < num_experts) & (q_U < sizes_E[e_Us])
+    expert_N = jnp.minimum(_group_of(pend_E, u[::block]), num_experts - 1)
+    return _Padded(block, blocks, pstart_E, e_Us, q_U, filled_U, expert_N)
+
+
 def block_layout(sizes_E, rows: int, block: int | None = None):
     """Groups of `sizes_E` rows (of `rows`, grouped by expert) padded to whole blocks of
     `block` rows: (src_U, dst_R, expert_N, block). Block slot u holds grouped row src_U[u]
@@ -219,24 +250,16 @@ def block_layout(sizes_E, rows: int, block: int | None = None):
     the groups), block n belongs to expert expert_N[n]. The padding is at most
     E * (block - 1) rows (`_block_rows`: the default block)."""
     num_experts = sizes_E.shape[0]
-    block = block or _block_rows(rows, num_experts)
-    blocks = -(-(rows + num_experts * (block - 1)) // block)
-    padded_E = -(-sizes_E // block) * block
-    pend_E = jnp.cumsum(padded_E)
-    pstart_E = pend_E - padded_E
+    pad = _padded(sizes_E, rows, block or _block_rows(rows, num_experts))
     gend_E = jnp.cumsum(sizes_E)
     gstart_E = gend_E - sizes_E
-    u = jnp.arange(blocks * block, dtype=jnp.int32)
-    e_U = _group_of(pend_E, u)
-    e_Us = jnp.minimum(e_U, num_experts - 1)
-    q_U = u - pstart_E[e_Us]
-    src_U = jnp.where((e_U < num_experts) & (q_U < sizes_E[e_Us]), gstart_E[e_Us] + q_U, rows)
+    src_U = jnp.where(pad.filled_U, gstart_E[pad.e_Us] + pad.q_U, rows)
     r = jnp.arange(rows, dtype=jnp.int32)
     e_R = _group_of(gend_E, r)
     e_Rs = jnp.minimum(e_R, num_experts - 1)
-    dst_R = jnp.where(e_R < num_experts, pstart_E[e_Rs] + r - gstart_E[e_Rs], blocks * block)
-    expert_N = jnp.minimum(_group_of(pend_E, u[::block]), num_experts - 1)
-    return src_U, dst_R, expert_N, block
+    slots = pad.blocks * pad.block
+    dst_R = jnp.where(e_R < num_experts, pad.pstart_E[e_Rs] + r - gstart_E[e_Rs], slots)
+    return src_U, dst_R, pad.expert_N, pad.block
 
 
 def _blocks(xs_NbD, expert_N, w_gate, w_up, w_down, biases, act):
@@ -355,22 +378,15 @@ def _blocked_assignments(x_TD, e_A, sort: Sorted, weights: ExpertWeights, act):
     through `blocked_rows`."""
     t, d = x_TD.shape
     a, num_experts = e_A.shape[0], sort.kept_E.shape[0]
-    block = _block_rows(a, num_experts)
-    blocks = -(-(a + num_experts * (block - 1)) // block)
-    padded_E = -(-sort.kept_E // block) * block
-    pend_E = jnp.cumsum(padded_E)
-    pstart_E = pend_E - padded_E
-    u = jnp.arange(blocks * block, dtype=jnp.int32)
-    e_U = _group_of(pend_E, u)
-    e_Us = jnp.minimum(e_U, num_experts - 1)
-    q_U = u - pstart_E[e_Us]
-    first = sort.order_A[jnp.minimum(sort.start_E1[e_Us] + q_U, a - 1)]
-    assignment_U = jnp.where((e_U < num_experts) & (q_U < sort.kept_E[e_Us]), first, a)
+    pad = _padded(sort.kept_E, a, _block_rows(a, num_experts))
+    first = sort.order_A[jnp.minimum(sort.start_E1[pad.e_Us] + pad.q_U, a - 1)]
+    assignment_U = jnp.where(pad.filled_U, first, a)
     e_As, rank_A, kept_A = sort.ranks(e_A)
-    slot_A = jnp.where(kept_A, pstart_E[e_As] + rank_A, blocks * block)
+    slot_A = jnp.where(kept_A, pad.pstart_E[e_As] + rank_A, pad.blocks * pad.block)
     token_U = jnp.where(assignment_U < a, assignment_U % t, t)
-    xs_NbD = take_copies(x_TD, token_U, slot_A.reshape(-1, t)).reshape(blocks, block, d)
-    expert_N = jnp.minimum(_group_of(pend_E, u[::block]), num_experts - 1)
+    xs_NbD = take_copies(x_TD, token_U, slot_A.reshape(-1, t))
+    xs_NbD = xs_NbD.reshape(pad.blocks, pad.block, d)
+    expert_N = pad.expert_N
     biases = None if weights.gate_bias is None else weights[3:]
     ys_NbD = _blocks(xs_NbD, expert_N, *weights[:3], biases, act)
     k = a // t  # assignment j·T + t is row t·K + j of the output
