@@ -313,6 +313,15 @@ TOKENIZER_LINES = [
 ]
 
 
+def files(root: Path) -> dict[Path, tuple[int, int] | None]:
+    """Every path under `root`, with a file's size and modification time: equal before and
+    after a command that must write nothing."""
+    return {
+        p: (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() else None
+        for p in root.rglob("*")
+    }
+
+
 def equations(jaxpr) -> list:
     """Every equation of `jaxpr` (a core Jaxpr) and of the jaxprs nested in its equations."""
     found = []

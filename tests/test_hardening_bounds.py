@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_user_error, kiln, kiln_main, make_config, write_config
+from conftest import assert_user_error, files, kiln, kiln_main, make_config, write_config
 
 SMALL = {
     "model": {"vocab_size": 384, "d_model": 32, "num_layers": 1, "num_heads": 4, "d_ff": 64, "max_seq_len": 32},
@@ -30,12 +30,6 @@ def run_dir(tmp_path_factory) -> Path:
     run.mkdir()
     (run / "config.yaml").write_text(make_config(SMALL).to_yaml())
     return run
-
-
-def files(root: Path) -> dict[Path, int | None]:
-    """Every path under `root`, with its modification time if it is a file (a directory's
-    changes when `kiln.runs.paths.check_creatable` probes it, leaving nothing)."""
-    return {p: p.stat().st_mtime_ns if p.is_file() else None for p in root.rglob("*")}
 
 
 def refused(tmp_path: Path, run_dir: Path, row) -> None:

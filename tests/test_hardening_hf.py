@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from conftest import assert_user_error, kiln, kiln_env, kiln_main, run_process
+from conftest import assert_user_error, files, kiln, kiln_env, kiln_main, run_process
 from test_hf import write_tokenizer
 
 D, F, V, HEADS, HEAD_DIM = 8, 16, 32, 2, 4
@@ -107,11 +107,6 @@ def kiln_limited(*args, cwd: Path):
 
     cmd = [sys.executable, "-m", "kiln.cli", *map(str, args)]
     return run_process(cmd, cwd=cwd, env=kiln_env(), preexec_fn=limit)
-
-
-def files(root: Path) -> dict[Path, int | None]:
-    """Every path under `root` with its modification time (None for what is not a file)."""
-    return {p: p.stat().st_mtime_ns if p.is_file() else None for p in root.rglob("*")}
 
 
 def refused(tmp_path: Path, src: Path, runner, *needles: str) -> None:

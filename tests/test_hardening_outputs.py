@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import socket
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -16,16 +15,13 @@ from pathlib import Path
 import pytest
 from safetensors import SafetensorError
 
-from conftest import kiln_main, make_config
+from conftest import files, kiln_main, make_config
 from kiln.commands.hf import export_hf
 from kiln.runs.checkpoint import Checkpointer, latest_complete_step
 from kiln.training import train
 from kiln.training.loop import checkpoint_tree
+from test_hardening_writes import BATCH, MODEL, ROOT, SEQ, file_in_the_way, read_only_out
 
-SEQ, BATCH = 16, 8
-MODEL = {"vocab_size": 384, "d_model": 16, "num_layers": 1, "num_heads": 2, "d_ff": 32,
-         "max_seq_len": SEQ}  # fmt: skip
-ROOT = pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
 ENOSPC = os.strerror(errno.ENOSPC)
 
 
@@ -58,14 +54,6 @@ def hf_dir(tmp_path_factory, saved_run) -> Path:
     return out
 
 
-def files(root: Path) -> dict[Path, tuple[int, int] | None]:
-    """Every path under `root`, with a file's size and modification time."""
-    return {
-        p: (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() else None
-        for p in root.rglob("*")
-    }
-
-
 def metrics_run(root: Path) -> Path:
     """A run directory holding only a metrics.jsonl of two steps (what `kiln compare` reads)."""
     run = root / "logged"
@@ -79,27 +67,15 @@ def metrics_run(root: Path) -> Path:
 # Unwritable outputs: refused before any work, in one line naming --out
 
 
-def _read_only(tmp_path: Path) -> Path:
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH)
-    return ro / "out"
-
-
-def _file_in_the_way(tmp_path: Path) -> Path:
-    (tmp_path / "afile").write_text("")
-    return tmp_path / "afile" / "out"
-
-
 @pytest.mark.parametrize("command", ["import-hf", "export-hf", "compare"])
 @pytest.mark.parametrize(
     "where, why",
     [
-        pytest.param(_read_only, "cannot be created or written (Permission denied in {tmp}/ro)",
+        pytest.param(read_only_out, "cannot be created or written (Permission denied in {tmp}/ro)",
                      marks=ROOT, id="read-only"),
         pytest.param(lambda _: Path("/proc/kiln-out"),
                      "cannot be created or written (No such file or directory in /proc)", id="proc"),
-        pytest.param(_file_in_the_way, "cannot be created: {tmp}/afile is not a directory",
+        pytest.param(file_in_the_way, "cannot be created: {tmp}/afile is not a directory",
                      id="file-in-the-way"),
     ],
 )  # fmt: skip

@@ -88,14 +88,14 @@ def text_inputs(tmp_path: Path) -> Path:
 # Unwritable outputs: refused before any work, in one line naming the option
 
 
-def _read_only(tmp_path: Path) -> Path:
+def read_only_out(tmp_path: Path) -> Path:
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH)
     return ro / "out"
 
 
-def _file_in_the_way(tmp_path: Path) -> Path:
+def file_in_the_way(tmp_path: Path) -> Path:
     (tmp_path / "afile").write_text("")
     return tmp_path / "afile" / "out"
 
@@ -104,11 +104,11 @@ def _file_in_the_way(tmp_path: Path) -> Path:
 @pytest.mark.parametrize(
     "where, why",
     [
-        pytest.param(_read_only, "cannot be created or written (Permission denied in {tmp}/ro)",
+        pytest.param(read_only_out, "cannot be created or written (Permission denied in {tmp}/ro)",
                      marks=ROOT, id="read-only"),
         pytest.param(lambda _: Path("/proc/kiln-out"),
                      "cannot be created or written (No such file or directory in /proc)", id="proc"),
-        pytest.param(_file_in_the_way, "cannot be created: {tmp}/afile is not a directory",
+        pytest.param(file_in_the_way, "cannot be created: {tmp}/afile is not a directory",
                      id="file-in-the-way"),
     ],
 )  # fmt: skip
