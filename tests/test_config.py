@@ -148,7 +148,7 @@ def test_bounds_are_inclusive_where_they_say_so(tmp_path):
 
 
 def test_mesh_axes_rules_and_size_fields_are_one_declaration():
-    assert MESH_AXES == ("data", "fsdp", "expert", "tensor", "sequence")
+    assert MESH_AXES == ("stage", "data", "fsdp", "expert", "tensor", "sequence")
     assert list(MeshConfig.model_fields) == [*MESH_AXES, "rules"]
     (axis_literal,) = typing.get_args(
         typing.get_args(MeshConfig.model_fields["rules"].annotation)[1]
@@ -200,7 +200,7 @@ def test_mesh_rules_count_the_shards_each_dimension_really_gets():
     # The logits' vocabulary gets tensor only when fsdp went to the batch: 384 / 2 per shard.
     vocab = {**whole, "vocab": ["tensor", "fsdp"]}
     config = make_config(base, mesh={**sizes, "rules": vocab}, loss={"vocab_chunk_size": 192})
-    assert check_devices(config, 4) == {**sizes, "expert": 1}
+    assert check_devices(config, 4) == {"stage": 1, **sizes, "expert": 1}
     with pytest.raises(KilnError, match=r"384 / 4 vocabulary shards"):
         make_config(
             base,
@@ -241,7 +241,14 @@ def test_device_dependent_rules_are_checked_at_run_time():
     c = Config.model_validate(
         {"mesh": {"fsdp": -1, "tensor": 2}, "train": {"global_batch_size": 4}}
     )
-    assert check_devices(c, 8) == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 2, "sequence": 1}
+    assert check_devices(c, 8) == {
+        "stage": 1,
+        "data": 1,
+        "fsdp": 4,
+        "expert": 1,
+        "tensor": 2,
+        "sequence": 1,
+    }
     with pytest.raises(KilnError, match="batch shards"):
         check_devices(
             c.model_copy(update={"train": c.train.model_copy(update={"global_batch_size": 2})}), 8

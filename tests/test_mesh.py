@@ -29,8 +29,15 @@ def _config(**mesh):
 
 def test_make_mesh_fills_minus_one_with_remaining_devices():
     mesh = make_mesh(_config(data=2, fsdp=-1, tensor=2, sequence=1))
-    assert mesh.axis_names == ("data", "fsdp", "expert", "tensor", "sequence")
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2, "sequence": 1}
+    assert mesh.axis_names == ("stage", "data", "fsdp", "expert", "tensor", "sequence")
+    assert dict(mesh.shape) == {
+        "stage": 1,
+        "data": 2,
+        "fsdp": 2,
+        "expert": 1,
+        "tensor": 2,
+        "sequence": 1,
+    }
     assert mesh.devices.size == jax.device_count() == 8
 
 
@@ -43,15 +50,16 @@ def test_default_rules_map_parameter_and_activation_names():
     # Parameters' embed dimension: fsdp, sequence and expert (their devices shard state too).
     fs = ("fsdp", "sequence", "expert")
     assert logical_spec(("vocab", "embed"), DEFAULT_AXIS_RULES) == P("tensor", fs)
+    # A block stack's layers: consecutive layers per pipeline stage.
     assert logical_spec(("layers", "embed", "heads", "head_dim"), DEFAULT_AXIS_RULES) == P(
-        None, fs, "tensor", None
+        "stage", fs, "tensor", None
     )
     assert logical_spec(("batch", "length", "act_embed"), DEFAULT_AXIS_RULES) == P(
         ("data", "fsdp", "expert"), "sequence", None
     )
     # An MoE layer's expert weights: experts over expert; embed then keeps fsdp and sequence.
     assert logical_spec(("layers", "experts", "embed", "mlp"), DEFAULT_AXIS_RULES) == P(
-        None, "expert", ("fsdp", "sequence"), "tensor"
+        "stage", "expert", ("fsdp", "sequence"), "tensor"
     )
     assert logical_spec((None, "mlp"), DEFAULT_AXIS_RULES) == P(None, "tensor")
 

@@ -13,7 +13,8 @@ Public names: `Config`, `load_config`, `read_run_config`, `config_from_dict`, `y
 `schema_rows`, `check_devices`, the section classes (`ModelConfig`, `DataConfig`, ...),
 `MESH_AXES`, `MeshAxis`, `FAMILY_SECTIONS` and `ATTENTION_KERNELS` (the registries of
 `model.family` and `model.attention`), `DEFAULT_AXIS_RULES`, `INT32_MAX`, `MAX_EXPERTS`,
-`SEED_LIMIT`, `DEFAULT_MAX_KD_SCALE`.
+`SEED_LIMIT`, `DEFAULT_MAX_KD_SCALE`, `pipeline_split` (a step's accumulation and pipeline
+micro-batches).
 """
 
 from kiln.config.axes import DEFAULT_AXIS_RULES, MESH_AXES, MeshAxis, MeshConfig
@@ -26,6 +27,7 @@ from kiln.config.loader import (
     schema_rows,
     yaml_layers,
 )
+from kiln.config.rules import pipeline_split
 from kiln.config.schema import (
     ATTENTION_KERNELS,
     DEFAULT_MAX_KD_SCALE,
@@ -43,6 +45,7 @@ from kiln.config.schema import (
     ModelConfig,
     MoeConfig,
     OptimConfig,
+    PipelineConfig,
     TrainConfig,
 )
 
@@ -68,10 +71,12 @@ __all__ = [
     "ModelConfig",
     "MoeConfig",
     "OptimConfig",
+    "PipelineConfig",
     "TrainConfig",
     "check_devices",
     "config_from_dict",
     "load_config",
+    "pipeline_split",
     "read_run_config",
     "schema_rows",
     "yaml_layers",

@@ -18,6 +18,10 @@ from kiln.errors import KilnError
 # The mesh axes in mesh order, each with its default size and what it splits. The axis names,
 # the values a rule may name and MeshConfig's size fields are all built from this table.
 _MESH_AXES: dict[str, tuple[int, str]] = {
+    "stage": (
+        1,
+        "Pipeline stages (the block stack's layers split into stages that pass micro-batches on; the outermost axis, for links between pods; see docs/pipeline.md)",
+    ),
     "data": (1, "Data-parallel size (replicated params)"),
     "fsdp": (-1, "Fully-sharded data-parallel size (params sharded, batch split)"),
     "expert": (
@@ -40,7 +44,8 @@ DEFAULT_AXIS_RULES: dict[str, list[str]] = {
     "kv_heads": ["tensor"],
     "head_dim": [],
     "mlp": ["tensor"],
-    "layers": [],
+    # The block stack's layer axis: consecutive layers per pipeline stage.
+    "layers": ["stage"],
     "norm": [],
     # A Mixture-of-Experts layer's expert dimension (its weights [experts, embed, mlp]: embed
     # then takes only the axes experts left, as every later dimension does).

@@ -26,6 +26,7 @@ from kiln.config.schema import (
     LossConfig,
     ModelConfig,
     OptimConfig,
+    PipelineConfig,
     Section,
     TrainConfig,
 )
@@ -40,6 +41,9 @@ class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="Model shape and numerics.")
     mesh: MeshConfig = Field(
         default_factory=MeshConfig, description="Device mesh and sharding rules."
+    )
+    pipeline: PipelineConfig = Field(
+        default_factory=PipelineConfig, description="Pipeline parallelism (mesh.stage)."
     )
     data: DataConfig = Field(default_factory=DataConfig, description="Training data.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and schedule.")

@@ -78,6 +78,8 @@ def cross_field_errors(
         )
     if ok("mesh", "model"):
         yield from _expert_errors(c, num_devices)
+    if ok("mesh", "model", "train", "pipeline", "distillation"):
+        yield from _pipeline_errors(c, num_devices)
     sizes = {a: getattr(c.mesh, a) for a in MESH_AXES}
     if ok("mesh") and sum(s == -1 for s in sizes.values()) > 1:
         yield f"mesh: at most one size may be -1, got {sizes}"
@@ -97,7 +99,10 @@ def _mesh_errors(c: Config, num_devices: int | None) -> Iterator[str]:
     elif -1 in mesh.values():
         return  # checked again once the device count is known
     t, loss, seq_len = c.train, c.loss, c.data.seq_len
-    micro = t.global_batch_size // t.gradient_accumulation_steps
+    accum, pieces = pipeline_split(c, mesh["stage"])
+    micro = t.global_batch_size // (accum * pieces)
+    if t.global_batch_size % (accum * pieces):
+        return  # reported by _pipeline_errors
     # Shards as the resolver gives them to the logits [batch, length, vocab] (the token arrays
     # [batch, length] get the same first two): an axis claimed by batch is not length's too.
     spec = resolve(("batch", "length", "vocab"), c.mesh.rules)
@@ -145,6 +150,85 @@ def _mesh_errors(c: Config, num_devices: int | None) -> Iterator[str]:
             f"loss.vocab_chunk_size: {chunk} does not divide the vocabulary of one shard "
             f"(model.vocab_size {vocab} / {vocab_shards} vocabulary shards); "
             "allowed: a divisor of that number, or null"
+        )
+
+
+def pipeline_split(c: Config, stages: int) -> tuple[int, int]:
+    """(gradient-accumulation micro-batches of a step, pipeline micro-batches each is cut into)
+    on a mesh of `stages` pipeline stages: without stages (1, or -1 unresolved) the
+    accumulation's alone; with them, pipeline.microbatches inside each accumulation
+    micro-batch, or (null) the accumulation's micro-batches become the pipeline's."""
+    accum, pieces = c.train.gradient_accumulation_steps, c.pipeline.microbatches
+    if stages in (1, -1):
+        return accum, 1
+    return (1, accum) if pieces is None else (accum, pieces)
+
+
+def _pipeline_errors(c: Config, num_devices: int | None) -> Iterator[str]:
+    """Pipeline stages against the model, the batch and each other."""
+    p, m, t = c.pipeline, c.model, c.train
+    stages = c.mesh.stage
+    if num_devices is not None and stages == -1:
+        try:
+            stages = c.mesh.sizes(num_devices)["stage"]
+        except KilnError:
+            return  # reported by the mesh's own check
+    if stages == 1:
+        for name, value, default in (
+            ("repeats", p.repeats, 1),
+            ("microbatches", p.microbatches, None),
+        ):
+            if value != default:
+                yield (
+                    f"pipeline.{name}: {value} sets up pipeline stages, but mesh.stage is 1; "
+                    f"allowed: {'null' if default is None else default}, or mesh.stage > 1"
+                )
+        return
+    if stages == -1:
+        return  # checked again once the device count is known
+    if m.family != "llama":
+        yield (
+            f"mesh.stage: {stages} pipeline stages run the llama family's block stack; "
+            f"model.family={m.family} has other stacks or modules; allowed: mesh.stage 1 "
+            "for it"
+        )
+    elif len(set(m.local_layers())) > 1:
+        yield (
+            f"model.layer_types: sliding and full attention layers mixed in one stack do not "
+            f"run in pipeline stages (mesh.stage={stages}); allowed: one kind, or mesh.stage 1"
+        )
+    if m.context_parallel == "ring":
+        yield (
+            f"model.context_parallel: ring runs under shard_map, which pipeline stages "
+            f"(mesh.stage={stages}) do not run; allowed: all_gather, or mesh.stage 1"
+        )
+    d = c.distillation
+    if d.teacher_run_dir is not None or d.teacher_logits_dir is not None:
+        yield (
+            f"mesh.stage: {stages} pipeline stages do not run distillation's teacher and "
+            "student features; allowed: mesh.stage 1 for distillation"
+        )
+    groups = stages * p.repeats
+    if m.num_layers % groups:
+        yield (
+            f"model.num_layers: {m.num_layers} is not divisible by mesh.stage x "
+            f"pipeline.repeats = {stages} x {p.repeats} = {groups} (each stage and repeat runs "
+            "as many layers); allowed: a multiple of it"
+        )
+    accum, pieces = pipeline_split(c, stages)
+    field, note = "pipeline.microbatches", ""  # where the pipeline's micro-batches come from
+    if p.microbatches is None:
+        field = "train.gradient_accumulation_steps"
+        note = " (its micro-batches are the pipeline's while pipeline.microbatches is null)"
+    if pieces < stages:
+        yield (
+            f"{field}: {pieces} micro-batches for mesh.stage={stages} pipeline stages{note}; "
+            f"allowed: at least {stages} (every stage needs one to work on)"
+        )
+    elif t.global_batch_size % (accum * pieces) and p.microbatches is not None:
+        yield (
+            f"train.global_batch_size: {t.global_batch_size} is not divisible by {accum} "
+            f"accumulation x {pieces} pipeline micro-batches (pipeline.microbatches)"
         )
 
 

@@ -29,6 +29,7 @@ from kiln.model.interface import (
     logits_dtype,
 )
 from kiln.model.project import project
+from kiln.parallel import pipeline
 from kiln.parallel.mesh import constrain
 
 # Residual stream and every [batch, seq, d_model] activation between sub-layers: its length is
@@ -494,6 +495,9 @@ class Transformer(nnx.Module):
                     f"model.num_layers={cfg.num_layers} (allowed: 0..{cfg.num_layers - 1})"
                 )
         x_BSD = self._embed(inputs_BS)
+        schedule = pipeline.current_schedule()
+        if schedule is not None:
+            return self._stages(x_BSD, positions_BS, segment_ids_BS, schedule, collect)
         all_LBSD, aux, first, local = [], [], 0, cfg.local_layers()
         for blocks in self._stacks():
             n = stack_size(blocks)
@@ -512,6 +516,34 @@ class Transformer(nnx.Module):
             first += n
         features = _join(all_LBSD)[jnp.asarray(collect)] if collect else None
         return x_BSD, features, aux
+
+    def _stages(self, x_BSD, positions_BS, segment_ids_BS, schedule, collect):
+        """`trunk` with the block stack in pipeline stages (`kiln.parallel.pipeline.stack`):
+        each stage scans its layers as `trunk` scans the whole stack."""
+        cfg = self.cfg
+        if collect or len(self._stacks()) != 1:
+            raise KilnError(  # the config's checks refuse these first (kiln.config.rules)
+                "mesh.stage: pipeline stages run one block stack without features"
+            )
+        graphdef, params = nnx.split(self.blocks)
+
+        def run_layers(layer_params, x_BSD, extras):
+            positions_BS, segment_ids_BS = extras
+            y_BSD, _, aux = scan_blocks(
+                nnx.merge(graphdef, layer_params),
+                x_BSD,
+                positions_BS,
+                segment_ids_BS,
+                remat=cfg.remat,
+                collect=False,
+                casts=cfg.dtype != cfg.param_dtype,
+                local=cfg.local_layers()[:1],
+            )
+            return y_BSD, aux
+
+        extras = (positions_BS, segment_ids_BS)
+        x_BSD, aux = pipeline.stack(run_layers, params, x_BSD, extras, schedule)
+        return x_BSD, None, [aux]
 
     def _stacks(self) -> list[nnx.Module]:
         """The scanned stacks of blocks, in order (each with a leading `layers` axis)."""

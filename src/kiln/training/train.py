@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kiln import losses
-from kiln.config import Config
+from kiln.config import Config, pipeline_split
 from kiln.errors import KilnError
 from kiln.model import (
     ModelOutput,
@@ -44,6 +44,7 @@ from kiln.parallel.mesh import (
     state_shardings,
     use_mesh,
 )
+from kiln.parallel.pipeline import pipelined
 from kiln.training.optim import make_optimizer, make_schedule
 
 Batch = Mapping[str, jax.Array]
@@ -338,8 +339,14 @@ def objective_loss_and_grads(objective: Objective, state: TrainState, batch: Bat
     Traced inside jit. Gradients accumulate in float32 in the parameters' shardings.
     """
     config, mesh = objective.config, objective.mesh
-    objective = objective.for_step(state.step)
-    accum = config.train.gradient_accumulation_steps
+    # With pipeline stages each accumulation micro-batch is cut into the pipeline's.
+    accum, pieces = pipeline_split(config, dict(mesh.shape).get("stage", 1))
+    with pipelined(config.pipeline.repeats, pieces):
+        return _loss_and_grads(objective.for_step(state.step), state, batch, accum)
+
+
+def _loss_and_grads(objective: Objective, state: TrainState, batch: Batch, accum: int):
+    config, mesh = objective.config, objective.mesh
 
     # Of the global batch: the model's loss terms per its tokens, the modules' per their weight.
     totals = batch_totals(batch, predicts_ahead(config.model)[0])
@@ -553,8 +560,11 @@ def make_eval_step(config: Config, mesh: Mesh) -> Callable:
     """Jitted `eval_step(state, batch) -> sums` (loss_sum, z_loss_sum, weight_sum), forward only."""
     objective = LMObjective(config=config, mesh=mesh)
 
+    accum, pieces = pipeline_split(config, dict(mesh.shape).get("stage", 1))
+
     def eval_step(state: TrainState, batch: Batch):
-        return objective.loss_sums(state.model(), batch)[1]
+        with pipelined(config.pipeline.repeats, accum * pieces):  # the batch is a whole step's
+            return objective.loss_sums(state.model(), batch)[1]
 
     return in_mesh(jax.jit(eval_step), mesh, config.mesh.rules)
 

@@ -25,7 +25,13 @@ from kiln.config.schema.model import (
     MoeConfig,
 )
 from kiln.config.schema.runtime import DistributedConfig, LoggingConfig
-from kiln.config.schema.training import CheckpointConfig, LossConfig, OptimConfig, TrainConfig
+from kiln.config.schema.training import (
+    CheckpointConfig,
+    LossConfig,
+    OptimConfig,
+    PipelineConfig,
+    TrainConfig,
+)
 
 __all__ = [
     "ATTENTION_KERNELS",
@@ -47,6 +53,7 @@ __all__ = [
     "ModelConfig",
     "MoeConfig",
     "OptimConfig",
+    "PipelineConfig",
     "PositiveInt",
     "Section",
     "Seed",

@@ -176,6 +176,21 @@ class LossConfig(Section):
         return z
 
 
+class PipelineConfig(Section):
+    """Pipeline parallelism over the `stage` mesh axis (mesh.stage > 1; docs/pipeline.md)."""
+
+    microbatches: PositiveInt | None = Field(
+        None,
+        le=65_536,
+        description="Micro-batches each step's batch (each gradient-accumulation micro-batch, when train.gradient_accumulation_steps > 1 and this is set) is cut into for the pipeline, at least mesh.stage; null = train.gradient_accumulation_steps's micro-batches become the pipeline's (no accumulation loop). The bubble is (stage - 1) / (repeats x microbatches + stage - 1) of the iterations.",
+    )
+    repeats: PositiveInt = Field(
+        1,
+        le=1024,
+        description="Circular (interleaved) stages: each stage runs repeats groups of model.num_layers / (stage x repeats) layers, a micro-batch passing every stage repeats times; the bubble shrinks by this factor. num_layers must be divisible by stage x repeats.",
+    )
+
+
 class TrainConfig(Section):
     """The training loop."""
 

@@ -1,0 +1,202 @@
+"""Pipeline parallelism in SPMD form: a stack of layers split over the `stage` mesh axis and a
+batch cut into micro-batches that flow through the stages, every stage working at once.
+
+The stack's L layers are cut into S stages x R repeats of L/(S·R) consecutive layers. Position
+p = r·S + s of the pipeline (0 <= p < S·R) runs layers p·L/(S·R) ... (p+1)·L/(S·R) - 1 on stage
+s: a micro-batch passes stage 0, 1, ..., S-1, then (R > 1, the circular schedule) stage 0 again
+with the next layers, R times. At iteration i stage s works on item t = i - s (micro-batch t mod
+M, repeat t div M) when 0 <= t < R·M; the others are the bubble, whose outputs never reach a
+result. Each iteration runs every stage's layers at once (one `vmap` over the stage axis, split
+over `stage` by `spmd_axis_name`), then moves every stage's output to the next stage by a
+rotation of the stage axis (a collective-permute). The last stage's outputs wait in a buffer of
+M micro-batches until stage 0 takes them again (M >= S, so an output is written before it is
+read) and, after the last repeat, are the result. R·M + S - 1 iterations in all: the bubble
+fraction is (S - 1) / (R·M + S - 1). The backward pass is autodiff through the iterations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+STAGE = "stage"  # the mesh axis the stages are split over
+# (repeats, micro-batches) of the innermost `pipelined` (None outside one).
+_SETTINGS: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "kiln_pipeline", default=None
+)
+
+
+class Schedule(NamedTuple):
+    """S stages, R repeats (circular when R > 1), M micro-batches (M >= S)."""
+
+    stages: int
+    repeats: int
+    microbatches: int
+
+    @property
+    def iterations(self) -> int:
+        return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """The fraction of stage-iterations that compute nothing: (S-1) / (R·M + S - 1)."""
+        return (self.stages - 1) / self.iterations
+
+
+@contextlib.contextmanager
+def pipelined(repeats: int, microbatches: int) -> Iterator[None]:
+    """Model code traced inside runs its block stack in pipeline stages (`current_schedule`)
+    when the mesh has more than one on `stage`: `repeats` circular repeats, the batch cut into
+    `microbatches`. Set around the trace of a step (inside jit is fine)."""
+    token = _SETTINGS.set((repeats, microbatches))
+    try:
+        yield
+    finally:
+        _SETTINGS.reset(token)
+
+
+def current_schedule() -> Schedule | None:
+    """The schedule of the innermost `pipelined` on the traced mesh; None outside one, or on a
+    mesh with one stage (the stack is scanned as it is)."""
+    settings = _SETTINGS.get()
+    mesh = jax.sharding.get_abstract_mesh()
+    if settings is None or mesh.empty or dict(mesh.shape).get(STAGE, 1) == 1:
+        return None
+    return Schedule(dict(mesh.shape)[STAGE], *settings)
+
+
+def stage_order(layers: int, stages: int, repeats: int) -> np.ndarray:
+    """Layer indices in stage order: [S, R, L/(S·R)] flattened, entry (s, r, j) the layer at
+    position r·S + s, j-th of its group. Identity when R == 1."""
+    per = layers // (stages * repeats)
+    s, r, j = np.meshgrid(np.arange(stages), np.arange(repeats), np.arange(per), indexing="ij")
+    return ((r * stages + s) * per + j).reshape(-1)
+
+
+def run(
+    stage_fn: Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]],
+    weights: Any,
+    inputs: jax.Array,
+    extras: Any,
+    schedule: Schedule,
+) -> tuple[jax.Array, Any]:
+    """(outputs [M, ...] of the last position, aux [S, R, ...] summed over micro-batches).
+
+    `weights`: leaves [S, R, ...] (stage s, repeat r: the layers of position r·S + s), split
+    over `stage` on their first axis. `inputs` [M, ...]: the micro-batches. `extras`: leaves
+    [M, ...], each micro-batch's side inputs (positions, segment ids). `stage_fn(w, x, e)` runs
+    one position's layers (w the leaves [...] of one stage and repeat) on one micro-batch and
+    returns its output (shaped as x) and an aux pytree, which is summed over the items each
+    (stage, repeat) ran, never over the bubble's.
+    """
+    s_count, r_count, m_count = schedule
+    if m_count < s_count:
+        raise ValueError(f"{m_count} micro-batches for {s_count} stages: at least one per stage")
+    mesh = jax.sharding.get_abstract_mesh()
+    sharded = not mesh.empty and STAGE in mesh.axis_names
+
+    def on_stages(x):  # the leading axis split over the stages, the others as they come
+        if not sharded:
+            return x
+        spec = PartitionSpec(STAGE, *(PartitionSpec.UNCONSTRAINED,) * (x.ndim - 1))
+        return jax.lax.with_sharding_constraint(x, spec)
+
+    stage = jnp.arange(s_count)
+    x0 = inputs[0]
+    one = jax.eval_shape(
+        lambda w, e: stage_fn(w, x0, e),
+        jax.tree.map(lambda w: w[0, 0], weights),
+        jax.tree.map(lambda e: e[0], extras),
+    )[1]
+    aux0 = jax.tree.map(lambda a: jnp.zeros((s_count, r_count, *a.shape), a.dtype), one)
+    shift0 = on_stages(jnp.zeros((s_count, *x0.shape), x0.dtype))
+    circ0 = on_stages(jnp.zeros((s_count, *inputs.shape), inputs.dtype))
+
+    def pick(x, i):  # x[i] of each stage's own leaves
+        return jax.vmap(lambda a, k: a[k])(x, i)
+
+    def keep_last(circ, shift, i):
+        """Stage 0 holds (in shift) the output the last stage made at iteration i - 1: into the
+        buffer at its micro-batch, if it was a real item. Every stage writes its own slot."""
+        t = i - s_count
+        real = (t >= 0) & (t < r_count * m_count)
+        m = jnp.mod(t, m_count)
+        old = jax.lax.dynamic_index_in_dim(circ, m, axis=1, keepdims=False)
+        new = jnp.where(real, shift, old)
+        return jax.lax.dynamic_update_index_in_dim(circ, new, m, axis=1)
+
+    def iteration(carry, i):
+        shift, circ, aux = carry
+        circ = keep_last(circ, shift, i)
+        t = i - stage
+        real = (t >= 0) & (t < r_count * m_count)
+        m = jnp.mod(t, m_count)
+        r = jnp.clip(t // m_count, 0, r_count - 1)
+        # Stage 0's input: micro-batch i mod M, new or back from the last stage. Every stage
+        # reads its own buffer slot (only stage 0's is used), so nothing crosses devices.
+        k = jnp.mod(i, m_count)
+        back = jax.lax.dynamic_index_in_dim(circ, k, axis=1, keepdims=False)
+        new = jax.lax.dynamic_index_in_dim(inputs, k, keepdims=False)
+        fresh = jnp.where(i < m_count, new[None], back)
+        first = (stage == 0).reshape(-1, *(1,) * x0.ndim)
+        x = on_stages(jnp.where(first, fresh, shift))
+        w = jax.tree.map(lambda a: pick(a, r), weights)
+        e = jax.tree.map(lambda a: on_stages(a[m]), extras)
+        y, out_aux = jax.vmap(stage_fn, spmd_axis_name=STAGE if sharded else None)(w, x, e)
+        y = on_stages(y)
+
+        def add(acc, a):
+            real_a = real.reshape(-1, *(1,) * (a.ndim - 1))
+            a = jnp.where(real_a, a, jnp.zeros_like(a))
+            return jax.vmap(lambda acc_s, a_s, r_s: acc_s.at[r_s].add(a_s))(acc, a, r)
+
+        aux = jax.tree.map(add, aux, out_aux)
+        shift = on_stages(jnp.roll(y, 1, axis=0))
+        return (shift, circ, aux), None
+
+    steps = jnp.arange(schedule.iterations)
+    (shift, circ, aux), _ = jax.lax.scan(iteration, (shift0, circ0, aux0), steps)
+    circ = keep_last(circ, shift, schedule.iterations)
+    return circ[0], aux
+
+
+def stack(
+    run_layers: Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]],
+    params: Any,
+    x: jax.Array,
+    extras: Any,
+    schedule: Schedule,
+) -> tuple[jax.Array, Any]:
+    """A stack of layers in pipeline stages: (its output, its per-layer aux [L, ...]).
+
+    `params`: leaves [L, ...] in layer order (split over `stage` on that axis, so that with
+    R = 1 each stage already holds its consecutive layers; with R > 1 they are regrouped by
+    `stage_order`, which moves them between stages). `x` [G, ...] and the leaves of `extras`
+    [G, ...] are cut into M micro-batches of rows a, a + M, ... (each shard keeps its rows).
+    `run_layers(params [L/(S·R), ...], x, extras)` runs consecutive layers on one micro-batch
+    and returns its output and per-layer aux [L/(S·R), ...], summed here over micro-batches.
+    """
+    s_count, r_count, m_count = schedule
+    layers = jax.tree.leaves(params)[0].shape[0]
+    order = stage_order(layers, s_count, r_count)
+    per = layers // (s_count * r_count)
+
+    def to_stages(a):
+        a = a if r_count == 1 else jnp.take(a, jnp.asarray(order), axis=0)
+        return a.reshape(s_count, r_count, per, *a.shape[1:])
+
+    def split(a):
+        return a.reshape(a.shape[0] // m_count, m_count, *a.shape[1:]).swapaxes(0, 1)
+
+    weights = jax.tree.map(to_stages, params)
+    out, aux = run(run_layers, weights, split(x), jax.tree.map(split, extras), schedule)
+    inverse = jnp.asarray(np.argsort(order))
+    aux = jax.tree.map(lambda a: jnp.take(a.reshape(layers, *a.shape[3:]), inverse, axis=0), aux)
+    return out.swapaxes(0, 1).reshape(x.shape), aux

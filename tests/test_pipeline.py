@@ -1,0 +1,270 @@
+"""Pipeline stages (mesh.stage, the pipeline section): the schedule against running the layers
+in order, the whole train step's loss and gradients against one device, the bubble, and the
+configs refused."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import kiln_main
+from kiln.config import MESH_AXES, config_from_dict
+from kiln.errors import KilnError
+from kiln.parallel import pipeline
+from kiln.training import train
+
+SEQ, BATCH, VOCAB = 16, 16, 128
+MODEL = {
+    "vocab_size": VOCAB,
+    "d_model": 32,
+    "num_layers": 8,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "d_ff": 64,
+    "max_seq_len": SEQ,
+}
+
+
+def auto_mesh(shape, names):
+    return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+
+# ---------------------------------------------------------------------------------------------
+# The schedule
+
+
+def toy_layers(w, x, e):
+    """A few layers scanned in order, with a per-layer aux (the sum of each layer's input)."""
+
+    def body(x, wl):
+        return jnp.tanh(x @ wl + e[:, None]), jnp.sum(x)
+
+    return jax.lax.scan(body, x, w)
+
+
+def in_order(w_L, x_MBD, e_MB):
+    outs = [toy_layers(w_L, x, e) for x, e in zip(x_MBD, e_MB)]
+    return jnp.stack([y for y, _ in outs]), sum(a for _, a in outs)
+
+
+@pytest.mark.parametrize(
+    ("stages", "repeats", "micro"),
+    [(2, 1, 2), (4, 1, 8), (2, 2, 4), (4, 2, 4)],
+)
+def test_schedule_runs_every_layer_in_order_on_every_micro_batch(stages, repeats, micro):
+    layers = 2 * stages * repeats
+    w_L = jax.random.normal(jax.random.key(0), (layers, 8, 8)) / 3
+    x_MBD = jax.random.normal(jax.random.key(1), (micro, 4, 8))
+    e_MB = jax.random.normal(jax.random.key(2), (micro, 4)) / 10
+    schedule = pipeline.Schedule(stages, repeats, micro)
+
+    def piped(w_L, x_MBD):
+        x_GD = x_MBD.swapaxes(0, 1).reshape(-1, 8)  # stack() cuts rows a, a + M, ...
+        e_G = e_MB.swapaxes(0, 1).reshape(-1)
+        y_GD, aux_L = pipeline.stack(toy_layers, w_L, x_GD, e_G, schedule)
+        return y_GD.reshape(4, micro, 8).swapaxes(0, 1), aux_L
+
+    with jax.set_mesh(auto_mesh((stages, 8 // stages), ("stage", "fsdp"))):
+        y, aux = jax.jit(piped)(w_L, x_MBD)
+        grads = jax.jit(jax.grad(lambda w, x: jnp.sum(piped(w, x)[0] ** 2), (0, 1)))(w_L, x_MBD)
+    want_y, want_aux = in_order(w_L, x_MBD, e_MB)
+    want_grads = jax.grad(lambda w, x: jnp.sum(in_order(w, x, e_MB)[0] ** 2), (0, 1))(w_L, x_MBD)
+    # The same float32 operations on the same values in the same order: equal up to XLA's
+    # fusion of the element-wise tail (1e-6 relative).
+    np.testing.assert_allclose(y, want_y, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(aux, want_aux, rtol=1e-6)
+    for g, w in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6 * np.abs(w).max())
+
+
+def test_bubble_and_stage_order():
+    assert pipeline.Schedule(4, 1, 4).iterations == 7
+    assert pipeline.Schedule(4, 2, 8).bubble == pytest.approx(3 / 19)
+    # Stage s, repeat r holds the layers of position r·S + s.
+    order = pipeline.stage_order(8, 2, 2).reshape(2, 2, 2)
+    assert order[0].tolist() == [[0, 1], [4, 5]] and order[1].tolist() == [[2, 3], [6, 7]]
+    assert pipeline.stage_order(8, 4, 1).tolist() == list(range(8))
+
+
+def test_the_stages_pass_activations_by_collective_permute():
+    schedule = pipeline.Schedule(4, 1, 4)
+    w_L = jnp.zeros((8, 8, 8))
+    mesh = auto_mesh((4, 2), ("stage", "fsdp"))
+    w_L = jax.device_put(w_L, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("stage")))
+
+    def loss(w_L, x_GD):
+        return jnp.sum(pipeline.stack(toy_layers, w_L, x_GD, jnp.zeros(16), schedule)[0])
+
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(jax.grad(loss)).lower(w_L, jnp.ones((16, 8))).compile().as_text()
+    # The weights stay on their stages (no all-gather of the stack); activations move.
+    assert "collective-permute" in hlo
+    assert "all-gather" not in hlo
+
+
+# ---------------------------------------------------------------------------------------------
+# The train step
+
+
+def make_config(**sections):
+    raw = {
+        "model": dict(MODEL),
+        "data": {"seq_len": SEQ},
+        "train": {"global_batch_size": BATCH, "steps": 4, "log_every_steps": 1},
+        "optim": {"warmup_steps": 0},
+        "loss": {"z_loss_multiplier": 1e-2},
+        "mesh": {"fsdp": -1},
+    }
+    for key, value in sections.items():
+        raw.setdefault(key, {}).update(value)
+    return config_from_dict(raw)
+
+
+def random_batch(seed):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, VOCAB, (BATCH, SEQ + 1))
+    real = rng.integers(SEQ // 2, SEQ + 1, BATCH)
+    weights = (np.arange(SEQ)[None, :] < real[:, None]).astype(np.float32)
+    return {
+        "inputs": tokens[:, :-1].astype(np.int32),
+        "targets": tokens[:, 1:].astype(np.int32),
+        "positions": np.broadcast_to(np.arange(SEQ, dtype=np.int32), (BATCH, SEQ)).copy(),
+        "segment_ids": (weights > 0).astype(np.int32),
+        "weights": weights,
+    }
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+@pytest.fixture(scope="module")
+def one_device_run():
+    """Three optimizer steps on one device: each step's params, batch, loss and gradients."""
+    config = make_config(mesh={"fsdp": 1})
+    mesh = jax.make_mesh(
+        (1,) * len(MESH_AXES),
+        MESH_AXES,
+        axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
+        devices=jax.devices()[:1],
+    )
+    state = train.init_state(config, mesh)
+    step = train.make_train_step(config, mesh, train.shardings_of(state))
+    steps = []
+    for i in range(3):
+        batch = random_batch(i)
+        loss, _, grads = train.loss_and_grads(config, state, batch)
+        steps.append((host(state.params), batch, float(loss), host(grads)))
+        state, _ = step(state, train.place_batch(batch, mesh, config))
+    return steps
+
+
+@pytest.mark.parametrize(
+    ("mesh", "accum", "pipe"),
+    [
+        ({"stage": 2, "fsdp": 4}, 2, {}),  # micro-batches = stages, from the accumulation
+        ({"stage": 4, "tensor": 2}, 2, {"microbatches": 4}),  # accumulation of pipelines
+        ({"stage": 2, "fsdp": 4}, 1, {"microbatches": 4, "repeats": 2}),  # circular, 2 x S
+        ({"stage": 4, "fsdp": 2}, 8, {"repeats": 2}),
+    ],
+)
+def test_pipelined_step_equals_one_device(one_device_run, mesh, accum, pipe):
+    config = make_config(
+        mesh={"fsdp": 1, **mesh}, train={"gradient_accumulation_steps": accum}, pipeline=pipe
+    )
+    state = train.init_state(config)
+    shardings = train.shardings_of(state.params)
+    for params, batch, want_loss, want_grads in one_device_run:
+        state = state.replace(params=jax.device_put(params, shardings))
+        loss, _, grads = train.loss_and_grads(config, state, batch)
+        # float32; the same sums over the batch's tokens in another order: 1e-5 relative.
+        np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
+        for g, w in zip(jax.tree.leaves(host(grads)), jax.tree.leaves(want_grads), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
+
+
+# ---------------------------------------------------------------------------------------------
+# Refused
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (
+            ["mesh.stage=2", "mesh.fsdp=4", "model.num_layers=3", "pipeline.microbatches=2"],
+            "model.num_layers: 3",
+        ),
+        (
+            [
+                *("mesh.stage=2", "mesh.fsdp=4", "pipeline.repeats=2", "model.num_layers=6"),
+                "pipeline.microbatches=2",
+            ],
+            "model.num_layers: 6",
+        ),
+        (["mesh.stage=4", "mesh.fsdp=2"], "train.gradient_accumulation_steps: 1"),
+        (["mesh.stage=4", "mesh.fsdp=2", "pipeline.microbatches=2"], "pipeline.microbatches: 2"),
+        (["pipeline.repeats=2"], "pipeline.repeats: 2"),
+        (["pipeline.microbatches=4"], "pipeline.microbatches: 4"),
+        (
+            ["mesh.stage=2", "mesh.fsdp=4", "pipeline.microbatches=2", "model.family=moe"],
+            "mesh.stage: 2",
+        ),
+    ],
+)
+def test_refused_in_one_line(tmp_path, overrides, field):
+    r = kiln_main("train", "configs/tiny.yaml", f"train.output_dir={tmp_path}", *overrides)
+    err = r.stderr
+    assert r.returncode == 2 and r.stdout == ""
+    assert err.startswith(f"kiln: error: {field}") and len(err.strip().splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_stage_axis_no_pipeline():
+    config = make_config(mesh={"fsdp": 8})
+    assert pipeline.current_schedule() is None
+    with pytest.raises(KilnError, match=r"model\.num_layers"):
+        make_config(mesh={"stage": 2, "fsdp": 4}, model={**MODEL, "num_layers": 5})
+    assert config.pipeline.repeats == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints between stage counts
+
+
+def losses(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["learning/loss"] for r in rows if "learning/loss" in r}
+
+
+def test_a_run_saved_on_4_stages_resumes_on_2(tmp_path):
+    common = [
+        "configs/tiny.yaml",
+        "optim.schedule=constant",
+        "optim.warmup_steps=0",
+        "train.log_every_steps=1",
+        "checkpoint.every_steps=1",
+        "train.gradient_accumulation_steps=4",
+        "data.seq_len=64",
+    ]
+    four = ["mesh.stage=4", "mesh.fsdp=2"]
+    saved = tmp_path / "a"
+    r = kiln_main("train", *common, f"train.output_dir={saved}", "train.steps=2", *four)
+    assert r.returncode == 0, r.stderr
+    shutil.copytree(saved, tmp_path / "b")
+    # The same checkpoint continued on 2 stages and on the 4 it was saved on.
+    runs, said = {}, {}
+    for name, mesh in (("a", ["mesh.stage=2", "mesh.fsdp=4"]), ("b", four)):
+        r = kiln_main(
+            "train", *common, f"train.output_dir={tmp_path / name}", "train.steps=3", *mesh
+        )
+        assert r.returncode == 0, r.stderr
+        runs[name], said[name] = losses(tmp_path / name / "tiny"), r.stdout + r.stderr
+    assert "resuming from step 2" in said["a"]
+    assert "changed on resume: mesh.stage: 4 -> 2" in said["a"]
+    assert "mesh.stage" not in said["b"]
+    assert runs["a"][1] == runs["b"][1] and runs["a"][2] == runs["b"][2]  # the saved steps
+    # Step 3 from the same weights on 2 and on 4 stages: float32 sums in another order.
+    np.testing.assert_allclose(runs["a"][3], runs["b"][3], rtol=1e-5)
