@@ -133,6 +133,19 @@ def test_config_is_frozen():
         (["data.seed=4294967296"], "data.seed"),
         (["distillation.layer_map=[[0,-1]]"], "layer -1 in [0, -1] is negative"),
         (["distributed.coordinator_address=host"], "distributed.coordinator_address"),
+        *(
+            (
+                [f"train.hang_timeout_s={value}"],
+                f"train.hang_timeout_s: got {shown}; allowed: a number of seconds >= 0 "
+                "(0 = off), or auto",
+            )
+            for value, shown in (
+                ("-1", "-1"),
+                (".inf", "inf"),
+                ("soon", "'soon'"),
+                ("true", "True"),
+            )
+        ),
     ],
 )
 def test_bad_values_are_rejected_with_the_field_named(tmp_path, overrides, message):

@@ -10,7 +10,14 @@ from kiln.config import Config
 from kiln.errors import KilnError
 
 # What `--restart` moves aside: everything a run writes (a lock file or the like stays).
-RUN_FILES = ("checkpoints", "tensorboard", "metrics.jsonl", "metrics.jsonl.damaged", "config.yaml")
+RUN_FILES = (
+    "checkpoints",
+    "tensorboard",
+    "metrics.jsonl",
+    "metrics.jsonl.damaged",
+    "config.yaml",
+    "hangs",
+)
 
 # What a run writes in its directory: name -> (whether it is a directory, what it holds).
 RUN_ENTRIES = {
@@ -20,6 +27,7 @@ RUN_ENTRIES = {
     "inputs.json": (False, "the inputs it pinned"),
     "checkpoints": (True, "its checkpoints"),
     "tensorboard": (True, "its TensorBoard event files"),
+    "hangs": (True, "the reports of processes that hung (train.hang_timeout_s)"),
 }
 
 

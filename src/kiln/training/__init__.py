@@ -3,8 +3,9 @@
 Modules: `train` (TrainState, the `Objective` protocol and `LMObjective`, loss-and-grads with
 gradient accumulation, `make_step`, the update), `optim` (optimizer and schedule), `loop`
 (steps, checkpoints, evaluation, signals), `metrics`, `console`, `tracking` (TensorBoard,
-metrics.jsonl, Weights & Biases), `profiling`, `scoring` (eval tasks on the mesh), `resume`
-(may this config continue its run), `runner` (start-up shared by every command that trains)
+metrics.jsonl, Weights & Biases), `profiling`, `watchdog` (a run whose steps stop finishing
+exits to be restarted), `scoring` (eval tasks on the mesh), `resume` (may this config continue
+its run), `runner` (start-up shared by every command that trains)
 and `pretrain` (`kiln train`).
 
 May import: every layer below: `kiln.errors`, `kiln.util`, `kiln.data`, `kiln.config`,

@@ -19,6 +19,7 @@ from kiln.runs.checkpoint import Checkpointer
 from kiln.training.console import Summary, next_commands
 from kiln.training.metrics import MetricsLogger, perf_metrics
 from kiln.training.profiling import ProfileWindow, cache_events
+from kiln.training.watchdog import Watchdog
 from kiln.util.checksums import non_finite_leaf
 from kiln.util.interrupt import exit_now
 
@@ -148,22 +149,36 @@ class Loop:
         self._evals: dict[int, dict[str, float]] = {}  # eval figures waiting for their step's row
         skips, pending = 0, None  # pending: (step, metrics on device), read one step late
         saved_before = self.ckpt.latest_step()  # complete: a save of this run is still to come
-        with stop_requests(self.logger.info, lambda: self._way_back(saved_before)) as stop:
+        way_back = lambda: self._way_back(saved_before)  # noqa: E731
+        # Process 0 seals the checkpoints: the others do not know which one is the last.
+        sealer = jax.process_index() == 0
+        last_saved = (lambda: self._last_saved(saved_before)) if sealer else None
+        watchdog = Watchdog(cfg, first - 1, last_saved)
+        with stop_requests(self.logger.info, way_back) as stop, watchdog:
             for step in range(first, cfg.train.steps + 1):
-                profile.before(step, state)
+                with watchdog.paused("starting a profiler trace", profile.edge(step)):
+                    profile.before(step, state)
+                watchdog.set_doing(f"reading the batch of step {step}")
                 batch = self.place(next(self.batches))
                 if step == first:
                     self.logger.status("compiling the train step…")
                     compile_start = time.perf_counter()
-                state, metrics = self.step_fn(state, batch)
-                if step == first:  # jit traces and compiles in the call; the step runs after
+                    with watchdog.paused("compiling the train step"):
+                        state, metrics = self.step_fn(state, batch)
+                    # jit traces and compiles in the call; the step runs after
                     seconds = time.perf_counter() - compile_start
                     self.logger.info(f"compiled the train step in {seconds:.1f}s")
                     self.logger.status("")
-                profile.after(step, (state, metrics))
+                else:
+                    watchdog.set_doing(f"dispatching step {step}")
+                    state, metrics = self.step_fn(state, batch)
+                with watchdog.paused("writing a profiler trace", profile.edge(step)):
+                    profile.after(step, (state, metrics))
                 self.ckpt.check()  # a failed background save stops the run now, not later
                 if pending is not None:
+                    watchdog.set_doing(f"waiting for the result of step {pending[0]}")
                     skips = skips + 1 if self._finish(*pending, clock) else 0
+                    watchdog.beat(pending[0], f"running step {step}")
                     if skips >= cfg.train.max_consecutive_skips:
                         raise RunStopped(
                             f"{skips} consecutive steps had a non-finite loss or gradient (last at "
@@ -172,13 +187,18 @@ class Loop:
                         )
                 pending = (step, metrics)
                 if self.evaluate is not None and step % cfg.train.eval_every_steps == 0:
-                    self._evals[step] = self.evaluate(state)  # logged in the row of its step
+                    with watchdog.paused(f"evaluating at step {step}"):
+                        self._evals[step] = self.evaluate(state)  # logged in the row of its step
                 if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-                    self._save(state)
+                    with watchdog.paused(f"saving the checkpoint of step {step}"):
+                        self._save(state)
+                watchdog.set_doing(f"agreeing whether to stop after step {step}")
                 if stop_due(stop, step):
+                    watchdog.set_doing(f"waiting for the result of step {step}")
                     self._finish(*pending, clock)
-                    self._save(state)
-                    self.ckpt.wait()
+                    with watchdog.paused(f"saving the checkpoint of step {step} to stop"):
+                        self._save(state)
+                        self.ckpt.wait()
                     name = signal.Signals(stop[0]).name if stop else "SIGTERM"
                     self.logger.warn(
                         f"stopped by signal {name} at step {step}; "
@@ -186,22 +206,30 @@ class Loop:
                     )
                     return state
             if pending is not None:
+                watchdog.set_doing(f"waiting for the result of step {pending[0]}")
                 skips = skips + 1 if self._finish(*pending, clock) else 0
-        self._trained_end = time.perf_counter()
-        trained = cfg.train.steps - first + 1
-        if trained > 0 and skips == trained:
-            raise RunStopped(
-                f"every step of this run ({first}..{cfg.train.steps}) had a non-finite loss or "
-                f"gradient and was skipped; nothing was trained or saved; {skip_cause(state)}"
-            )
-        self._save(state)
-        self.ckpt.wait()
+                watchdog.beat(pending[0], "finishing the run")
+            self._trained_end = time.perf_counter()
+            trained = cfg.train.steps - first + 1
+            if trained > 0 and skips == trained:
+                raise RunStopped(
+                    f"every step of this run ({first}..{cfg.train.steps}) had a non-finite loss or "
+                    f"gradient and was skipped; nothing was trained or saved; {skip_cause(state)}"
+                )
+            with watchdog.paused("saving the last checkpoint"):
+                self._save(state)
+                self.ckpt.wait()
         self.logger.summary(self._summary(first, int(state.step)))
         return state
 
+    def _last_saved(self, saved_before: int | None) -> int | None:
+        """The step of the newest checkpoint on disk: this run's last sealed save, or the one
+        it started from."""
+        return self.ckpt.sealed if self.ckpt.sealed is not None else saved_before
+
     def _way_back(self, saved_before: int | None) -> str:
         """What running the command again does after an exit without a checkpoint."""
-        saved = self.ckpt.sealed if self.ckpt.sealed is not None else saved_before
+        saved = self._last_saved(saved_before)
         if saved is None:
             return "no checkpoint was saved yet: run the same command again to start over"
         return f"run the same command again to resume from step {saved}"

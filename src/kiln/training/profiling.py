@@ -77,6 +77,10 @@ class ProfileWindow:
         self.stop = None if steps is None else steps[1]
         self.log_dir, self.active = log_dir, False
 
+    def edge(self, step: int) -> bool:
+        """Whether `before` or `after` starts or ends the trace at `step` (they wait then)."""
+        return self.start is not None and step in (self.start, self.stop)
+
     def before(self, step: int, state) -> None:
         """Call before dispatching `step`, with the state it starts from."""
         if self.start is not None and step == self.start <= self.stop:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import pydantic
@@ -249,6 +250,10 @@ class TrainConfig(Section):
         10,
         description="Stop the run after this many consecutive steps with a non-finite loss or gradient.",
     )
+    hang_timeout_s: float | Literal["auto"] = Field(
+        "auto",
+        description="Seconds within which a training step must finish, else every process writes the Python stacks of its threads to {run_dir}/hangs/<host>-<pid>.txt and exits with code 75 (restart); compilation, checkpoint saves, evaluation and profiler traces are not timed. auto = 10 x the median time of the last 100 steps, at least 300; 0 = off.",
+    )
     profile_steps: tuple[int, int] | None = Field(
         None,
         description="[start, stop]: write a jax.profiler trace of steps start..stop (both included, start <= stop <= train.steps) into the run's tensorboard/ directory (TensorBoard's profile plugin, or Perfetto); null = no trace. Start after step 1 to leave compilation out.",
@@ -268,6 +273,15 @@ class TrainConfig(Section):
         if window is not None and window[0] > window[1]:
             raise ValueError(f"start {window[0]} is after stop {window[1]}; {allowed}")
         return window
+
+    @pydantic.field_validator("hang_timeout_s", mode="plain")
+    @classmethod
+    def _seconds_or_auto(cls, value):
+        # One error line for either form (a union would report one per member).
+        number = type(value) in (int, float) and math.isfinite(value) and value >= 0
+        if value == "auto" or number:
+            return value if value == "auto" else float(value)
+        raise ValueError("allowed: a number of seconds >= 0 (0 = off), or auto")
 
     @pydantic.field_validator("eval_tasks")
     @classmethod
