@@ -102,3 +102,6 @@ def test_a_stopped_process_is_found_and_the_run_resumes_bitwise(tmp_path):
     for step in range(1, hung_at + 1):
         assert after[step]["learning/loss"] == before[step]["learning/loss"], step
         assert after[step]["learning/grad_norm"] == before[step]["learning/grad_norm"], step
+    # Goodput: the hung attempt's steps after checkpoint 10 are lost work.
+    final = after[20]
+    assert final["goodput/attempts"] == 2 and final["goodput/lost_steps"] == hung_at - 10

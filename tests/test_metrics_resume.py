@@ -150,7 +150,7 @@ def kiln_train(config: Path, *overrides) -> str:
 
 
 def without_timing(table: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in table]
+    return [{k: v for k, v in r.items() if not k.startswith(("perf/", "goodput/"))} for r in table]
 
 
 def write_corpus(tmp_path: Path) -> Path:

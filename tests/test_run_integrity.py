@@ -63,7 +63,7 @@ def rows(run_dir: Path) -> list[dict]:
 
 
 def without_timing(table: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in table]
+    return [{k: v for k, v in r.items() if not k.startswith(("perf/", "goodput/"))} for r in table]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -377,7 +377,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # signals over to checkpoint first, `kiln prepare` to stop its workers); what commands
         # write is renamed into place whole or removed on the way out (kiln.util.interrupt).
         with exit_on_signals():
-            return args.func(args)
+            code = args.func(args)
+        if argv is None and args.func in (cmd_train, cmd_distill):
+            _end_run_process(code)
+        return code
     except (KilnError, RunStopped) as e:
         if os.environ.get("KILN_DEBUG") == "1":
             raise
@@ -394,6 +397,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Unix filter does; stdout goes to /dev/null so that the exit's flush cannot fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return _leave(141)
+
+
+def _end_run_process(code: int) -> None:
+    """End the `kiln` process of a finished run at once: its files are closed and its uploads
+    done, and the interpreter's teardown (XLA's clients, a large module graph: about a second)
+    would be wall time that no goodput figure of the run counts. Not in a process of a
+    multi-process run: it waits at JAX's shutdown for the others, whose coordinator may be in it."""
+    distributed = sys.modules.get("kiln.parallel.distributed")
+    if distributed is not None and distributed.joined():
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _leave(code: int) -> int:

@@ -21,6 +21,7 @@ import numpy as np
 from kiln.errors import KilnError, write_error
 from kiln.util.atomic import write_whole
 from kiln.util.files import check_creatable
+from kiln.util.humanize import duration
 from kiln.util.tensorboard import tensorboardx
 
 # tag -> (steps, values), steps increasing; a step logged twice (e.g. re-logged after a
@@ -271,6 +272,57 @@ def final_values(runs: dict[str, Series], metrics: Sequence[str], window: int = 
             last = smooth(values, window)[-1]
             cells.append(f"{f'{last:.5g} @{steps[-1]}':>{w}}")
         lines.append("  ".join([f"{name:<{name_w}}", *cells]))
+    return "\n".join(lines)
+
+
+# The goodput table's columns: (tag, heading), seconds unless the heading says otherwise.
+GOODPUT_COLUMNS = (
+    ("goodput/wall_seconds", "wall"),
+    ("goodput/goodput", "goodput"),
+    ("goodput/step_seconds", "steps"),
+    ("goodput/init_seconds", "start-up"),
+    ("goodput/compile_seconds", "compile"),
+    ("goodput/data_seconds", "data"),
+    ("goodput/checkpoint_seconds", "checkpoints"),
+    ("goodput/eval_seconds", "eval"),
+    ("goodput/other_seconds", "other"),
+    ("goodput/lost_seconds", "lost"),
+    ("goodput/lost_steps", "lost steps"),
+    ("goodput/attempts", "attempts"),
+)
+
+
+def goodput_table(run_dirs: Sequence[str | Path]) -> str | None:
+    """Where each run's wall time went, over all its attempts (the goodput/* figures of its last
+    row); None when no run has them (runs of kiln before goodput accounting)."""
+    found = {}
+    for name, run_dir in zip(run_names(run_dirs), run_dirs, strict=True):
+        series = read_run(run_dir)
+        found[name] = {
+            tag: (int(series[tag][0][-1]), float(series[tag][1][-1]))
+            for tag, _ in GOODPUT_COLUMNS
+            if tag in series
+        }
+    if not any(found.values()):
+        return None
+
+    def cell(tag: str, value: float) -> str:
+        if tag == "goodput/goodput":
+            return f"{value:.1%}"
+        if tag in ("goodput/lost_steps", "goodput/attempts"):
+            return f"{value:.0f}"
+        return duration(value)
+
+    table = [["run", *(heading for _, heading in GOODPUT_COLUMNS), "@ step"]]
+    for name, figures in found.items():
+        cells = [cell(t, figures[t][1]) if t in figures else "-" for t, _ in GOODPUT_COLUMNS]
+        step = max((s for s, _ in figures.values()), default=None)
+        table.append([name, *cells, "-" if step is None else str(step)])
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines = ["goodput: wall time over every attempt of each run, the slowest process's"]
+    for row in table:
+        first = f"{row[0]:<{widths[0]}}"
+        lines.append("  ".join([first, *(f"{c:>{w}}" for c, w in zip(row[1:], widths[1:]))]))
     return "\n".join(lines)
 
 

@@ -137,7 +137,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from kiln.commands.compare import check_out, compare, expand_metrics, final_values, load_runs
+    from kiln.commands.compare import (
+        check_out,
+        compare,
+        expand_metrics,
+        final_values,
+        goodput_table,
+        load_runs,
+    )
 
     check_out(args.out)  # before any run is read
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
@@ -149,6 +156,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"kiln: {note}", file=sys.stderr)
     print(final_values(load_runs(args.run_dirs, metrics), metrics, args.smooth))
+    goodput = goodput_table(args.run_dirs)
+    if goodput is not None:
+        print(goodput)
     print(f"wrote {args.out}")
     return 0
 

@@ -79,6 +79,11 @@ def _give_up(message: str) -> None:
     os._exit(1)
 
 
+def joined() -> bool:
+    """Whether this process is one of several of a run."""
+    return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
 def leave_if_joined(code: int) -> None:
     """After an error, exit at once with `code` if this process is one of several.
 
@@ -86,7 +91,7 @@ def leave_if_joined(code: int) -> None:
     this one; exiting at once stops its heartbeat, so the others stop within
     `distributed.heartbeat_timeout_s` and this process keeps its own exit code.
     """
-    if jax.distributed.is_initialized() and jax.process_count() > 1:
+    if joined():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -4,7 +4,7 @@ Modules: `train` (TrainState, the `Objective` protocol and `LMObjective`, loss-a
 gradient accumulation, `make_step`, the update), `optim` (optimizer and schedule), `loop`
 (steps, checkpoints, evaluation, signals), `metrics`, `console`, `tracking` (TensorBoard,
 metrics.jsonl, Weights & Biases), `profiling`, `watchdog` (a run whose steps stop finishing
-exits to be restarted), `scoring` (eval tasks on the mesh), `resume` (may this config continue
+exits to be restarted), `goodput` (where a run's wall time went, over its attempts), `scoring` (eval tasks on the mesh), `resume` (may this config continue
 its run), `runner` (start-up shared by every command that trains)
 and `pretrain` (`kiln train`).
 

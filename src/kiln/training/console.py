@@ -16,7 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.text import Text
 
 from kiln.config import Config
-from kiln.util.humanize import count, plural
+from kiln.util.humanize import count, duration, plural
 
 # What a step line shows, in order, with its short name: the loss as trained (in distillation
 # the balanced total), then the parts a reader compares, an MoE model's router terms and
@@ -100,12 +100,36 @@ class Summary:
     # Distillation: the student's cross-entropy on the labels (distill/hard_loss), the train
     # figure eval loss compares with; train_loss is then the balanced objective.
     hard_loss: float | None = None
+    goodput: Mapping[str, float] | None = None  # the goodput/* figures of the last row
+
+
+def goodput_rows(values: Mapping[str, float]) -> list[tuple[str, str]]:
+    """The share of a run's wall time (all attempts) that went to training steps, and where the
+    rest went; nothing for a run without goodput figures."""
+    wall = values.get("goodput/wall_seconds")
+    if not wall:
+        return []
+    attempts = plural(int(values["goodput/attempts"]), "attempt")
+    head = (
+        f"{values['goodput/goodput']:.0%} of {duration(wall)} ({attempts}) went to training "
+        f"steps ({duration(values['goodput/step_seconds'])})"
+    )
+    names = (
+        ("init", "start-up"),
+        ("compile", "compilation"),
+        ("data", "waiting for data"),
+        ("checkpoint", "checkpoints"),
+        ("eval", "evaluation"),
+        ("other", "other"),
+    )
+    parts = [f"{name} {duration(values[f'goodput/{key}_seconds'])}" for key, name in names]
+    redone = plural(int(values["goodput/lost_steps"]), "step")
+    parts.append(f"lost {duration(values['goodput/lost_seconds'])} ({redone} computed again)")
+    return [("goodput", head), ("the rest", ", ".join(parts))]
 
 
 def summary_rows(s: Summary) -> list[tuple[str, str]]:
     """The end-of-run figures, (name, value) in order."""
-    minutes, seconds = divmod(s.seconds, 60)
-    wall = f"{int(minutes)} min {seconds:.0f} s" if minutes else f"{seconds:.1f} s"
     loss = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
     if s.hard_loss is None:
         train = [("train loss", loss(s.train_loss))]
@@ -116,11 +140,12 @@ def summary_rows(s: Summary) -> list[tuple[str, str]]:
         ]
     return [
         ("steps", f"{plural(s.steps, 'step')} trained, now at step {s.last_step}"),
-        ("wall time", f"{wall} (start-up and compilation included)"),
+        ("wall time", f"{duration(s.seconds)} (start-up and compilation included)"),
         ("tokens/s", "n/a" if s.tokens_per_sec is None else count(s.tokens_per_sec)),
         *train,
         ("eval loss", "not evaluated" if s.eval_loss is None else f"{s.eval_loss:.4f}"),
         ("checkpoint", str(s.checkpoint) if s.checkpoint else "none"),
+        *goodput_rows(s.goodput or {}),
     ]
 
 

@@ -7,7 +7,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -16,6 +16,7 @@ from jax.experimental import multihost_utils
 from kiln.config import Config
 from kiln.errors import RunStopped
 from kiln.runs.checkpoint import Checkpointer
+from kiln.training import goodput
 from kiln.training.console import Summary, next_commands
 from kiln.training.metrics import MetricsLogger, perf_metrics
 from kiln.training.profiling import ProfileWindow, cache_events
@@ -129,6 +130,8 @@ class Loop:
     flops_per_token: float
     evaluate: Callable[[Any], dict[str, float]] | None = None
     started: float | None = None  # perf_counter() at start-up, for the time to the first step
+    clock: goodput.Clock = field(default_factory=goodput.Clock)  # where this attempt's time goes
+    goodput_base: dict[str, float] = field(default_factory=dict)  # earlier attempts' figures
 
     def run(self, state):
         cfg = self.config
@@ -147,6 +150,7 @@ class Loop:
         self._first_step_seconds: dict[str, float] = {}
         self._first_done = None  # perf_counter() when the first step's metrics arrived
         self._evals: dict[int, dict[str, float]] = {}  # eval figures waiting for their step's row
+        self._held: tuple[int, dict[str, float]] | None = None  # a row written after a save
         skips, pending = 0, None  # pending: (step, metrics on device), read one step late
         saved_before = self.ckpt.latest_step()  # complete: a save of this run is still to come
         way_back = lambda: self._way_back(saved_before)  # noqa: E731
@@ -154,16 +158,19 @@ class Loop:
         sealer = jax.process_index() == 0
         last_saved = (lambda: self._last_saved(saved_before)) if sealer else None
         watchdog = Watchdog(cfg, first - 1, last_saved)
+        untimed = lambda phase, doing, when=True: self._untimed(watchdog, phase, doing, when)  # noqa: E731
         with stop_requests(self.logger.info, way_back) as stop, watchdog:
             for step in range(first, cfg.train.steps + 1):
-                with watchdog.paused("starting a profiler trace", profile.edge(step)):
+                with untimed("other", "starting a profiler trace", profile.edge(step)):
                     profile.before(step, state)
+                self.clock.enter("data")
                 watchdog.set_doing(f"reading the batch of step {step}")
                 batch = self.place(next(self.batches))
+                self.clock.enter("step")
                 if step == first:
                     self.logger.status("compiling the train step…")
                     compile_start = time.perf_counter()
-                    with watchdog.paused("compiling the train step"):
+                    with untimed("compile", "compiling the train step"):
                         state, metrics = self.step_fn(state, batch)
                     # jit traces and compiles in the call; the step runs after
                     seconds = time.perf_counter() - compile_start
@@ -172,7 +179,7 @@ class Loop:
                 else:
                     watchdog.set_doing(f"dispatching step {step}")
                     state, metrics = self.step_fn(state, batch)
-                with watchdog.paused("writing a profiler trace", profile.edge(step)):
+                with untimed("other", "writing a profiler trace", profile.edge(step)):
                     profile.after(step, (state, metrics))
                 self.ckpt.check()  # a failed background save stops the run now, not later
                 if pending is not None:
@@ -187,18 +194,20 @@ class Loop:
                         )
                 pending = (step, metrics)
                 if self.evaluate is not None and step % cfg.train.eval_every_steps == 0:
-                    with watchdog.paused(f"evaluating at step {step}"):
+                    with untimed("eval", f"evaluating at step {step}"):
                         self._evals[step] = self.evaluate(state)  # logged in the row of its step
                 if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-                    with watchdog.paused(f"saving the checkpoint of step {step}"):
+                    with untimed("checkpoint", f"saving the checkpoint of step {step}"):
                         self._save(state)
                 watchdog.set_doing(f"agreeing whether to stop after step {step}")
                 if stop_due(stop, step):
                     watchdog.set_doing(f"waiting for the result of step {step}")
-                    self._finish(*pending, clock)
-                    with watchdog.paused(f"saving the checkpoint of step {step} to stop"):
+                    self._finish(*pending, clock, hold=True)
+                    with untimed("checkpoint", f"saving the checkpoint of step {step} to stop"):
                         self._save(state)
                         self.ckpt.wait()
+                    self.clock.enter("other")
+                    self._write_held()
                     name = signal.Signals(stop[0]).name if stop else "SIGTERM"
                     self.logger.warn(
                         f"stopped by signal {name} at step {step}; "
@@ -207,20 +216,36 @@ class Loop:
                     return state
             if pending is not None:
                 watchdog.set_doing(f"waiting for the result of step {pending[0]}")
-                skips = skips + 1 if self._finish(*pending, clock) else 0
+                skips = skips + 1 if self._finish(*pending, clock, hold=True) else 0
                 watchdog.beat(pending[0], "finishing the run")
             self._trained_end = time.perf_counter()
             trained = cfg.train.steps - first + 1
             if trained > 0 and skips == trained:
+                self._write_held()
                 raise RunStopped(
                     f"every step of this run ({first}..{cfg.train.steps}) had a non-finite loss or "
                     f"gradient and was skipped; nothing was trained or saved; {skip_cause(state)}"
                 )
-            with watchdog.paused("saving the last checkpoint"):
+            with untimed("checkpoint", "saving the last checkpoint"):
                 self._save(state)
                 self.ckpt.wait()
+        self.clock.enter("other")
+        self._write_held()  # the last step's row, with the goodput of the whole run
         self.logger.summary(self._summary(first, int(state.step)))
         return state
+
+    @contextmanager
+    def _untimed(self, watchdog: Watchdog, phase: str, doing: str, when: bool = True):
+        """In goodput phase `phase` and out of the watchdog's sight (if `when`); then steps."""
+        if not when:
+            yield
+            return
+        self.clock.enter(phase)
+        try:
+            with watchdog.paused(doing):
+                yield
+        finally:
+            self.clock.enter("step")
 
     def _last_saved(self, saved_before: int | None) -> int | None:
         """The step of the newest checkpoint on disk: this run's last sealed save, or the one
@@ -252,6 +277,7 @@ class Loop:
             train_loss=self.logger.last.get("learning/loss"),
             eval_loss=self.logger.last.get("eval/loss"),
             hard_loss=self.logger.last.get("distill/hard_loss"),
+            goodput={k: v for k, v in self.logger.last.items() if k.startswith(goodput.PREFIX)},
             checkpoint=cfg.run_dir / "checkpoints" / str(last),
             next=next_commands(cfg),
         )
@@ -259,8 +285,9 @@ class Loop:
     def _save(self, state) -> None:
         self.ckpt.save(int(state.step), checkpoint_tree(state), self.batches.get_state())
 
-    def _finish(self, step: int, metrics, clock: StepClock) -> bool:
-        """Fetch a dispatched step's metrics and log them when due; returns whether it skipped."""
+    def _finish(self, step: int, metrics, clock: StepClock, hold: bool = False) -> bool:
+        """Fetch a dispatched step's metrics and log them when due; returns whether it skipped.
+        `hold`: the step's row, due or not, is kept for `_write_held` (after a save)."""
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         if self._first_done is None:
             self._first_done = time.perf_counter()
@@ -273,13 +300,25 @@ class Loop:
             self.logger.warn(f"step {step}: non-finite loss or gradient, update skipped")
         due = step % self.config.train.log_every_steps == 0 or step == self.config.train.steps
         evals = self._evals.pop(step, {})
-        if due or skipped:  # one row per step: the step's evaluation joins its figures
+        row = evals
+        if due or skipped or hold:  # one row per step: the step's evaluation joins its figures
             row = {**evals, **values, **(perf or {}), **self._first_step_seconds}
-            self.logger.write(step, row)
             self._first_step_seconds = {}
-        elif evals:
-            self.logger.write(step, evals)
+        if hold:
+            self._held = (step, row)
+        elif row:
+            self._write(step, row)
         return skipped
+
+    def _write_held(self) -> None:
+        if self._held is not None:
+            self._write(*self._held)
+            self._held = None
+
+    def _write(self, step: int, row: dict[str, float]) -> None:
+        """Write a row with the run's goodput so far (every process takes part: a collective)."""
+        figures = goodput.figures(self.goodput_base, goodput.slowest(self.clock))
+        self.logger.write(step, {**row, **figures})
 
     def _first_arrived(self) -> float:
         """Seconds from start-up to the first step's metrics (logged with the next row)."""

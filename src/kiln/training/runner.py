@@ -46,7 +46,7 @@ from kiln.runs.rundir import (
     move_aside,
     restart_target,
 )
-from kiln.training import train
+from kiln.training import goodput, train
 from kiln.training.loop import Loop, checkpoint_tree
 from kiln.training.metrics import MetricsLogger
 from kiln.training.optim import make_optimizer, state_name
@@ -206,12 +206,16 @@ class PreparedRun:
     batches: Iterator
     notes: list[str]
     started: float  # time.perf_counter() when preparation began
+    clock: goodput.Clock  # where this attempt's wall time goes (goodput)
     lock: RunLock  # held by process 0 (taken in `prepare_run` or, for a new run, `run_loop`)
     eval_tasks: list = field(default_factory=list)  # train.eval_tasks, read and tokenized
     damaged: list[int] = field(default_factory=list)  # steps to set aside
     inputs: dict[str, Any] = field(default_factory=dict)  # pinned in inputs.json
     restart_to: Path | None = None  # `--restart`: where the earlier run is moved
     sync: run_sync.RunSync | None = None  # a URL train.output_dir: the mirror's link to it
+    # A start-over after an attempt that saved no checkpoint: that attempt's metrics.jsonl, moved
+    # aside with it, whose goodput figures this run carries on (all its steps are lost work).
+    carry_from: Path | None = None
 
 
 def execute(
@@ -262,6 +266,7 @@ def prepare_run(
     Raises RunComplete when there is nothing to train.
     """
     started = time.perf_counter()
+    clock = goodput.Clock()
     check_output_paths(config)
     initialize(config)  # before any device is touched
     lock = RunLock(config.run_dir, command)
@@ -273,7 +278,7 @@ def prepare_run(
         sync = run_sync.start(config)  # a URL output_dir: the mirror is up to date from here
         if main and config.run_dir.is_dir():  # a mirror the fetch made (a no-op if held)
             taken = lock.acquire() or taken
-        run = _prepare(config, build, command, check, lock, started, restart, wrap_batches)
+        run = _prepare(config, build, command, check, lock, started, restart, wrap_batches, clock)
     except BaseException:
         lock.release()
         raise
@@ -289,7 +294,7 @@ def prepare_run(
     return run
 
 
-def _prepare(config, build, command, check, lock, started, restart, wrap) -> PreparedRun:
+def _prepare(config, build, command, check, lock, started, restart, wrap, clock) -> PreparedRun:
     # These read only metrics.jsonl, config.yaml and the checkpoint steps.
     check_entries(config.run_dir, restart)
     notes = resume_notes(config, restart)  # a changed model is refused, checkpoint or not
@@ -319,7 +324,10 @@ def _prepare(config, build, command, check, lock, started, restart, wrap) -> Pre
     if restart_to is not None:
         why = over or "--restart"
         notes.append(f"{why}: the earlier run in {config.run_dir} moves to {restart_to}")
-    state, resumed, damaged = (state, [], []) if restart else restore_latest(config, state, batches)
+    with clock.within("checkpoint"):
+        state, resumed, damaged = (
+            (state, [], []) if restart else restore_latest(config, state, batches)
+        )
     batches = FirstRead(batches)  # the first batch to train on, read before anything is written
     source = config.checkpoint.load_params_from
     if resumed:
@@ -327,12 +335,13 @@ def _prepare(config, build, command, check, lock, started, restart, wrap) -> Pre
     elif source:
         keep = objective.extra_param_keys
         target = nnx.State({k: v for k, v in state.params.items() if k not in keep})
-        params, step, skipped = restore_params(
-            local_run(source, "checkpoint.load_params_from", config),
-            target,
-            what="checkpoint.load_params_from",
-            checksums=config.checkpoint.verify,
-        )
+        with clock.within("checkpoint"):
+            params, step, skipped = restore_params(
+                local_run(source, "checkpoint.load_params_from", config),
+                target,
+                what="checkpoint.load_params_from",
+                checksums=config.checkpoint.verify,
+            )
         state = state.replace(params=nnx.State.merge(state.params, params))
         notes[:0] = [f"parameters from {source} (step {step})", *skipped]
     notes += built_notes
@@ -346,11 +355,13 @@ def _prepare(config, build, command, check, lock, started, restart, wrap) -> Pre
         batches,
         notes,
         started,
+        clock,
         lock,
         eval_tasks,
         damaged,
         {**datasets.inputs, **objective.pinned_inputs()},
         restart_to,
+        carry_from=None if over is None or restart_to is None else restart_to / "metrics.jsonl",
     )
 
 
@@ -376,7 +387,11 @@ def run_loop(run: PreparedRun):
         if isinstance(e, OSError):
             raise write_error(e, config.run_dir / "checkpoints") from None
         raise
+    base = {}
     try:
+        if is_main:  # before the rows after the restored step are dropped: they tell work lost
+            restored = 0 if run.carry_from else int(run.state.step)
+            base = goodput.carried(run.carry_from or config.run_dir / "metrics.jsonl", restored)
         logger = MetricsLogger(
             config.run_dir,
             config,
@@ -421,6 +436,8 @@ def run_loop(run: PreparedRun):
             flops_per_token=run.objective.flops_per_token(),
             evaluate=eval_fn,
             started=run.started,
+            clock=run.clock,
+            goodput_base=base,
         )
         state = loop.run(run.state)
         failing = False

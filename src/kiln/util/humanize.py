@@ -18,3 +18,13 @@ def gigabytes(n: int | float) -> str:
 def plural(n: int, word: str, many: str | None = None) -> str:
     """'1 device', '8 devices', '12,000 tokens' ('many' for irregular plurals)."""
     return f"{count(n)} {word if n == 1 else (many or word + 's')}"
+
+
+def duration(seconds: float) -> str:
+    """A duration for a reader: '4.2 s', '3 min 5 s', '2 h 05 min'."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, rest = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {rest} s"
+    return f"{minutes // 60} h {minutes % 60:02d} min"
