@@ -372,13 +372,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    # The process is this command's own (not a caller's that runs `main` as a function): a run
+    # counts its start-up from the process's start, and ends the process when it is done.
+    args.whole_process = argv is None
     try:
         # Every command: one line and an immediate exit on a signal (a run's loop takes the
         # signals over to checkpoint first, `kiln prepare` to stop its workers); what commands
         # write is renamed into place whole or removed on the way out (kiln.util.interrupt).
         with exit_on_signals():
             code = args.func(args)
-        if argv is None and args.func in (cmd_train, cmd_distill):
+        if args.whole_process and args.func in (cmd_train, cmd_distill):
             _end_run_process(code)
         return code
     except (KilnError, RunStopped) as e:

@@ -21,7 +21,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = _load(args)
     from kiln.training.pretrain import run
 
-    run(config, restart=args.restart)
+    run(config, restart=args.restart, whole_process=args.whole_process)
     return 0
 
 
@@ -29,7 +29,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     config = _load(args)
     from kiln.distill.run import run
 
-    run(config, restart=args.restart)
+    run(config, restart=args.restart, whole_process=args.whole_process)
     return 0
 
 

@@ -28,7 +28,7 @@ def stored_teacher(config: Config, manifest: dict[str, Any]):
     return Teacher(teacher_cfg, Path(recorded["run_dir"]), recorded["step"], None, None, None)
 
 
-def run(config: Config, restart: bool = False):
+def run(config: Config, restart: bool = False, whole_process: bool = False):
     """Validate the store against the config, then distil from it like `kiln distill`."""
 
     return execute(
@@ -38,6 +38,7 @@ def run(config: Config, restart: bool = False):
         check=reader.check,
         restart=restart,
         wrap_batches=reader.with_teacher_logits,
+        whole_process=whole_process,
     )
 
 

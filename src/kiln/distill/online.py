@@ -377,12 +377,17 @@ def make_distill_step(config: Config, teacher: Teacher, mesh, shardings: TrainSt
 # The command
 
 
-def run(config: Config, restart: bool = False) -> TrainState | None:
+def run(config: Config, restart: bool = False, whole_process: bool = False) -> TrainState | None:
     """`kiln distill` from a teacher run: validate config, teacher, data and any earlier run; then
     distil and save."""
     # The teacher's config is checked before any data or parameters are touched.
     return execute(
-        config, _distillation, command="kiln distill", check=read_teacher_config, restart=restart
+        config,
+        _distillation,
+        command="kiln distill",
+        check=read_teacher_config,
+        restart=restart,
+        whole_process=whole_process,
     )
 
 

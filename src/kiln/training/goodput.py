@@ -34,7 +34,6 @@ KEYS = (
     f"{PREFIX}wall_seconds",
 )
 GOODPUT = f"{PREFIX}goodput"  # step_seconds / wall_seconds
-_first_clock = True
 
 
 def process_age() -> float:
@@ -51,18 +50,13 @@ def process_age() -> float:
 
 
 class Clock:
-    """This process's wall time by phase: one phase at a time, starting in `init`.
+    """This process's wall time by phase: one phase at a time, starting in `init`, from the start
+    of the process (`whole_process`) or from the clock's creation."""
 
-    The first clock of a process counts from the process's start; a later one (a second run in
-    the same Python process, as tests do) from its own creation.
-    """
-
-    def __init__(self):
-        global _first_clock
+    def __init__(self, whole_process: bool = False):
         now = time.monotonic()
-        age, _first_clock = (process_age() if _first_clock else 0.0), False
         self.seconds = dict.fromkeys(PHASES, 0.0)
-        self.seconds["init"] = age
+        self.seconds["init"] = process_age() if whole_process else 0.0
         self.phase, self.since = "init", now
 
     def enter(self, phase: str) -> str:

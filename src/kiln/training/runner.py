@@ -226,6 +226,7 @@ def execute(
     check: Callable[[Config], Any] | None = None,
     restart: bool = False,
     wrap_batches: Callable[[Config, Any, Iterator], Iterator] | None = None,
+    whole_process: bool = False,
 ):
     """`prepare_run`, then `run_loop`, with the run's persistent compilation cache in use.
 
@@ -236,7 +237,7 @@ def execute(
         try:
             run = prepare_run(
                 config, build, command=command, check=check, restart=restart,
-                wrap_batches=wrap_batches,
+                wrap_batches=wrap_batches, whole_process=whole_process,
             )  # fmt: skip
         except RunComplete as done:
             if jax.process_index() == 0:
@@ -253,6 +254,7 @@ def prepare_run(
     check: Callable[[Config], Any] | None = None,
     restart: bool = False,
     wrap_batches: Callable[[Config, Any, Iterator], Iterator] | None = None,
+    whole_process: bool = False,
 ) -> PreparedRun:
     """Validate against devices, data and any earlier run; build the state; resume or load.
 
@@ -263,10 +265,12 @@ def prepare_run(
     distillation projection, stay fresh). `restart`: start over; the earlier run is moved aside
     when the run directory is opened. `wrap_batches(config, datasets, iterator)` adds keys to
     the training batches (an iterator with the data's get_state/set_state, restored with it).
-    Raises RunComplete when there is nothing to train.
+    `whole_process`: this process is the command's own (`kiln train`), so the run's goodput
+    counts its start-up from the start of the process, interpreter and imports included; else
+    from this call. Raises RunComplete when there is nothing to train.
     """
     started = time.perf_counter()
-    clock = goodput.Clock()
+    clock = goodput.Clock(whole_process)
     check_output_paths(config)
     initialize(config)  # before any device is touched
     lock = RunLock(config.run_dir, command)
