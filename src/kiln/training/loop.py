@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import jax
@@ -158,7 +159,7 @@ class Loop:
         sealer = jax.process_index() == 0
         last_saved = (lambda: self._last_saved(saved_before)) if sealer else None
         watchdog = Watchdog(cfg, first - 1, last_saved)
-        untimed = lambda phase, doing, when=True: self._untimed(watchdog, phase, doing, when)  # noqa: E731
+        untimed = partial(self._untimed, watchdog)
         with stop_requests(self.logger.info, way_back) as stop, watchdog:
             for step in range(first, cfg.train.steps + 1):
                 with untimed("other", "starting a profiler trace", profile.edge(step)):

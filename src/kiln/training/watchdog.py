@@ -123,12 +123,9 @@ class Watchdog:
         self.doing = doing
 
     @contextmanager
-    def paused(self, doing: str, when: bool = True) -> Iterator[None]:
-        """Not timed inside (compilation, a checkpoint save, evaluation), if `when`; the time
-        allowed for the next step starts at its end."""
-        if not when:
-            yield
-            return
+    def paused(self, doing: str) -> Iterator[None]:
+        """Not timed inside (compilation, a checkpoint save, evaluation); the time allowed for
+        the next step starts at its end, with the pause's length added."""
         before, start = self.doing, time.monotonic()
         with self._cv:
             self._paused += 1
