@@ -387,7 +387,7 @@ def test_a_stopped_run_exits_1_with_one_line_through_the_process_exit(
     from kiln.parallel import distributed
     from kiln.training import pretrain
 
-    def stopped(config, restart=False):
+    def stopped(config, restart=False, whole_process=False):
         raise RunStopped("3 consecutive steps had a non-finite loss or gradient")
 
     left = []
