@@ -268,3 +268,29 @@ def test_a_run_saved_on_4_stages_resumes_on_2(tmp_path):
     assert runs["a"][1] == runs["b"][1] and runs["a"][2] == runs["b"][2]  # the saved steps
     # Step 3 from the same weights on 2 and on 4 stages: float32 sums in another order.
     np.testing.assert_allclose(runs["a"][3], runs["b"][3], rtol=1e-5)
+
+
+def test_compile_reports_the_bubble_and_the_permutes():
+    r = kiln_main(
+        "compile",
+        "configs/tiny.yaml",
+        "--devices",
+        "8",
+        "--json",
+        "mesh.stage=4",
+        "mesh.fsdp=2",
+        "train.gradient_accumulation_steps=8",
+        "data.seq_len=64",
+    )
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["pipeline"] == {
+        "stages": 4,
+        "repeats": 1,
+        "microbatches": 8,
+        "iterations": 11,
+        "bubble": round(3 / 11, 6),
+    }
+    permutes = report["collectives"]["collective-permute"]
+    # Forward and backward: the activations move once per iteration each way.
+    assert permutes["ops_per_step"] >= 2 * 11 and permutes["bytes_per_step"] > 0

@@ -26,12 +26,13 @@ from typing import Any
 import jax
 
 from kiln.commands import buffers
-from kiln.config import MESH_AXES, Config
+from kiln.config import MESH_AXES, Config, pipeline_split
 from kiln.distill.offline import abstract_offline, abstract_teacher_rows
 from kiln.distill.online import abstract_distillation
 from kiln.distill.reader import check
 from kiln.errors import KilnError, RunStopped, first_line
 from kiln.parallel.mesh import make_mesh
+from kiln.parallel.pipeline import Schedule
 from kiln.training.train import abstract_batch, abstract_pretraining, make_step, shardings_of
 from kiln.util.humanize import plural
 from kiln.util.platforms import tpu_attached
@@ -181,6 +182,9 @@ class StepReport:
     # What was compiled (`program_fingerprint`): two reports with one fingerprint come from one
     # compile, so their figures are equal. Empty in reports recorded before it existed.
     program: str = ""
+    # With pipeline stages: stages, repeats, microbatches, iterations and bubble (the fraction
+    # of stage-iterations in the bubble, (S-1)/(R·M+S-1)); None (left out of the JSON) without.
+    pipeline: dict[str, float] | None = None
 
     def fits(self, hbm_gb: float | None) -> bool:
         return hbm_gb is None or self.memory["peak"] <= hbm_gb * GB
@@ -189,8 +193,9 @@ class StepReport:
         # Without --peak-buffers the key is left out: a report's JSON stays what the records
         # of docs/figures.json (compared whole by scripts/docs_figures.py) hold.
         out = dataclasses.asdict(self)
-        if self.peak_buffers is None:
-            del out["peak_buffers"]
+        for key in ("peak_buffers", "pipeline"):
+            if out[key] is None:
+                del out[key]
         return out
 
 
@@ -297,7 +302,20 @@ def compile_report(config: Config, devices: list[Any], peak_buffers: int = 0) ->
         collectives=collectives(compiled.as_text()),
         peak_buffers=largest,
         program=program_fingerprint(lowered, mesh),
+        pipeline=_pipeline_figures(config, dict(mesh.shape)),
     )
+
+
+def _pipeline_figures(config: Config, mesh: dict[str, int]) -> dict[str, float] | None:
+    if mesh.get("stage", 1) == 1:
+        return None
+    _, pieces = pipeline_split(config, mesh["stage"])
+    schedule = Schedule(mesh["stage"], config.pipeline.repeats, pieces)
+    return {
+        **schedule._asdict(),
+        "iterations": schedule.iterations,
+        "bubble": round(schedule.bubble, 6),
+    }
 
 
 def _compile(lowered, command: str, devices: list[Any], options: dict[str, Any] | None):
@@ -482,6 +500,7 @@ def format_report(report: StepReport, config_path: str) -> str:
         f"  temporaries  {_gb(m['temporaries'])}  (activations, gradients, loss chunks)",
         f"  aliased      {_gb(m['aliased'])}  (donated state reused for the new state)",
         f"  peak         {_gb(m['peak'])}  ({report.peak_source})",
+        *_pipeline_lines(report.pipeline),
         *_peak_lines(report.peak_buffers),
         f"FLOPs per step: {f['kiln_per_step']:.4g} by kiln's formula "
         f"({f['kiln_per_device']:.4g} per device); XLA cost_analysis "
@@ -497,6 +516,16 @@ def format_report(report: StepReport, config_path: str) -> str:
         )
         lines.append(f"  {kind:<19} {c['ops']:>4} ops  {_gb(c['bytes'])}    {per_step}")
     return "\n".join(lines)
+
+
+def _pipeline_lines(p: dict[str, float] | None) -> list[str]:
+    if p is None:
+        return []
+    return [
+        f"pipeline: {p['stages']} stages x {p['repeats']} repeats, {p['microbatches']} "
+        f"micro-batches: {p['iterations']} iterations, bubble {p['bubble']:.1%} of the "
+        "stage-iterations ((stages - 1) / iterations; activations move by collective-permute)"
+    ]
 
 
 def _peak_lines(largest: list[buffers.PeakBuffer] | None) -> list[str]:
