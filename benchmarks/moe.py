@@ -77,9 +77,9 @@ def kiln_layer(moe):
     """kiln's MoE MLP without shared experts: route, then the dropless grouped matmuls."""
 
     def layer(x, router, w_gate, w_up, w_down):
-        experts, weights, _, _ = route(x, router, None, moe)
+        experts, gates, _, _ = route(x, router, None, moe)
         real = jnp.ones(x.shape[:2], jnp.bool_)
-        y, _ = routed(x, experts, weights, real, (w_gate, w_up, w_down), moe, jnp.float32)
+        y, _ = routed(x, experts, gates, real, (w_gate, w_up, w_down), moe, jnp.float32)
         return y
 
     return layer

@@ -17,13 +17,13 @@ from kiln.model.llama import Transformer
 from kiln.model.moe import (
     ExpertWeights,
     MoeMlp,
-    _blocked_assignments,
-    _swiglu,
     blocked_rows,
     expert_layout,
     ragged_rows,
     sort_by_expert,
+    swiglu,
 )
+from kiln.model.moe.experts import _blocked_assignments
 from kiln.parallel.exchange import take_copies, take_rows
 from kiln.parallel.mesh import make_mesh, use_mesh
 from kiln.training import train
@@ -444,7 +444,7 @@ def test_tokens_straight_into_blocks_equal_the_grouped_layout_then_blocks_bitwis
     )
 
     def composed(x, w):  # [T, K, D]
-        return _blocked_assignments(x, jnp.asarray(e_A), sort, w, _swiglu)
+        return _blocked_assignments(x, jnp.asarray(e_A), sort, w, swiglu)
 
     def two_steps(x, w):  # [K, T, D]
         a = t * k
