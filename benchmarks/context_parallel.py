@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from attention import inputs
-from kiln.commands.compile import collectives
+from kiln.commands.hlo import collectives
 from kiln.config import config_from_dict
 from kiln.model.attention import causal_attention, load_balanced, ring_attention, ring_work
 from kiln.parallel.mesh import batch_sharding, logical_sharding, make_mesh, use_mesh

@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kiln.commands.compile import collectives
+from kiln.commands.hlo import collectives
 from kiln.config import config_from_dict
 from kiln.training import train
 
@@ -665,7 +665,7 @@ def run_aot(
         "(peak_memory_in_bytes of both compiled steps; MaxText's train_compile run with it "
         "printed), "
         "and memory_analysis()'s arguments + outputs + temporaries - aliased on both; collectives static (an op in a loop "
-        "counted once), both counted by kiln.commands.compile.collectives",
+        "counted once), both counted by kiln.commands.hlo.collectives",
         "persistent_compilation_cache": "off on both sides (JAX_ENABLE_COMPILATION_CACHE=false, "
         "MaxText jax_cache_dir empty and dump_hlo=true, kiln train.compilation_cache_dir=null)",
         "settings": results,
@@ -736,7 +736,7 @@ def run_moe(work: Path, settings: list[str], rounds: int, sweep: bool, tmp: Path
         "dropless; memory per device in GB (1e9 bytes), the compiler's peak; all-to-all bytes "
         "static (an op in the layer loop counted once), a ragged all-to-all counted at the most "
         "it can move (the smaller of its operand and result), both HLOs read by "
-        "kiln.commands.compile.collectives; compile seconds: the wall time of each whole "
+        "kiln.commands.hlo.collectives; compile seconds: the wall time of each whole "
         "process (start-up, lowering, compile; MaxText also dumps its HLO)",
         "persistent_compilation_cache": "off on both sides",
         "maxtext_flags": MT_MOE,
@@ -802,7 +802,7 @@ def run_context(work: Path, settings: list[str], tmp: Path) -> dict:
         "libtpu without a TPU; Llama-3.1-8B at 131,072 tokens, 4 micro-batches of one "
         "sequence, bf16 compute, f32 weights, tiling 4, z-loss 1e-4, splash 512 blocks; memory "
         "per device in GB (1e9 bytes), the compiler's peak; collectives static (an op in a "
-        "loop counted once), both HLOs read by kiln.commands.compile.collectives",
+        "loop counted once), both HLOs read by kiln.commands.hlo.collectives",
         "persistent_compilation_cache": "off on both sides",
         "maxtext_flags": MT_CONTEXT,
         "settings": results,

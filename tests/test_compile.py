@@ -13,6 +13,7 @@ from conftest import assert_user_error, kiln, kiln_main
 from kiln.cli import main
 from kiln.commands import buffers
 from kiln.commands import compile as aot
+from kiln.commands import hlo as hlo_text
 from kiln.commands.fit import remat_policies
 from kiln.config import load_config
 from kiln.training import pretrain, runner, train
@@ -149,7 +150,7 @@ def test_collectives_are_counted_by_kind_with_result_bytes():
   %collective-permute-done = s32[2,2]{1,0} collective-permute-done(%cp)
   %fusion = f32[2]{0} fusion(%all-reduce.3), calls=%fused, metadata={op_name="jit(f)/all-gather"}
 """
-    got = aot.collectives(hlo)
+    got = hlo_text.collectives(hlo)
 
     def static(ops, nbytes):
         """No loop in this module: each op runs once per step."""
@@ -181,10 +182,10 @@ def test_collectives_over_groups_of_one_device_are_not_counted():
   %all-gather-start.1 = (f32[8]{0}, f32[256]{0}) all-gather-start(%i), replica_groups=[1,4]<=[4], dimensions={0}
   %all-gather-done.1 = f32[256]{0} all-gather-done(%all-gather-start.1)
 """
-    assert [aot.group_size(line) for line in hlo.strip().splitlines()] == [
+    assert [hlo_text.group_size(line) for line in hlo.strip().splitlines()] == [
         *(1, 2, 1, 4, 1, 4, None, 1, None, 4, None)
     ]
-    got = aot.collectives(hlo)
+    got = hlo_text.collectives(hlo)
     # all-reduce.2, .4 and .7 (all devices); all-gather.6 and the second async gather.
     assert (got["all-reduce"]["ops"], got["all-reduce"]["bytes"]) == (3, 8 * 4 + 16 * 4 + 4)
     assert (got["all-gather"]["ops"], got["all-gather"]["bytes"]) == (2, 32 * 4 + 256 * 4)
@@ -211,16 +212,16 @@ UNKNOWN_LOOP = "  %while.3 = (s32[], f32[8]) while(%t), condition=%c, body=%inne
 
 def test_collectives_per_step_multiply_the_trip_counts_of_the_loops_around_them():
     # inner_body runs 4 times per run of outer_body, which runs 3 times.
-    assert aot.collective_ops(LOOPS) == [
+    assert hlo_text.collective_ops(LOOPS) == [
         ("all-reduce", "f32[8]{0}", 12),
         ("all-gather", "f32[16]{0}", 3),
         ("all-reduce", "f32[2]{0}", 1),
     ]
-    got = aot.collectives(LOOPS)
+    got = hlo_text.collectives(LOOPS)
     assert got["all-reduce"] == dict(ops=2, bytes=40, ops_per_step=13, bytes_per_step=12 * 32 + 8)
     assert got["all-gather"] == dict(ops=1, bytes=64, ops_per_step=3, bytes_per_step=3 * 64)
     # inner_body also called by a loop of unknown length: its runs per step are unknown.
-    got = aot.collectives(LOOPS.rstrip().removesuffix("}") + UNKNOWN_LOOP)
+    got = hlo_text.collectives(LOOPS.rstrip().removesuffix("}") + UNKNOWN_LOOP)
     assert (got["all-reduce"]["ops_per_step"], got["all-gather"]["ops_per_step"]) == (None, 3)
 
 
@@ -236,7 +237,7 @@ ENTRY %main.1 (p: f32[2,64,128]) -> f32[2,64,128] {
   %fusion.1 = f32[2,32,128]{2,1,0} fusion(%p), kind=kCustom, calls=%all-reduce-scatter.1
 }
 """
-    got = aot.collectives(hlo)
+    got = hlo_text.collectives(hlo)
     assert got["reduce-scatter"] == dict(
         ops=1, bytes=2 * 32 * 128 * 4, ops_per_step=1, bytes_per_step=2 * 32 * 128 * 4
     )
@@ -257,13 +258,13 @@ def full_activation_all_reduces(hlo: str, dims: str) -> int:
     """All-reduced arrays of shape `dims` that are not the inside of a reduce-scatter fusion."""
     count, scope = 0, ""
     for line in hlo.splitlines():
-        header = aot._COMPUTATION.match(line)
+        header = hlo_text._COMPUTATION.match(line)
         if header is not None:
             scope = header.group(1)
             continue
-        op = aot._OP.search(line)
+        op = hlo_text._OP.search(line)
         if op and op.group(2) == "all-reduce" and not scope.startswith("all-reduce-scatter"):
-            count += sum(d == dims for _, d in aot._ARRAY.findall(op.group(1)))
+            count += sum(d == dims for _, d in hlo_text._ARRAY.findall(op.group(1)))
     return count
 
 
@@ -279,7 +280,7 @@ def test_tensor_parallel_residual_stream_is_reduce_scattered_not_all_reduced():
     config = load_config(ROOT / "configs/tiny.yaml", TENSOR_PARALLEL)
     hlo = aot.lower_step(config, devices)[0].compile().as_text()
     assert full_activation_all_reduces(hlo, "2,64,128") == 0
-    assert aot.collectives(hlo)["reduce-scatter"]["ops"] > 0
+    assert hlo_text.collectives(hlo)["reduce-scatter"]["ops"] > 0
     # The rule before sequence parallelism: the residual replicated over tensor, so every
     # projection back to d_model all-reduces the full activation.
     old = load_config(
@@ -309,16 +310,16 @@ def test_sequence_parallel_attention_sums_key_value_gradients_once_per_layer():
         overrides = [*SEQUENCE_PARALLEL, f"data.seq_len={s}", f"model.max_seq_len={s}"]
         config = load_config(ROOT / "configs/tiny.yaml", overrides)
         hlo = aot.lower_step(config, devices)[0].compile().as_text()
-        ops = aot.collective_ops(hlo)
+        ops = hlo_text.collective_ops(hlo)
         # The whole dK or dV of one device: [1 row, S/128 tiles, 128, K=2, H=16].
         key_tiles = f"1,{s // 128},128,2,16"
         summed = [
-            runs * sum(dims == key_tiles for _, dims in aot._ARRAY.findall(result))
+            runs * sum(dims == key_tiles for _, dims in hlo_text._ARRAY.findall(result))
             for kind, result, runs in ops
             if kind in ("all-reduce", "reduce-scatter")
         ]
         assert sum(summed) == 2 * 2  # dK and dV, once in each of the 2 layers
-        per_step[s] = {k: c["ops_per_step"] for k, c in aot.collectives(hlo).items()}
+        per_step[s] = {k: c["ops_per_step"] for k, c in hlo_text.collectives(hlo).items()}
     assert per_step[1024] == per_step[2048]
 
 
@@ -547,9 +548,9 @@ def reductions(hlo: str) -> list[tuple[str, str]]:
     """(dtype, dims) of every array summed across devices (all-reduce, reduce-scatter)."""
     out = []
     for line in hlo.splitlines():
-        op = aot._OP.search(line)
+        op = hlo_text._OP.search(line)
         if op and op.group(2) in ("all-reduce", "reduce-scatter"):
-            out += aot._ARRAY.findall(op.group(1))
+            out += hlo_text._ARRAY.findall(op.group(1))
     return out
 
 
@@ -595,7 +596,7 @@ def test_peak_buffers_are_the_largest_live_at_the_peak_with_their_jax_ops(tiny_p
     m = report.memory
     assert sum(sizes) <= m["temporaries"] + m["arguments"] + m["outputs"]
     for b in found:
-        dtype, dims = aot._ARRAY.fullmatch(b.shape).groups()
+        dtype, dims = hlo_text._ARRAY.fullmatch(b.shape).groups()
         # float32 (configs/tiny.yaml's dtype): 4 bytes per element of the shape shown.
         assert dtype == "f32" and b.bytes == 4 * math.prod(int(d) for d in dims.split(","))
         assert b.op_name.startswith("jit(step)/") and b.instruction

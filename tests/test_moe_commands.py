@@ -14,6 +14,7 @@ from flax import nnx
 
 from conftest import REPO, assert_user_error, kiln_main, make_config
 from kiln.commands import compile as aot
+from kiln.commands import hlo as hlo_text
 from kiln.config import check_devices, load_config
 from kiln.data.corpus import split_documents
 from kiln.distill.online import abstract_distillation
@@ -230,7 +231,7 @@ def test_on_tpu_experts_exchange_only_real_rows_by_ragged_all_to_all():
 
         with use_mesh(mesh, config.mesh.rules):
             compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(state, x, segments).compile()
-        reports.append((aot.collectives(compiled.as_text()), compiled.memory_analysis()))
+        reports.append((hlo_text.collectives(compiled.as_text()), compiled.memory_analysis()))
     # T·K = 8 x 128 / 4 tokens x 2 experts = 512 rows of 128 float32 per device.
     assignments = 512 * d * 4
     for found, _ in reports:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -26,6 +25,7 @@ from typing import Any
 import jax
 
 from kiln.commands import buffers
+from kiln.commands.hlo import collectives
 from kiln.config import MESH_AXES, Config, pipeline_split
 from kiln.distill.offline import abstract_offline, abstract_teacher_rows
 from kiln.distill.online import abstract_distillation
@@ -41,39 +41,6 @@ GB = 1e9  # --hbm-gb is in decimal gigabytes, as accelerator memory is sold
 # The most devices a step is compiled for: the largest slice --topology knows (v4-4096 and
 # v5p-4096 TensorCores). Each simulated CPU device costs host memory and compile time.
 MAX_DEVICES = 4096
-COLLECTIVES = (
-    "all-gather",
-    "reduce-scatter",
-    "all-reduce",
-    "all-to-all",
-    "ragged-all-to-all",
-    "collective-permute",
-)
-_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "bf16": 16, "f16": 16, "s16": 16}
-_BITS |= {"u16": 16, "f32": 32, "s32": 32, "u32": 32, "f64": 64, "s64": 64, "u64": 64}
-_BITS |= {"c64": 64, "c128": 128}
-# `%name = TYPE op(`; an async collective is counted at its `-done`, whose type is the result.
-_OP = re.compile(r"=\s+(.+?)\s+(" + "|".join(COLLECTIVES) + r")(?:-done)?\(")
-# A computation's header, `%name (params) -> RESULT {` (ENTRY too): its name and result type.
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.-]+)\s+\(.*\)\s+->\s+(.+?)\s*\{\s*$")
-# Call sites in an instruction: a while's body and condition, a reduction's to_apply, a
-# fusion's or call's computation, a conditional's branches; and a while's known trip count.
-_CALLEE = re.compile(r"\b(body|condition|to_apply|calls)=%([\w.-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
-# An instruction's name; an async collective's start (its `-done` names it as operand).
-_NAME = re.compile(r"^\s*(?:ROOT\s+)?%([\w.-]+)\s+=")
-# An instruction's name and array type; a ragged all-to-all's operand (its first argument).
-_TYPED = re.compile(r"^\s*(?:ROOT\s+)?%([\w.-]+)\s+=\s+(\w+\[[\d,]*\])")
-_RAGGED_OPERAND = re.compile(r"ragged-all-to-all\(%([\w.-]+)")
-_START = re.compile(r"\s(?:" + "|".join(COLLECTIVES) + r")-start\(")
-_DONE_OF = re.compile(r"-done\(%([\w.-]+)")
-# The device groups of a collective, in the three forms of the HLO text: explicit lists
-# `{{0,1},{2,3}}`, an iota `[groups,size]<=[...]`, or mesh axes `mesh['a'=8,'b'=1] {'a'}`.
-_GROUP_LISTS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)+)\}")
-_GROUP_IOTA = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")
-_GROUP_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 
 
 def use_cpu_devices(count: int, what: str = "--devices") -> list[Any]:
@@ -353,137 +320,6 @@ def memory_figures(stats, platform: str) -> tuple[dict[str, int], str]:
     memory["peak"] = memory["arguments"] + memory["outputs"] + memory["temporaries"]
     memory["peak"] -= memory["aliased"]
     return memory, "arguments + outputs + temporaries - aliased"
-
-
-def collectives(hlo: str) -> dict[str, dict[str, int | None]]:
-    """Collective ops of a compiled HLO module by kind: op count and bytes of their results
-    (a ragged all-to-all's: the most it can move, the smaller of its operand and its result;
-    listed only when the program has one).
-
-    Only ops that exchange data between devices count (see `_read_module`). `ops` and `bytes`
-    are static: an op in a loop body (the layer scan, accumulation, attention's query blocks) is
-    counted once. `ops_per_step` and `bytes_per_step` count it as often as one step runs it
-    (see `collective_ops`; None when a loop's trip count is unknown).
-    """
-    out: dict[str, dict[str, int | None]] = {
-        kind: {"ops": 0, "bytes": 0, "ops_per_step": 0, "bytes_per_step": 0} for kind in COLLECTIVES
-    }
-    for kind, result, runs in collective_ops(hlo):
-        count, nbytes = out[kind], shape_bytes(result)
-        count["ops"] += 1
-        count["bytes"] += nbytes
-        if runs is None or count["ops_per_step"] is None:
-            count["ops_per_step"] = count["bytes_per_step"] = None
-        else:
-            count["ops_per_step"] += runs
-            count["bytes_per_step"] += runs * nbytes
-    if not out["ragged-all-to-all"]["ops"]:  # only expert parallelism's, on TPU and GPU
-        del out["ragged-all-to-all"]
-    return out
-
-
-def collective_ops(hlo: str) -> list[tuple[str, str, int | None]]:
-    """Every collective op of a compiled HLO module: (kind, result type, runs per step).
-
-    Runs per step: the product of the trip counts of the loops around the op (None when one is
-    not in the HLO, as in the TPU compiler's); a conditional's branches count as taken. The
-    TPU compiler emits a reduce-scatter as an `all-reduce-scatter` fusion (an all-reduce whose
-    result is sliced inside it): it is a reduce-scatter with the fusion's result.
-    """
-    found, call_sites = _read_module(hlo)
-    runs = _runs_per_step(call_sites)
-    return [(kind, result, runs(computation)) for computation, kind, result in found]
-
-
-def group_size(line: str) -> int | None:
-    """Devices in each group of a collective's HLO line (the largest group); None: all of them."""
-    lists = _GROUP_LISTS.search(line)
-    if lists is not None:
-        return max(len(group.split(",")) for group in re.findall(r"\{([\d,]+)\}", lists.group(1)))
-    iota = _GROUP_IOTA.search(line)
-    if iota is not None:
-        return int(iota.group(1))
-    mesh = _GROUP_MESH.search(line)
-    if mesh is not None:
-        sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh.group(1)))
-        return math.prod(int(sizes[axis]) for axis in re.findall(r"'([^']+)'", mesh.group(2)))
-    return None
-
-
-def _read_module(hlo: str):
-    """([(computation, kind, result type)] of the collectives, {callee: [(caller, runs)]}).
-
-    `runs` is how often one run of the caller runs the callee: a while loop's trip count for
-    its body (one more for its condition), None when unknown, 1 for any other call. A
-    collective whose groups each hold one device (a reduction over a mesh axis of size 1,
-    which XLA:CPU keeps in the program) exchanges nothing and is left out.
-    """
-    found, call_sites = [], {}
-    starts: dict[str, int | None] = {}  # group size of each async collective's start
-    types: dict[str, str] = {}  # array type of each instruction read
-    computation, scatter_result = None, None  # scatter_result: of the all-reduce-scatter read
-    for line in hlo.splitlines():
-        header = _COMPUTATION.match(line)
-        if header is not None:
-            computation = header.group(1)
-            is_scatter = computation.startswith("all-reduce-scatter")
-            scatter_result = header.group(2) if is_scatter else None
-            continue
-        trips = _TRIPS.search(line)
-        trips = int(trips.group(1)) if trips else None
-        for role, callee in _CALLEE.findall(line):
-            loop = {"body": trips, "condition": None if trips is None else trips + 1}
-            call_sites.setdefault(callee, []).append((computation, loop.get(role, 1)))
-        for branches in _BRANCHES.findall(line):
-            for callee in re.findall(r"%([\w.-]+)", branches):
-                call_sites.setdefault(callee, []).append((computation, 1))
-        typed = _TYPED.match(line)
-        if typed is not None:
-            types[typed.group(1)] = typed.group(2)
-        name = _NAME.match(line)
-        if name is not None and _START.search(line):
-            starts[name.group(1)] = group_size(line)
-        match = _OP.search(line)
-        if match is None:
-            continue
-        done_of = _DONE_OF.search(line)
-        if (starts.get(done_of.group(1)) if done_of else group_size(line)) == 1:
-            continue
-        kind, result = match.group(2), match.group(1)
-        if kind == "all-reduce" and scatter_result is not None:
-            kind, result = "reduce-scatter", scatter_result
-        operand = _RAGGED_OPERAND.search(line) if kind == "ragged-all-to-all" else None
-        if operand is not None and operand.group(1) in types:
-            result = min(result, types[operand.group(1)], key=shape_bytes)
-        found.append((computation, kind, result))
-    return found, call_sites
-
-
-def _runs_per_step(call_sites):
-    """computation -> how often one run of the module runs it (None: a loop count unknown)."""
-
-    @functools.cache
-    def runs(computation):
-        if computation not in call_sites:  # the entry computation (or ops outside any header)
-            return 1
-        total = 0
-        for caller, times in call_sites[computation]:
-            outer = runs(caller)
-            if times is None or outer is None:
-                return None
-            total += outer * times
-        return total
-
-    return runs
-
-
-def shape_bytes(hlo_type: str) -> int:
-    """Bytes of an HLO result type: an array `bf16[8,128]{1,0}` or a tuple of them."""
-    total = 0
-    for dtype, dims in _ARRAY.findall(hlo_type):
-        bits = _BITS.get(dtype, 8)  # float8 variants (f8e4m3fn, ...) are one byte
-        total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
-    return total
 
 
 def format_report(report: StepReport, config_path: str) -> str:

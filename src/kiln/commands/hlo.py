@@ -1,0 +1,312 @@
+"""Reading XLA's HLO text: the compiled module (collectives, their groups and how often a
+step runs them; each instruction's type, JAX op and source line) and the dumps of its buffer
+assignment and live ranges (`kiln compile --peak-buffers`). Regular expressions over the text
+XLA prints; no JAX.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+
+from kiln.errors import RunStopped
+
+COLLECTIVES = (
+    "all-gather",
+    "reduce-scatter",
+    "all-reduce",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+)
+_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "bf16": 16, "f16": 16, "s16": 16}
+_BITS |= {"u16": 16, "f32": 32, "s32": 32, "u32": 32, "f64": 64, "s64": 64, "u64": 64}
+_BITS |= {"c64": 64, "c128": 128}
+# `%name = TYPE op(`; an async collective is counted at its `-done`, whose type is the result.
+_OP = re.compile(r"=\s+(.+?)\s+(" + "|".join(COLLECTIVES) + r")(?:-done)?\(")
+# A computation's header, `%name (params) -> RESULT {` (ENTRY too): its name and result type.
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.-]+)\s+\(.*\)\s+->\s+(.+?)\s*\{\s*$")
+# Call sites in an instruction: a while's body and condition, a reduction's to_apply, a
+# fusion's or call's computation, a conditional's branches; and a while's known trip count.
+_CALLEE = re.compile(r"\b(body|condition|to_apply|calls)=%([\w.-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+# An instruction: `  %name = TYPE opcode(...), ..., metadata={op_name="..." stack_frame_id=97}`.
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.-]+)\s+= ")
+# An instruction's name and array type; a ragged all-to-all's operand (its first argument).
+_TYPED = re.compile(r"^\s*(?:ROOT\s+)?%([\w.-]+)\s+=\s+(\w+\[[\d,]*\])")
+_RAGGED_OPERAND = re.compile(r"ragged-all-to-all\(%([\w.-]+)")
+# An async collective's start (its `-done` names it as operand).
+_START = re.compile(r"\s(?:" + "|".join(COLLECTIVES) + r")-start\(")
+_DONE_OF = re.compile(r"-done\(%([\w.-]+)")
+# The device groups of a collective, in the three forms of the HLO text: explicit lists
+# `{{0,1},{2,3}}`, an iota `[groups,size]<=[...]`, or mesh axes `mesh['a'=8,'b'=1] {'a'}`.
+_GROUP_LISTS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)+)\}")
+_GROUP_IOTA = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")
+_GROUP_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+# An instruction's metadata: the JAX op, and the Python line directly or by a stack frame.
+_METADATA = re.compile(r"metadata=\{(.*?)\}(?:,|$)")
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+_SOURCE = re.compile(r'source_file="((?:[^"\\]|\\.)*)" source_line=(\d+)')
+_FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
+# The module's stack-frame tables: `1 "path.py"` (FileNames), `35 {file_name_id=8 ...
+# line=284 ...}` (FileLocations), `97 {file_location_id=35 parent_frame_id=97}` (StackFrames).
+_NAMED = re.compile(r'^(\d+) "(.*)"$')
+_LOCATION = re.compile(r"^(\d+) \{file_name_id=(\d+) .*?\bline=(\d+)")
+_FRAME = re.compile(r"^(\d+) \{file_location_id=(\d+)")
+# An array type's layout, `{2,1,0}` or `{2,3,1,0:T(8,128)}`, left out of the shapes shown.
+_LAYOUT = re.compile(r"\{[^{}]*\}")
+
+
+def collectives(hlo: str) -> dict[str, dict[str, int | None]]:
+    """Collective ops of a compiled HLO module by kind: op count and bytes of their results
+    (a ragged all-to-all's: the most it can move, the smaller of its operand and its result;
+    listed only when the program has one).
+
+    Only ops that exchange data between devices count (see `_read_module`). `ops` and `bytes`
+    are static: an op in a loop body (the layer scan, accumulation, attention's query blocks) is
+    counted once. `ops_per_step` and `bytes_per_step` count it as often as one step runs it
+    (see `collective_ops`; None when a loop's trip count is unknown).
+    """
+    out: dict[str, dict[str, int | None]] = {
+        kind: {"ops": 0, "bytes": 0, "ops_per_step": 0, "bytes_per_step": 0} for kind in COLLECTIVES
+    }
+    for kind, result, runs in collective_ops(hlo):
+        count, nbytes = out[kind], shape_bytes(result)
+        count["ops"] += 1
+        count["bytes"] += nbytes
+        if runs is None or count["ops_per_step"] is None:
+            count["ops_per_step"] = count["bytes_per_step"] = None
+        else:
+            count["ops_per_step"] += runs
+            count["bytes_per_step"] += runs * nbytes
+    if not out["ragged-all-to-all"]["ops"]:  # only expert parallelism's, on TPU and GPU
+        del out["ragged-all-to-all"]
+    return out
+
+
+def collective_ops(hlo: str) -> list[tuple[str, str, int | None]]:
+    """Every collective op of a compiled HLO module: (kind, result type, runs per step).
+
+    Runs per step: the product of the trip counts of the loops around the op (None when one is
+    not in the HLO, as in the TPU compiler's); a conditional's branches count as taken. The
+    TPU compiler emits a reduce-scatter as an `all-reduce-scatter` fusion (an all-reduce whose
+    result is sliced inside it): it is a reduce-scatter with the fusion's result.
+    """
+    found, call_sites = _read_module(hlo)
+    runs = _runs_per_step(call_sites)
+    return [(kind, result, runs(computation)) for computation, kind, result in found]
+
+
+def group_size(line: str) -> int | None:
+    """Devices in each group of a collective's HLO line (the largest group); None: all of them."""
+    lists = _GROUP_LISTS.search(line)
+    if lists is not None:
+        return max(len(group.split(",")) for group in re.findall(r"\{([\d,]+)\}", lists.group(1)))
+    iota = _GROUP_IOTA.search(line)
+    if iota is not None:
+        return int(iota.group(1))
+    mesh = _GROUP_MESH.search(line)
+    if mesh is not None:
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh.group(1)))
+        return math.prod(int(sizes[axis]) for axis in re.findall(r"'([^']+)'", mesh.group(2)))
+    return None
+
+
+def _read_module(hlo: str):
+    """([(computation, kind, result type)] of the collectives, {callee: [(caller, runs)]}).
+
+    `runs` is how often one run of the caller runs the callee: a while loop's trip count for
+    its body (one more for its condition), None when unknown, 1 for any other call. A
+    collective whose groups each hold one device (a reduction over a mesh axis of size 1,
+    which XLA:CPU keeps in the program) exchanges nothing and is left out.
+    """
+    found, call_sites = [], {}
+    starts: dict[str, int | None] = {}  # group size of each async collective's start
+    types: dict[str, str] = {}  # array type of each instruction read
+    computation, scatter_result = None, None  # scatter_result: of the all-reduce-scatter read
+    for line in hlo.splitlines():
+        header = _COMPUTATION.match(line)
+        if header is not None:
+            computation = header.group(1)
+            is_scatter = computation.startswith("all-reduce-scatter")
+            scatter_result = header.group(2) if is_scatter else None
+            continue
+        trips = _TRIPS.search(line)
+        trips = int(trips.group(1)) if trips else None
+        for role, callee in _CALLEE.findall(line):
+            loop = {"body": trips, "condition": None if trips is None else trips + 1}
+            call_sites.setdefault(callee, []).append((computation, loop.get(role, 1)))
+        for branches in _BRANCHES.findall(line):
+            for callee in re.findall(r"%([\w.-]+)", branches):
+                call_sites.setdefault(callee, []).append((computation, 1))
+        typed = _TYPED.match(line)
+        if typed is not None:
+            types[typed.group(1)] = typed.group(2)
+        name = _INSTRUCTION.match(line)
+        if name is not None and _START.search(line):
+            starts[name.group(1)] = group_size(line)
+        match = _OP.search(line)
+        if match is None:
+            continue
+        done_of = _DONE_OF.search(line)
+        if (starts.get(done_of.group(1)) if done_of else group_size(line)) == 1:
+            continue
+        kind, result = match.group(2), match.group(1)
+        if kind == "all-reduce" and scatter_result is not None:
+            kind, result = "reduce-scatter", scatter_result
+        operand = _RAGGED_OPERAND.search(line) if kind == "ragged-all-to-all" else None
+        if operand is not None and operand.group(1) in types:
+            result = min(result, types[operand.group(1)], key=shape_bytes)
+        found.append((computation, kind, result))
+    return found, call_sites
+
+
+def _runs_per_step(call_sites):
+    """computation -> how often one run of the module runs it (None: a loop count unknown)."""
+
+    @functools.cache
+    def runs(computation):
+        if computation not in call_sites:  # the entry computation (or ops outside any header)
+            return 1
+        total = 0
+        for caller, times in call_sites[computation]:
+            outer = runs(caller)
+            if times is None or outer is None:
+                return None
+            total += outer * times
+        return total
+
+    return runs
+
+
+def shape_bytes(hlo_type: str) -> int:
+    """Bytes of an HLO result type: an array `bf16[8,128]{1,0}` or a tuple of them."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(hlo_type):
+        bits = _BITS.get(dtype, 8)  # float8 variants (f8e4m3fn, ...) are one byte
+        total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+    return total
+
+
+def hlo_instructions(hlo: str) -> dict[str, tuple[str, str, str]]:
+    """instruction -> (result type, op_name, file:line) of an HLO module's text."""
+    files, locations, frames = _stack_frames(hlo)
+
+    def source(metadata: str) -> str:
+        direct = _SOURCE.search(metadata)
+        if direct is not None:
+            return f"{_path(_unescape(direct.group(1)))}:{direct.group(2)}"
+        frame = _FRAME_ID.search(metadata)
+        location = locations.get(frames.get(int(frame.group(1)), -1)) if frame else None
+        if location is None or location[0] not in files:
+            return ""
+        return f"{_path(files[location[0]])}:{location[1]}"
+
+    out = {}
+    for line in hlo.splitlines():
+        match = _INSTRUCTION.match(line)
+        if match is None:
+            continue
+        rest = line[match.end() :]
+        result = rest.split(" ", 1)[0] if not rest.startswith("(") else _tuple_type(rest)
+        metadata = _METADATA.search(rest)
+        metadata = metadata.group(1) if metadata else ""
+        op_name = _OP_NAME.search(metadata)
+        out[match.group(1)] = (
+            _shape(result),
+            _unescape(op_name.group(1)) if op_name else "",
+            source(metadata),
+        )
+    return out
+
+
+def _stack_frames(hlo: str) -> tuple[dict[int, str], dict[int, tuple[int, int]], dict[int, int]]:
+    """The module's FileNames, FileLocations (file id, line) and StackFrames (location id)."""
+    files, locations, frames, section = {}, {}, {}, ""
+    for line in hlo.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section = line
+        elif line.startswith(("%", "ENTRY")):  # the computations: the tables are behind
+            break
+        elif section == "FileNames" and (named := _NAMED.match(line)):
+            files[int(named.group(1))] = _unescape(named.group(2))
+        elif section == "FileLocations" and (location := _LOCATION.match(line)):
+            locations[int(location.group(1))] = (int(location.group(2)), int(location.group(3)))
+        elif section == "StackFrames" and (frame := _FRAME.match(line)):
+            frames[int(frame.group(1))] = int(frame.group(2))
+    return files, locations, frames
+
+
+# ---------------------------------------------------------------------------------------------
+# The buffer-assignment and live-range dumps
+
+
+# `    fusion.3{}: 4194304 bytes (cumulative: 8388608 bytes)` under `Live ranges at T (peak):`.
+_PEAK_VALUE = re.compile(r"^\s+(\S+): (\d+) bytes \(cumulative")
+# `allocation 294: size 46666448, preallocated-temp:` and, under it,
+# ` value: <2600 copy.187 @0> (size=262144,offset=40435712): f32[4,128,128]{2,1,0}`.
+_ALLOCATION = re.compile(r"^allocation (\d+):")
+_VALUE = re.compile(r"^\s*value: <\d+ (\S+?)( \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\): (.*)$")
+
+
+def peak_values(live_range: str) -> list[tuple[str, int]]:
+    """(value, bytes) of every value live at the peak of XLA's live-range dump."""
+    _, found, peak = live_range.partition(" (peak):\n")
+    if not found:
+        raise RunStopped("--peak-buffers: XLA's live-range dump has no `(peak):` section")
+    values = []
+    for line in peak.splitlines():
+        match = _PEAK_VALUE.match(line)
+        if match is None:
+            break
+        values.append((_value_key(match.group(1)), int(match.group(2))))
+    return values
+
+
+def assigned_slices(assignment: str) -> dict[str, tuple[int, int, str, bool]]:
+    """value -> (allocation, offset, shape, phi) from XLA's buffer-assignment dump."""
+    slices, allocation = {}, -1
+    for line in assignment.splitlines():
+        header = _ALLOCATION.match(line)
+        if header is not None:
+            allocation = int(header.group(1))
+            continue
+        value = _VALUE.match(line)
+        if value is not None:
+            name, phi, _, offset, shape = value.groups()
+            slices[_value_key(name)] = (allocation, int(offset), _shape(shape), bool(phi))
+    return slices
+
+
+def _value_key(name: str) -> str:
+    """A value's name as both dumps agree on it: `name{1}`; an array's `name{}` as `name`."""
+    return name.removesuffix("{}")
+
+
+def _shape(hlo_type: str) -> str:
+    """An HLO type without layouts and index comments: `f32[4,128]{1,0}` -> `f32[4,128]`."""
+    return re.sub(r"/\*index=\d+\*/", "", _LAYOUT.sub("", hlo_type)).replace(", ", ",")
+
+
+def _tuple_type(text: str) -> str:
+    """The parenthesized tuple type at the start of `text`."""
+    depth = 0
+    for i, char in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0:
+            return text[: i + 1]
+    return text
+
+
+def _path(path: str) -> str:
+    """`path` relative to the working directory when under it."""
+    relative = os.path.relpath(path) if os.path.isabs(path) else path
+    return path if relative.startswith("..") else relative
+
+
+def _unescape(text: str) -> str:
+    return re.sub(r"\\(.)", r"\1", text)
