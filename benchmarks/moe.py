@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kiln.config import MESH_AXES, load_config
-from kiln.model import abstract_model, param_count
+from kiln.model import abstract_model, state_size
 from kiln.model.moe import route, routed
 from kiln.parallel.mesh import use_mesh
 from kiln.training import train
@@ -237,7 +237,7 @@ def run_step(steps: int, rounds: int) -> dict:
         m = arm.config.model
         out[name] = {
             "config": f"configs/{name}.yaml",
-            "parameters": param_count(m),
+            "parameters": state_size(arm.config, arm.config.mesh.sizes(1))[0],
             "active_matmul_parameters": abstract_model(m).matmul_params(),
             "step_seconds": round(seconds, 5),
             "tokens_per_sec": round(tokens / seconds, 1),

@@ -19,8 +19,8 @@ from kiln.model import (
     abstract_model,
     create_model,
     flops_per_token,
-    param_count,
     state_bytes_per_device,
+    state_size,
     summary,
 )
 from kiln.model.attention import dense_attention as attention
@@ -557,10 +557,9 @@ def test_layers_are_scanned_so_the_program_does_not_grow_with_depth(batch):
 
 def test_llama3_8b_parameter_count_without_allocating():
     config = load_config(ROOT / "configs/models/llama3-8b.yaml")
-    m = config.model
     per_layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
     want = 2 * 128256 * 4096 + 32 * per_layer + 4096
-    n = param_count(m)
+    n, _, _ = state_size(config, config.mesh.sizes(8))  # the count `kiln config --summary` prints
     assert n == want
     assert abs(n - 8.03e9) / 8.03e9 < 1e-3  # Meta's published 8.03B
     assert all(a.size < 10**6 for a in jax.live_arrays())  # nothing model-sized was created
@@ -603,7 +602,8 @@ def test_summary_reports_the_decode_cache_init_cache_allocates(family):
 def test_summary_memory_matches_the_real_shards(fsdp8_model):
     model, _, config = fsdp8_model
     text = summary(config, make_optimizer(config.optim).init, state_name(config.optim))
-    assert f"{param_count(config.model):,}" in text
+    parameters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert f"parameters:        {parameters:,} (" in text
     assert f"FLOPs per token:   {flops_per_token(config.model, S):.4g}" in text
     assert "fsdp=8" in text
     # What one device really holds of the sharded model, counted from its shards.

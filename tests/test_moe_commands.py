@@ -19,7 +19,7 @@ from kiln.config import check_devices, load_config
 from kiln.data.corpus import split_documents
 from kiln.distill.online import abstract_distillation
 from kiln.errors import KilnError
-from kiln.model import create_model, expert_split, param_count, summary
+from kiln.model import create_model, expert_split, state_size, summary
 from kiln.parallel.mesh import make_mesh
 from kiln.runs.checkpoint import Checkpointer
 from kiln.training import train
@@ -90,7 +90,7 @@ def test_qwen3_30b_a3b_has_the_published_size_without_allocating():
     attention = d * 32 * 128 + 2 * d * 4 * 128 + 32 * 128 * d + 2 * 128  # + q and k norms
     expert = 3 * d * f
     total = 2 * vocab * d + layers * (attention + 2 * d + d * e + e * expert) + d
-    assert param_count(config.model) == total == 30_532_122_624  # Qwen's "30.5B"
+    assert state_size(config, config.mesh.sizes(32))[0] == total == 30_532_122_624  # "30.5B"
     assert all(a.size < 10**6 for a in jax.live_arrays())  # nothing model-sized was created
     active = total - layers * (e - k) * expert
     assert active == 3_353_032_704  # Qwen's "3.3B activated"

@@ -97,11 +97,6 @@ def abstract_state(model_cfg: ModelConfig) -> nnx.State:
     return nnx.state(abstract_model(model_cfg), nnx.Param)
 
 
-def param_count(model_cfg: ModelConfig) -> int:
-    """Number of parameters, from shapes only (jax.eval_shape)."""
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_state(model_cfg)))
-
-
 def aux_metrics(model_cfg: ModelConfig, sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """The configured family's scalars from a step's global aux sums (`ModelOutput.aux`)."""
     return FAMILIES[model_cfg.family].model.aux_metrics(model_cfg, sums)
@@ -289,7 +284,6 @@ __all__ = [
     "flops_per_token",
     "logits_dtype",
     "optimizer_state_bytes",
-    "param_count",
     "predicts_ahead",
     "state_bytes_per_device",
     "state_size",
