@@ -102,6 +102,8 @@ def test_config_is_frozen():
             "optim.lion: set, but optim.name is adamw; allowed: optim.name=lion",
         ),
         (["optim.name=muon", "optim.muon.ns_steps=0"], "optim.muon.ns_steps"),
+        (["optim.name=muon", "optim.muon.weight_decay=-0.1"], "optim.muon.weight_decay"),
+        (["optim.muon.weight_decay=0.1"], "optim.muon: set, but optim.name is adamw"),
         (["optim.name=adafactor", "optim.adafactor.decay_rate=0"], "optim.adafactor.decay_rate"),
         (["model.num_heads=3"], "model.num_heads"),
         (["model.num_kv_heads=3"], "model.num_kv_heads"),

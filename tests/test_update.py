@@ -233,6 +233,43 @@ def test_each_optimizer_matches_its_optax_chain_by_hand(name, mesh):
             np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7, err_msg=f"{step} {path}")
 
 
+def test_muon_matrices_decay_by_their_own_rate():
+    """optim.muon.weight_decay decays Muon's matrices; optim.weight_decay stays the AdamW
+    part's: the hand-built chain with one decay per group, masks written from the paths."""
+    matrix_wd = 0.3
+    optim = {**OPTIM, "name": "muon", "muon": {**MUON, "weight_decay": matrix_wd}}
+    config = make_config(model=MODEL, optim=optim, data={"seq_len": 16}, mesh={"fsdp": 1})
+    state = train.init_state(config, make_mesh(config, jax.devices()[:1]))
+    update = jax.jit(train.make_update(config))
+
+    def matrices(tree):
+        return jax.tree_util.tree_map_with_path(lambda p, _: leaf_name(p) in MATRIX_AXES, tree)
+
+    def rest(tree):
+        return jax.tree.map(lambda d, m: d and not m, reference_mask(tree), matrices(tree))
+
+    reference = optax.chain(
+        optax.clip_by_global_norm(CLIP),
+        reference_direction("muon"),
+        optax.add_decayed_weights(matrix_wd, mask=matrices),
+        optax.add_decayed_weights(WD, mask=rest),
+        optax.scale(-LR),
+    )
+    ref_params = jax.tree.map(jnp.asarray, host(nnx.to_pure_dict(state.params)))
+    ref_opt = reference.init(ref_params)
+    aux = {"learning/z_loss": jnp.float32(0.0), "learning/total_weights": jnp.float32(1.0)}
+    grads = random_grads(state.params, 1, 1e-2)
+    state, _ = update(state, jnp.float32(1.0), aux, grads)
+    g = jax.tree.map(jnp.asarray, host(nnx.to_pure_dict(grads)))
+    updates, ref_opt = reference.update(g, ref_opt, ref_params)
+    want = host(optax.apply_updates(ref_params, updates))
+    got = host(nnx.to_pure_dict(state.params))
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        # f32, one device, the same operations but Muon's RMS scale (see above): 1e-6 relative
+        # + 1e-7 absolute.
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7, err_msg=str(path))
+
+
 def test_the_optimizer_registry_is_what_the_schema_allows():
     """One entry per `optim.name`, each with the name the summary gives its state."""
     import typing

@@ -81,11 +81,14 @@ def _per_parameter(decide: Callable[[nnx.Variable], Any], tree: Any) -> Any:
     return jax.tree.map(lambda v: v.replace(decide(v)), tree, is_leaf=_is_variable)
 
 
-def decay_mask(params: Any, cfg: OptimConfig) -> Any:
+def decay_mask(params: Any, cfg: OptimConfig, roles: tuple[str, ...] | None = None) -> Any:
     """True for the parameters that get weight decay, by their declared role: hidden matrices,
-    the LM head, the distillation projection, and the embedding if `optim.decay_embeddings`."""
-    roles = (*DECAYED_ROLES, "embedding") if cfg.decay_embeddings else DECAYED_ROLES
-    return _per_parameter(lambda v: role_of(v) in roles, params)
+    the LM head, the distillation projection, and the embedding if `optim.decay_embeddings`;
+    only those of `roles` when given."""
+    decayed = (*DECAYED_ROLES, "embedding") if cfg.decay_embeddings else DECAYED_ROLES
+    if roles is not None:
+        decayed = tuple(r for r in decayed if r in roles)
+    return _per_parameter(lambda v: role_of(v) in decayed, params)
 
 
 def muon_dimensions(var: nnx.Variable) -> MuonDimensionNumbers:
@@ -199,6 +202,19 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     if cfg.grad_clip is not None:
         parts.append(optax.clip_by_global_norm(cfg.grad_clip))
     parts.append(OPTIMIZERS[cfg.name].direction(cfg))
-    if cfg.weight_decay:
-        parts.append(optax.add_decayed_weights(cfg.weight_decay, mask=lambda p: decay_mask(p, cfg)))
+    for rate, roles in _weight_decays(cfg):
+        parts.append(optax.add_decayed_weights(rate, mask=lambda p, r=roles: decay_mask(p, cfg, r)))
     return optax.chain(*parts)
+
+
+def _weight_decays(cfg: OptimConfig) -> list[tuple[float, tuple[str, ...] | None]]:
+    """(rate, roles) of each decoupled weight decay, rates of 0 left out: `optim.weight_decay`
+    for every decayed role (roles None), or, with Muon's matrices at their own
+    `optim.muon.weight_decay`, that for the matrices and `optim.weight_decay` for the rest."""
+    own = cfg.muon.weight_decay if cfg.name == "muon" else None
+    if own is None or own == cfg.weight_decay:
+        groups = [(cfg.weight_decay, None)]
+    else:
+        rest = tuple(r for r in (*DECAYED_ROLES, "embedding") if r != "matrix")
+        groups = [(own, ("matrix",)), (cfg.weight_decay, rest)]
+    return [(rate, roles) for rate, roles in groups if rate]

@@ -33,6 +33,12 @@ class MuonConfig(Section):
         allow_inf_nan=False,
         description="Update RMS matched to AdamW's: each orthogonalised update is scaled by rms_scale * sqrt(max(fan_in, fan_out)) (Moonlight's 0.2), so AdamW learning rates carry over.",
     )
+    weight_decay: float | None = Field(
+        None,
+        ge=0,
+        allow_inf_nan=False,
+        description="Decoupled weight decay of the hidden matrices Muon updates; null = optim.weight_decay. optim.weight_decay stays the AdamW part's (LM head, router, projection, embedding).",
+    )
 
 
 class AdafactorConfig(Section):
@@ -76,7 +82,10 @@ class OptimConfig(Section):
         description="adamw; muon (Muon for hidden matrices, AdamW for the rest); adafactor; lion. Each one's own fields are in its section (optim.muon, optim.adafactor, optim.lion).",
     )
     learning_rate: float = Field(
-        3e-4, gt=0, allow_inf_nan=False, description="Peak learning rate (> 0)."
+        3e-4,
+        gt=0,
+        allow_inf_nan=False,
+        description="Peak learning rate (> 0). Each optimizer's starting point differs (Lion's 3-10x smaller than AdamW's): docs/training.md.",
     )
     schedule: Literal["constant", "cosine", "wsd", "linear"] = Field(
         "cosine",
@@ -104,7 +113,7 @@ class OptimConfig(Section):
         0.1,
         ge=0,
         allow_inf_nan=False,
-        description="Decoupled weight decay, by each parameter's declared role: hidden matrices, the LM head, the distillation projection and (decay_embeddings) the embedding; never norm scales or biases.",
+        description="Decoupled weight decay, by each parameter's declared role: hidden matrices, the LM head, the distillation projection and (decay_embeddings) the embedding; never norm scales or biases. With muon, optim.muon.weight_decay may give the hidden matrices their own.",
     )
     decay_embeddings: bool = Field(True, description="Weight-decay the token embedding too.")
     b1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1 (also Muon's AdamW part).")
