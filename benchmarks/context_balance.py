@@ -30,7 +30,8 @@ import jax.numpy as jnp
 
 from attention import _unrolled_map, inputs
 from kiln.config import config_from_dict
-from kiln.model.attention import QUERY_BLOCK, _fold_tables, causal_attention, load_balanced
+from kiln.model.attention import QUERY_BLOCK, causal_attention, load_balanced
+from kiln.model.attention.xla import _fold_tables
 from kiln.parallel.mesh import batch_sharding, logical_sharding, make_mesh, use_mesh
 
 MESHES = ({"fsdp": 4, "sequence": 2}, {"fsdp": 2, "sequence": 4}, {"fsdp": 1, "sequence": 8})

@@ -14,7 +14,6 @@ from kiln.errors import KilnError
 from kiln.model import create_model
 from kiln.model.attention import (
     IMPLEMENTATIONS,
-    _fold_tables,
     balanced_order,
     causal_attention,
     check,
@@ -28,6 +27,7 @@ from kiln.model.attention import (
     sequence_shards,
     splash_attention,
 )
+from kiln.model.attention.xla import _fold_tables
 from kiln.parallel.mesh import batch_sharding, logical_sharding, make_mesh, use_mesh
 
 B, N, K, H = 4, 4, 2, 16  # grouped-query: 2 query heads per key/value head

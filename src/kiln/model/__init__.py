@@ -6,14 +6,15 @@ and the size summary never name a concrete class.
 
 Modules: `interface` (`LanguageModel`, `ModelOutput`, `KVCache`), `llama` (the decoder-only
 Transformer, and Llama/Qwen3 on Hugging Face), the package `moe` (llama's blocks with routed
-experts, and Qwen3-MoE/Mixtral), `gemma3` (llama's stack with Gemma 3's norms, GeGLU and scales, and
-Gemma3ForCausalLM), `gpt_oss` (llama's attention with biases and sinks over the `moe` family's
-experts with biases, and GptOssForCausalLM), the package `deepseek` (DeepSeek-V3), `attention` (XLA, cuDNN and Pallas
-attention kernels behind one call), `project` (projections with their gradient-reduction
-dtype), `student` (the distillation student's extra parameters), `hf` (what every family's
-Hugging Face format shares), `interop` (config.json and state dicts through each family's
-format). A new family is one module or package here and one line in `FAMILIES` (its class and
-its `HFFormat`), plus its line in `kiln.config.FAMILY_SECTIONS` (the config sections it reads).
+experts, and Qwen3-MoE/Mixtral), `gemma3` (llama's stack with Gemma 3's norms, GeGLU and
+scales, and Gemma3ForCausalLM), `gpt_oss` (llama's attention with biases and sinks over the
+`moe` family's experts with biases, and GptOssForCausalLM), the package `deepseek`
+(DeepSeek-V3), the package `attention` (XLA, cuDNN and Pallas attention kernels behind one
+call, and ring attention), `project` (projections with their gradient-reduction dtype),
+`student` (the distillation student's extra parameters), `hf` (what every family's Hugging
+Face format shares), `interop` (config.json and state dicts through each family's format). A
+new family is one module or package here and one line in `FAMILIES` (its class and its
+`HFFormat`), plus its line in `kiln.config.FAMILY_SECTIONS` (the config sections it reads).
 
 May import: `kiln.errors`, `kiln.util`, `kiln.data`, `kiln.config`, `kiln.parallel`,
 `kiln.losses` (the head's logits).
