@@ -4,11 +4,11 @@
 implements `LanguageModel`, so the trainer, the distillation objective, Hugging Face interop
 and the size summary never name a concrete class.
 
-Modules: `interface` (`LanguageModel`, `ModelOutput`, `KVCache`), `llama` (the decoder-only
-Transformer, and Llama/Qwen3 on Hugging Face), the package `moe` (llama's blocks with routed
-experts, and Qwen3-MoE/Mixtral), `gemma3` (llama's stack with Gemma 3's norms, GeGLU and
-scales, and Gemma3ForCausalLM), `gpt_oss` (llama's attention with biases and sinks over the
-`moe` family's experts with biases, and GptOssForCausalLM), the package `deepseek`
+Modules: `interface` (`LanguageModel`, `ModelOutput`, `KVCache`), the package `llama` (the
+decoder-only Transformer, and Llama/Qwen3 on Hugging Face), the package `moe` (llama's blocks
+with routed experts, and Qwen3-MoE/Mixtral), `gemma3` (llama's stack with Gemma 3's norms,
+GeGLU and scales, and Gemma3ForCausalLM), `gpt_oss` (llama's attention with biases and sinks
+over the `moe` family's experts with biases, and GptOssForCausalLM), the package `deepseek`
 (DeepSeek-V3), the package `attention` (XLA, cuDNN and Pallas attention kernels behind one
 call, and ring attention), `project` (projections with their gradient-reduction dtype),
 `student` (the distillation student's extra parameters), `hf` (what every family's Hugging

@@ -28,7 +28,8 @@ from jax.ad_checkpoint import checkpoint_name
 from kiln.config import ModelConfig
 from kiln.model.attention import attention, cached_attention, causal_attention
 from kiln.model.interface import DTYPES
-from kiln.model.llama import _HEADS, _KV_HEADS, RMSNorm, _param
+from kiln.model.llama import RMSNorm
+from kiln.model.llama.model import _HEADS, _KV_HEADS, _param
 from kiln.model.project import project
 from kiln.parallel.mesh import constrain
 

@@ -28,9 +28,9 @@ from kiln.model.llama import (
     REMAT_POLICIES,
     Block,
     RMSNorm,
-    _param,
     stacked_blocks,
 )
+from kiln.model.llama.model import _param
 from kiln.model.moe import MoeBlock, MoeTransformer
 from kiln.model.project import project
 from kiln.parallel.mesh import constrain

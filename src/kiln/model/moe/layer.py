@@ -18,7 +18,8 @@ from kiln.config import ModelConfig
 from kiln.config.axes import entry_axes
 from kiln.errors import KilnError
 from kiln.model.interface import DTYPES
-from kiln.model.llama import Block, Mlp, _param
+from kiln.model.llama import Block, Mlp
+from kiln.model.llama.model import _param
 from kiln.model.moe.experts import (
     NATIVE_RAGGED,
     ExpertAxis,

@@ -11,7 +11,8 @@ from flax import nnx
 
 from kiln.config import ModelConfig
 from kiln.errors import KilnError
-from kiln.model.llama import Block, Transformer, _join, stacked_blocks
+from kiln.model.llama import Block, Transformer, stacked_blocks
+from kiln.model.llama.model import _join
 from kiln.model.moe.layer import MoeBlock
 
 
