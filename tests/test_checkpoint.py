@@ -76,16 +76,27 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def final_params(config_path: Path, *overrides):
     config = load_config(config_path, overrides)
-    state = train.init_state(config)
     directory = config.run_dir / "checkpoints"
-    tree, _ = restore(directory, latest_complete_step(directory), train_abstract(state))
+    tree, _ = restore(directory, latest_complete_step(directory), train_abstract(config))
     return jax.tree.map(np.asarray, jax.device_get(tree))
 
 
-def train_abstract(state):
+# The restore targets of the configs met so far, by what shapes and shards the train state.
+_ABSTRACT: dict[str, object] = {}
+
+
+def train_abstract(config):
+    """What a checkpoint of `config`'s runs restores into: the train state's shapes, dtypes and
+    shardings, as `kiln compile` lowers it (nothing initialised or compiled); the straight and
+    the resumed run of a test share one."""
+    from kiln.parallel.mesh import make_mesh
     from kiln.runs.checkpoint import abstract_like
 
-    return abstract_like(checkpoint_tree(state))
+    key = config.model_dump_json(include={"model", "optim", "mesh"})
+    if key not in _ABSTRACT:
+        _, state = train.abstract_pretraining(config, make_mesh(config))
+        _ABSTRACT[key] = abstract_like(checkpoint_tree(state))
+    return _ABSTRACT[key]
 
 
 def assert_bitwise(a, b):

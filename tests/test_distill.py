@@ -430,7 +430,10 @@ def final_params(config_path):
 
     config = load_config(config_path)
     teacher_cfg, _, _ = distill.read_teacher_config(config)
-    state = distill.init_student(config, make_mesh(config), teacher_cfg)
+    # The student's state as shapes and shardings (as `kiln compile` lowers it): nothing to
+    # initialise for a restore target.
+    builder = distill.student_builder(config, teacher_cfg)
+    state = train.abstract_train_state(config, make_mesh(config), builder)
     directory = config.run_dir / "checkpoints"
     tree, _ = restore(directory, latest_complete_step(directory), abstract_like(checkpoint_tree(state)))  # fmt: skip
     return host(tree)

@@ -303,10 +303,11 @@ def fresh_student(config):
     return init_student(config, make_mesh(config), teacher.config)
 
 
-def final_state(config):
+def final_state(config, state):
+    """(step, state, data state) of the run's latest checkpoint, restored into the shapes and
+    shardings of `state` (a fresh student of the same config)."""
     from kiln.runs.checkpoint import abstract_like, latest_complete_step, restore
 
-    state = fresh_student(config)
     directory = config.run_dir / "checkpoints"
     step = latest_complete_step(directory)
     tree, data_state = restore(directory, step, abstract_like(checkpoint_tree(state)))
@@ -351,9 +352,11 @@ def test_distill_from_the_store_trains_and_a_killed_run_resumes_bitwise(teacher_
     for step in (3, 4, 5):
         for key in ("learning/loss", "distill/soft_loss", "distill/hard_loss"):
             assert got[step][key] == want[step][key], (step, key)  # bitwise
-    (a_step, a, a_data), (b_step, b, b_data) = final_state(straight), final_state(killed)
+    student = fresh_student(straight)  # of the killed run too: the same student
+    (a_step, a, a_data) = final_state(straight, student)
+    (b_step, b, b_data) = final_state(killed, student)
     assert a_step == b_step == 5 and a_data == b_data
-    fresh = jax.tree.map(np.asarray, fresh_student(straight).params)
+    fresh = jax.tree.map(np.asarray, student.params)
     moved = [not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(fresh), jax.tree.leaves(a["params"]))]  # fmt: skip
     assert all(moved)  # every parameter trained
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
