@@ -50,16 +50,15 @@ def test_default_rules_map_parameter_and_activation_names():
     # Parameters' embed dimension: fsdp, sequence and expert (their devices shard state too).
     fs = ("fsdp", "sequence", "expert")
     assert logical_spec(("vocab", "embed"), DEFAULT_AXIS_RULES) == P("tensor", fs)
-    # A block stack's layers: consecutive layers per pipeline stage.
     assert logical_spec(("layers", "embed", "heads", "head_dim"), DEFAULT_AXIS_RULES) == P(
-        "stage", fs, "tensor", None
+        None, fs, "tensor", None
     )
     assert logical_spec(("batch", "length", "act_embed"), DEFAULT_AXIS_RULES) == P(
         ("data", "fsdp", "expert"), "sequence", None
     )
     # An MoE layer's expert weights: experts over expert; embed then keeps fsdp and sequence.
     assert logical_spec(("layers", "experts", "embed", "mlp"), DEFAULT_AXIS_RULES) == P(
-        "stage", "expert", ("fsdp", "sequence"), "tensor"
+        None, "expert", ("fsdp", "sequence"), "tensor"
     )
     assert logical_spec((None, "mlp"), DEFAULT_AXIS_RULES) == P(None, "tensor")
 

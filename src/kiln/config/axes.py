@@ -44,8 +44,9 @@ DEFAULT_AXIS_RULES: dict[str, list[str]] = {
     "kv_heads": ["tensor"],
     "head_dim": [],
     "mlp": ["tensor"],
-    # The block stack's layer axis: consecutive layers per pipeline stage.
-    "layers": ["stage"],
+    # The block stack's layer axis: whole on every device; with pipeline stages (mesh.stage
+    # other than 1) the stage axis is put in front, consecutive layers per stage (_Mesh).
+    "layers": [],
     "norm": [],
     # A Mixture-of-Experts layer's expert dimension (its weights [experts, embed, mlp]: embed
     # then takes only the axes experts left, as every later dimension does).
@@ -73,6 +74,18 @@ def _mesh_size(v: int) -> int:
 
 class _Mesh(Section):
     """Device mesh sizes and the logical-axis -> mesh-axis rules."""
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _stages_split_the_layers(cls, raw: Any) -> Any:
+        """With pipeline stages the block stack's layers are split over `stage` first."""
+        if not isinstance(raw, Mapping) or raw.get("stage", 1) == 1:
+            return raw
+        rules = dict(raw.get("rules") or {})
+        layers = list(rules.get("layers", DEFAULT_AXIS_RULES["layers"]))
+        if "stage" not in layers:
+            rules["layers"] = ["stage", *layers]
+        return {**raw, "rules": rules}
 
     @pydantic.field_validator("rules", check_fields=False)
     @classmethod
