@@ -88,10 +88,10 @@ USER_XLA_FLAGS = "--xla_force_host_platform_device_count=8"
 
 
 def with_expert(shape: Sequence[int]) -> tuple[int, ...]:
-    """Mesh sizes in kiln's axis order (data, fsdp, expert, tensor, sequence) from the sizes
-    of (data, fsdp, tensor, sequence): expert = 1."""
+    """Mesh sizes in kiln's axis order (stage, data, fsdp, expert, tensor, sequence) from the
+    sizes of (data, fsdp, tensor, sequence): stage = expert = 1."""
     data, fsdp, tensor, sequence = shape
-    return (data, fsdp, 1, tensor, sequence)
+    return (1, data, fsdp, 1, tensor, sequence)
 
 
 # Subprocesses import the kiln this process imported (e.g. a checkout's src/ on PYTHONPATH),

@@ -57,7 +57,14 @@ def test_compile_reports_the_memory_of_the_step_kiln_train_runs(
     # Exact: the same program, lowered from abstract rather than real arrays.
     assert report.memory == memory
     assert report.command == "kiln train" and report.devices == 8
-    assert report.mesh == {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1, "sequence": 1}
+    assert report.mesh == {
+        "stage": 1,
+        "data": 1,
+        "fsdp": 8,
+        "expert": 1,
+        "tensor": 1,
+        "sequence": 1,
+    }
     assert memory["peak"] == (
         memory["arguments"] + memory["outputs"] + memory["temporaries"] - memory["aliased"]
     )
@@ -464,7 +471,7 @@ def test_fit_mesh_finds_a_split_that_fits_where_the_configs_own_does_not():
     assert proc.returncode == 0, proc.stderr
     found = json.loads(proc.stdout)
     trials, best = found["trials"], found["best"]
-    own = {"data": 8, "fsdp": 1, "expert": 1, "tensor": 1, "sequence": 1}
+    own = {"stage": 1, "data": 8, "fsdp": 1, "expert": 1, "tensor": 1, "sequence": 1}
     # The config's own split is probed first (least recompute, max accumulation) and misses.
     assert trials[0]["mesh"] == own and trials[0]["remat"] == "none" and not trials[0]["fits"]
     assert best["remat"] == "none" and best["mesh"] != own

@@ -71,7 +71,7 @@ COUNTS = {
     "config --summary on a mesh of 8192": (
         "in-process",
         ["config", "{config}", "--summary", "mesh.fsdp=8192", "train.global_batch_size=8192"],
-        ["mesh (data x fsdp x expert x tensor x sequence): 8192 devices; allowed: 1..4096"],
+        ["mesh (stage x data x fsdp x expert x tensor x sequence): 8192 devices; allowed: 1..4096"],
     ),
     "train model.d_model=10^8": (
         "in-process",
