@@ -254,7 +254,7 @@ def test_fit_mesh_searches_the_expert_split_over_divisors_of_num_experts():
     assert proc.returncode == 0, proc.stderr
     found = json.loads(proc.stdout)
     trials, best = found["trials"], found["best"]
-    own = {"data": 8, "fsdp": 1, "expert": 1, "tensor": 1, "sequence": 1}
+    own = {"stage": 1, "data": 8, "fsdp": 1, "expert": 1, "tensor": 1, "sequence": 1}
     assert trials[0]["mesh"] == own and trials[0]["remat"] == "none" and not trials[0]["fits"]
     assert best["remat"] == "none" and best["mesh"] == {**own, "data": 4, "expert": 2}
     (skipped,) = found["skipped_splits"]
