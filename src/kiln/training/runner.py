@@ -32,7 +32,6 @@ from kiln.runs.checkpoint import (
     Checkpointer,
     abstract_like,
     latest_complete_step,
-    restore,
     restore_newest_intact,
     restore_params,
 )
@@ -462,9 +461,3 @@ def _close_all(closers, *, failing: bool) -> None:
             first = first or e
     if first is not None and not failing:
         raise first
-
-
-def restore_state(directory: Path, step: int, state):
-    """`state` with its arrays replaced by checkpoint `step`, in `state`'s shardings."""
-    tree, data_state = restore(directory, step, abstract_like(checkpoint_tree(state)))
-    return state.replace(**tree), data_state

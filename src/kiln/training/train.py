@@ -403,11 +403,6 @@ def run_objective(objective: Objective, state: TrainState, batch: Mapping[str, A
         return _jitted_loss_and_grads(objective, state, placed)
 
 
-def compiled_objectives() -> int:
-    """How many (objective, state structure) programs `run_objective` has compiled."""
-    return _jitted_loss_and_grads._cache_size()
-
-
 def loss_and_grads(config: Config, state: TrainState, batch: Mapping[str, Any]):
     """(loss, aux, grads) of one global batch: per-token mean loss, aux learning/z_loss,
     learning/total_weights and the model's aux terms."""
