@@ -120,6 +120,7 @@ def test_resume_is_bitwise_exact(tmp_path, corpus, straight):
     proc = kiln_train(config, "train.steps=12")
     assert "resuming from step 6" in proc.stderr
     assert "train.steps: 6 -> 12" in proc.stderr
+    assert "another topology" not in proc.stderr
     got = losses(tmp_path / "runs" / "r")
     assert [got[s] for s in range(7, 13)] == [want_losses[s] for s in range(7, 13)]
     assert_bitwise(final_params(config), want_params)
@@ -252,7 +253,12 @@ def test_restore_onto_a_different_mesh(tmp_path, corpus, straight):
     _, want_losses, _ = straight
     config = write_run_config(tmp_path, corpus)
     kiln_train(config, "train.steps=6")  # saved on fsdp=8
-    kiln_train(config, "train.steps=7", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+    proc = kiln_train(config, "train.steps=7", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+    moved = [line for line in proc.stderr.splitlines() if "another topology" in line]
+    assert moved == [
+        "kiln: resuming on another topology: 1 process x 8 cpu devices (fsdp 8) -> "
+        "1 process x 8 cpu devices (data 2, fsdp 2, tensor 2)"
+    ], proc.stderr[-3000:]
     got = losses(tmp_path / "runs" / "r")
     # Another mesh sums in another order: 1e-5 relative (f32).
     np.testing.assert_allclose(got[7], want_losses[7], rtol=1e-5)

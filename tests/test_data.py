@@ -313,6 +313,29 @@ def test_processes_hold_disjoint_rows_that_cover_each_global_batch(tmp_path, cor
     assert len(set(first)) == len(first)
 
 
+def test_a_saved_state_continues_on_another_process_count(tmp_path, corpus):
+    # What a checkpoint holds is the count of global batches read, whatever the process count:
+    # a run saved by 2 processes continues on 1 or 4 with the batches 1 process would read.
+    whole = take(make_datasets(cfg(tmp_path, batch=8)).train_iterator(), 8)
+    saved = [make_datasets(cfg(tmp_path, batch=8, processes=2, process_id=p)) for p in range(2)]
+    states = []
+    for datasets in saved:
+        it = datasets.train_iterator()
+        take(it, 5)  # past 5 epochs (8 windows each) too
+        states.append(json.loads(json.dumps(it.get_state())))
+    assert states[0] == states[1] == {"next_index": 5}
+    for processes in (1, 4):
+        k = 8 // processes
+        for p in range(processes):
+            it = make_datasets(
+                cfg(tmp_path, batch=8, processes=processes, process_id=p)
+            ).train_iterator()
+            it.set_state(states[0])
+            for step, batch in enumerate(take(it, 3), start=5):
+                for key in KEYS:
+                    np.testing.assert_array_equal(batch[key], whole[step][key][p * k : (p + 1) * k])
+
+
 def test_eval_split_is_held_out_deterministic_and_sharded(tmp_path):
     for i in range(20):
         (tmp_path / f"doc{i:02d}.txt").write_text(doc_text(i, 40))

@@ -49,6 +49,28 @@ def make_mesh(config: Any, devices: Sequence[Any] | None = None) -> Mesh:
     return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
 
 
+def topology(mesh: Mesh) -> dict[str, Any]:
+    """What a run runs on: processes, devices (their kind) and the mesh's axis sizes; JSON."""
+    devices = mesh.devices.flat
+    processes = len({d.process_index for d in devices})
+    return {
+        "processes": processes,
+        "devices": mesh.devices.size,
+        "device_kind": devices[0].device_kind,
+        "mesh": {axis: int(size) for axis, size in mesh.shape.items()},
+    }
+
+
+def describe_topology(t: Mapping[str, Any]) -> str:
+    """'2 processes x 4 cpu devices (fsdp 8)': a `topology` in words (mesh axes above 1)."""
+    per_process, kind = t["devices"] // t["processes"], t["device_kind"]
+    axes = ", ".join(f"{a} {n}" for a, n in t["mesh"].items() if n > 1) or "every mesh axis 1"
+    return (
+        f"{plural(t['processes'], 'process', 'processes')} x "
+        f"{plural(per_process, f'{kind} device')} ({axes})"
+    )
+
+
 def traced_platform(mesh: Mesh | None = None) -> str:
     """Platform ('cpu', 'gpu', 'tpu') of `mesh`'s devices, else of the traced mesh, else JAX's default.
 

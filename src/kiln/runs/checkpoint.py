@@ -135,6 +135,8 @@ class Checkpointer:
         # Called once a step is sealed (in the sealing thread when async): uploads of a run
         # whose output_dir is a URL; its errors stop the run like those of the save.
         self.after_seal: Callable[[], None] | None = None
+        # JSON saved with every step in orbax's step metadata (the topology that saved it).
+        self.metadata: dict[str, Any] = {}
 
     def latest_step(self) -> int | None:
         return self._mgr.latest_step()
@@ -159,7 +161,9 @@ class Checkpointer:
                 state=ocp.args.StandardSave(state),
                 data=ocp.args.JsonSave(dict(data_state or {})),
             )
-            self._mgr.save(step, args=args, force=True, custom_metadata={SEALED: 1})
+            self._mgr.save(
+                step, args=args, force=True, custom_metadata={**self.metadata, SEALED: 1}
+            )
         self._pending = step
         if jax.process_index() != 0:
             return
@@ -251,6 +255,19 @@ def latest_complete_step(directory: Path) -> int | None:
     """Newest finished checkpoint in `directory` (None if there is none); creates nothing."""
     steps = complete_steps(directory)
     return steps[0] if steps else None
+
+
+def saved_metadata(directory: Path, step: int) -> dict[str, Any]:
+    """What `Checkpointer.metadata` held when `step` was saved ({} if unreadable or none)."""
+    mgr = _manager(Path(directory).absolute(), None, read_only=True)
+    try:
+        found = dict(mgr.metadata(step).custom_metadata or {})
+    except Exception:  # damaged metadata: the restore's own checks judge the step
+        return {}
+    finally:
+        mgr.close()
+    found.pop(SEALED, None)
+    return found
 
 
 def _sealed(mgr, step: int) -> bool:

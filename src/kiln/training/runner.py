@@ -25,7 +25,7 @@ from kiln.errors import KilnError, write_error
 from kiln.model import check_state_memory
 from kiln.model.attention import check as check_attention
 from kiln.parallel.distributed import initialize
-from kiln.parallel.mesh import make_mesh
+from kiln.parallel.mesh import describe_topology, make_mesh, topology
 from kiln.runs import pinned
 from kiln.runs import sync as run_sync
 from kiln.runs.checkpoint import (
@@ -34,6 +34,7 @@ from kiln.runs.checkpoint import (
     latest_complete_step,
     restore_newest_intact,
     restore_params,
+    saved_metadata,
 )
 from kiln.runs.lock import RunLock
 from kiln.runs.paths import check_output_paths
@@ -166,9 +167,11 @@ def resume_notes(config: Config, restart: bool = False) -> list[str]:
     return [f"changed on resume: {c}" for c in changes]
 
 
-def restore_latest(config: Config, state, batches) -> tuple[Any, list[str], list[int]]:
+def restore_latest(config: Config, state, batches, mesh) -> tuple[Any, list[str], list[int]]:
     """`state` and the data iterator from the run's newest intact checkpoint, if there is one;
-    also a note per damaged newer checkpoint skipped, and their steps (set aside by run_loop)."""
+    also a note per damaged newer checkpoint skipped, and their steps (set aside by run_loop).
+    A checkpoint saved on another topology than `mesh`'s (processes, devices, mesh shape) says
+    so in its note: the state and data order carry over, the sums of a step change order."""
     directory = config.run_dir / "checkpoints"
     notes, skipped = [], []
 
@@ -189,7 +192,13 @@ def restore_latest(config: Config, state, batches) -> tuple[Any, list[str], list
     state = state.replace(**tree)
     if data_state:  # empty for a checkpoint of `kiln import-hf`: data from the start
         batches.set_state(data_state)
-    return state, [f"resuming from step {step} ({directory / str(step)})", *notes], skipped
+    resuming = [f"resuming from step {step} ({directory / str(step)})"]
+    saved, now = saved_metadata(directory, step).get("topology"), topology(mesh)
+    if saved is not None and saved != now:
+        resuming.append(
+            f"resuming on another topology: {describe_topology(saved)} -> {describe_topology(now)}"
+        )
+    return state, [*resuming, *notes], skipped
 
 
 @dataclass
@@ -329,7 +338,7 @@ def _prepare(config, build, command, check, lock, started, restart, wrap, clock)
         notes.append(f"{why}: the earlier run in {config.run_dir} moves to {restart_to}")
     with clock.within("checkpoint"):
         state, resumed, damaged = (
-            (state, [], []) if restart else restore_latest(config, state, batches)
+            (state, [], []) if restart else restore_latest(config, state, batches, mesh)
         )
     batches = FirstRead(batches)  # the first batch to train on, read before anything is written
     source = config.checkpoint.load_params_from
@@ -383,6 +392,7 @@ def run_loop(run: PreparedRun):
             if jax.process_count() > 1:  # no process opens its checkpoint manager before the move
                 multihost_utils.sync_global_devices("kiln: damaged checkpoints set aside")
         ckpt = Checkpointer(config.run_dir, config.checkpoint)
+        ckpt.metadata = {"topology": topology(mesh)}  # a resume elsewhere says it moved
         if run.sync is not None:  # a sealed checkpoint goes up, then the logs beside it
             ckpt.after_seal = run.sync.push
     except BaseException as e:
