@@ -1,0 +1,143 @@
+"""Restarts belong to the scheduler: a 2-process run killed with kill -9 five times, at seeded
+random moments, and restarted each time as a scheduler would, ends bitwise where an
+uninterrupted run ends."""
+
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import kiln_env, write_config
+from kiln.config import load_config
+from kiln.parallel.mesh import make_mesh
+from kiln.runs.checkpoint import abstract_like, latest_complete_step, restore
+from kiln.training import train
+from kiln.training.loop import checkpoint_tree
+
+pytestmark = pytest.mark.slow
+
+STEPS = 16
+CONFIG = {
+    "model": {"vocab_size": 384, "d_model": 32, "num_layers": 2, "num_heads": 4, "d_ff": 64, "max_seq_len": 16, "dtype": "float32"},
+    "data": {"source": "synthetic", "synthetic_kind": "markov", "paths": [], "seq_len": 16},
+    "mesh": {"fsdp": -1},
+    "optim": {"learning_rate": 3e-3, "schedule": "constant", "warmup_steps": 0},
+    "train": {"run_name": "r", "global_batch_size": 16, "log_every_steps": 1, "steps": STEPS},
+    "checkpoint": {"every_steps": 2, "keep": 2, "async_save": True},
+    # A process whose partner was killed stops (exit 134) this long after the partner's last
+    # heartbeat: short, to keep the test short, and far above the pauses of a healthy process.
+    "distributed": {"init_timeout_s": 120, "heartbeat_timeout_s": 10},
+}  # fmt: skip
+
+# What docs/multihost.md tells a scheduler to restart: a process killed (137), and one that JAX
+# ended because its partner died (134). Any other exit of an interrupted attempt is a failure.
+RESTART = {-signal.SIGKILL, -signal.SIGABRT, 134, 137}
+
+
+def start(config: Path, runs: Path, logs: Path, attempt: int) -> list[subprocess.Popen]:
+    """Two `kiln train` processes with 4 CPU devices each, as scripts/launch_local.sh starts
+    them; process i's output (stderr merged) goes to logs/<attempt>-<i>.txt."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=4")
+    command = [sys.executable, "-u", "-m", "kiln.cli", "train", str(config)]
+    command += [f"train.output_dir={runs}", "distributed.num_processes=2"]
+    command += [f"distributed.coordinator_address=127.0.0.1:{port}"]
+    procs = []
+    for i in range(2):
+        with open(logs / f"{attempt}-{i}.txt", "w") as out:
+            procs.append(
+                subprocess.Popen(
+                    [*command, f"distributed.process_id={i}"],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=kiln_env(XLA_FLAGS=flags),
+                )
+            )
+    return procs
+
+
+def last_step(log: Path) -> int:
+    """The last step process 0 printed (0 before the first)."""
+    found = re.findall(r"^step (\d+)/", log.read_text(), re.M)
+    return int(found[-1]) if found else 0
+
+
+def wait_all(procs: list[subprocess.Popen], limit_s: float = 300) -> list[int]:
+    """Exit codes of `procs`, waiting at most `limit_s` for each (then it is killed)."""
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(limit_s))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError(f"process {proc.args[-1]} did not stop in {limit_s} s") from None
+    return codes
+
+
+def final_state(config: Path, runs: Path):
+    """The run's final checkpoint: the whole train state (parameters, optimizer, step)."""
+    c = load_config(config, [f"train.output_dir={runs}"])
+    _, state = train.abstract_pretraining(c, make_mesh(c))
+    directory = c.run_dir / "checkpoints"
+    step = latest_complete_step(directory)
+    tree, data = restore(directory, step, abstract_like(checkpoint_tree(state)))
+    return step, jax.tree.map(np.asarray, jax.device_get(tree)), data
+
+
+def test_five_kill_9s_and_restarts_end_bitwise_where_an_uninterrupted_run_ends(tmp_path):
+    config = write_config(tmp_path / "config.yaml", CONFIG)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    # The reference: one uninterrupted attempt.
+    straight = tmp_path / "straight"
+    procs = start(config, straight, logs, 0)
+    assert wait_all(procs) == [0, 0], (logs / "0-0.txt").read_text()[-3000:]
+
+    rng = random.Random(47)
+    runs = tmp_path / "chaos"
+    kills = []
+    for attempt in range(1, 6):
+        procs = start(config, runs, logs, attempt)
+        log = logs / f"{attempt}-0.txt"
+        victims = rng.choice([(0,), (1,), (0, 1)])
+        # Both processes may die in start-up (joining, compiling, restoring). One alone is killed
+        # while training: killed before it joined, it would leave its partner waiting
+        # distributed.init_timeout_s for it, then exit 1 (as docs/multihost.md says).
+        if victims == (0, 1) and rng.random() < 0.5:
+            time.sleep(rng.uniform(0, 5))
+            moment = "start-up"
+        else:  # while training and saving: after a step, part way to the next
+            target = rng.randint(2, STEPS - 4)  # a resume then still has steps to kill in
+            delay = rng.uniform(0, 0.3)
+            while last_step(log) < target and all(p.poll() is None for p in procs):
+                time.sleep(0.01)
+            time.sleep(delay)
+            moment = f"step {last_step(log)}"
+        for i in victims:
+            os.kill(procs[i].pid, signal.SIGKILL)
+        codes = wait_all(procs)
+        kills.append((attempt, victims, moment, codes))
+        assert all(code in RESTART for code in codes), (kills, log.read_text()[-3000:])
+
+    # The scheduler's last restart runs to the end.
+    procs = start(config, runs, logs, 6)
+    codes = wait_all(procs)
+    assert codes == [0, 0], (kills, (logs / "6-0.txt").read_text()[-3000:])
+    assert not [f for f in logs.iterdir() if "another topology" in f.read_text()]
+
+    want, got = final_state(config, straight), final_state(config, runs)
+    assert got[0] == want[0] == STEPS
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        np.testing.assert_array_equal(a, b)  # bitwise: the same arithmetic in the same order
+    assert got[2] == want[2]  # the data iterator's state
