@@ -47,6 +47,7 @@ EXTERNAL = {
     "docker",
     "gcloud",
     "srun",
+    "sbatch",
 }
 STEP_SCALE = 100
 PLACEHOLDER = re.compile(r"\[?[A-Z][A-Z_]*(\.\.\.|\.yaml)?\]?\|?")
