@@ -195,9 +195,11 @@ def restore_latest(config: Config, state, batches, mesh) -> tuple[Any, list[str]
     resuming = [f"resuming from step {step} ({directory / str(step)})"]
     saved, now = saved_metadata(directory, step).get("topology"), topology(mesh)
     if saved is not None and saved != now:
-        resuming.append(
-            f"resuming on another topology: {describe_topology(saved)} -> {describe_topology(now)}"
-        )
+        try:
+            was = describe_topology(saved)
+        except (AttributeError, KeyError, TypeError, ZeroDivisionError):  # written by another kiln
+            was = f"{saved!r}"
+        resuming.append(f"resuming on another topology: {was} -> {describe_topology(now)}")
     return state, [*resuming, *notes], skipped
 
 
