@@ -202,6 +202,51 @@ def test_kill_9_during_async_saves_resumes_from_last_complete(tmp_path, corpus, 
     assert not [p.name for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name]
 
 
+def figures(run_dir: Path, steps) -> list[tuple[float, float]]:
+    """(loss, grad norm) of each of `steps`, from metrics.jsonl."""
+    rows = {
+        r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    }
+    return [(rows[s]["learning/loss"], rows[s]["learning/grad_norm"]) for s in steps]
+
+
+def test_kill_9_between_a_local_and_a_persistent_save_resumes_from_the_local_tier(
+    tmp_path, corpus, straight
+):
+    """Local saves every step beside persistent ones every 4: a kill -9 leaves a local step newer
+    than the newest persistent one, and the resume takes it, data position included, bitwise."""
+    config_path, want_losses, want_params = straight
+    want = figures(load_config(config_path).run_dir, range(1, 13))
+    local = tmp_path / "node-local"
+    sections = {"checkpoint": {"every_steps": 4, "local_dir": str(local), "local_every_steps": 1}}
+    config = write_run_config(tmp_path, corpus, **sections)
+    run_dir = tmp_path / "runs" / "r"
+    tier = local / "r" / "process_0"
+
+    def local_step_5_sealed() -> bool:  # sealed: committed by orbax, then the manifest written
+        return any(int(p.parent.name) >= 5 for p in tier.glob("[0-9]*/kiln_manifest.json"))
+
+    proc = start_kiln("train", config, "train.steps=400")
+    wait_until(local_step_5_sealed, proc, "local step 5")
+    os.kill(proc.pid, signal.SIGKILL)
+    communicate(proc)
+    persistent = latest_complete_step(run_dir / "checkpoints")
+    newest_local = latest_complete_step(tier, local=True)
+    if newest_local >= 12 or newest_local <= (persistent or 0):
+        pytest.skip(f"the kill came at local step {newest_local}, persistent {persistent}")
+    proc = kiln_train(config, "checkpoint.every_steps=12")
+    resumed = f"resuming from step {newest_local} (local checkpoint tier {local / 'r'}"
+    assert resumed in proc.stderr, proc.stderr[-3000:]
+    # Bitwise: the same arithmetic on the same state and batches as the uninterrupted run.
+    got = figures(run_dir, range(newest_local + 1, 13))
+    assert got == want[newest_local:], (got, want)
+    assert [losses(run_dir)[s] for s in range(1, 13)] == [want_losses[s] for s in range(1, 13)]
+    assert_bitwise(final_params(config), want_params)
+    # The tier keeps the newest local saves (checkpoint.local_keep: 2); step 12, the last, is
+    # saved persistently only.
+    assert sorted(int(p.name) for p in tier.glob("[0-9]*")) == [10, 11]
+
+
 ROUTED = {"num_experts": 4, "experts_per_token": 2, "d_ff_expert": 16, "balance": "aux_free"}
 MOE = {"family": "moe", "moe": {**ROUTED, "router_z_loss": 1e-3, "load_balance_loss": 1e-2}}
 # DeepSeek-V3's routing, latent attention and a multi-token prediction module.

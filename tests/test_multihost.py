@@ -68,6 +68,14 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["learning/loss"] for r in records if "learning/loss" in r}
 
 
+def figures(run_dir: Path, steps) -> list[tuple[float, float]]:
+    """(loss, grad norm) of each of `steps`."""
+    rows = {
+        r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    }
+    return [(rows[s]["learning/loss"], rows[s]["learning/grad_norm"]) for s in steps]
+
+
 def assert_close(got: dict[int, float], want: dict[int, float], steps) -> None:
     for step in steps:
         # 1e-5 relative: the same arithmetic, only the order of cross-process sums may differ.
@@ -85,17 +93,44 @@ def test_two_processes_match_one_and_checkpoints_move_between_them(tmp_path):
     assert sorted(want) == list(range(1, 9))
 
     # Two processes, 5 steps: the same losses; only process 0 writes the run directory's logs.
-    two = two_processes(config, f"train.output_dir={runs}", "train.run_name=two")
+    # Each also saves its shards to a local tier at steps 2 and 4 (persistent: 3 and 5).
+    local = tmp_path / "node-local"
+    tiers = [
+        f"checkpoint.local_dir={local}",
+        "checkpoint.local_every_steps=2",
+        "checkpoint.async_save=true",
+    ]
+    two = two_processes(
+        config, f"train.output_dir={runs}", "train.run_name=two", "checkpoint.every_steps=3", *tiers
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     assert sorted(losses(runs / "two")) == [1, 2, 3, 4, 5]
     assert_close(losses(runs / "two"), want, range(1, 6))
+    assert sorted(p.name for p in (local / "two").iterdir()) == ["process_0", "process_1"]
     printed = [line for line in two.stdout.splitlines() if "step 5/5" in line]
     assert printed and all(line.startswith("[0] ") for line in printed), printed
     assert len(list((runs / "two" / "tensorboard").iterdir())) == 1  # one event file
     assert (runs / "two" / "checkpoints" / "5").is_dir()
 
-    # The 2-process checkpoint resumes in one process, and says the topology changed.
+    # A copy for the 4-device resume below.
     shutil.copytree(runs / "two", runs / "four")
+
+    # Without step 5 the local step 4 is newer than the persistent step 3, but process 1's part
+    # of it is gone (its host's disk): two processes resume from the persistent tier, and the
+    # losses and grad norms of steps 4 and 5 are bitwise those computed before.
+    before = figures(runs / "two", [4, 5])
+    shutil.rmtree(runs / "two" / "checkpoints" / "5")
+    shutil.rmtree(local / "two" / "process_1")
+    again = two_processes(config, f"train.output_dir={runs}", "train.run_name=two", *tiers)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from step 3 (" in again.stderr, again.stderr[-3000:]
+    skipped = (
+        "local checkpoint step 4 skipped: not complete on every process (missing on process 1)"
+    )
+    assert skipped in again.stderr, again.stderr[-3000:]
+    assert figures(runs / "two", [4, 5]) == before
+
+    # The 2-process checkpoint resumes in one process, and says the topology changed.
     resumed = one_process(config, f"train.output_dir={runs}", "train.run_name=two", "train.steps=8")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from step 5" in resumed.stderr

@@ -2,7 +2,8 @@
 
 Modules: `rundir` (what a run writes, `--restart`, config history), `lock` (one writer per
 run), `checkpoint` (orbax, the only module that imports it: async saves, sealed steps,
-checksums, restore), `pinned` (the inputs a run started with), `paths` (output paths checked
+checksums, restore), `local_tier` (the node-local checkpoint tier beside the run directory's),
+`pinned` (the inputs a run started with), `paths` (output paths checked
 before work), `remote` and `sync` (a URL `train.output_dir`: the local mirror, uploads after
 each checkpoint), `runmodel` (a trained run's model and tokenizer, for generate and eval).
 

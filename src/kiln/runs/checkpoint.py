@@ -94,11 +94,16 @@ def _array_handler() -> None:
         ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
 
 
-def _manager(directory: Path, cfg: CheckpointConfig | None, *, read_only: bool = False):
+def _manager(
+    directory: Path, cfg: CheckpointConfig | None, *, read_only: bool = False, local: bool = False
+):
+    """orbax's manager of `directory`; `local`: a node-local directory of this process alone."""
     logging.getLogger("absl").addFilter(_QUIET_ORBAX)  # once: addFilter skips a repeat
     _array_handler()
     if not getattr(sys.unraisablehook, "kiln_quiet", False):
         sys.unraisablehook = _quiet_closed_loops(sys.unraisablehook)
+    if local:
+        return _local_manager(directory, cfg, read_only)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=cfg.keep if cfg else None,
         keep_period=cfg.keep_every if cfg else None,
@@ -108,6 +113,55 @@ def _manager(directory: Path, cfg: CheckpointConfig | None, *, read_only: bool =
         read_only=read_only,
     )
     return ocp.CheckpointManager(directory, options=options, item_names=("state", "data"))
+
+
+def _local_manager(directory: Path, cfg: CheckpointConfig | None, read_only: bool):
+    """A manager that only this process calls (its barriers wait for no other), writing every
+    shard this process holds (one copy of each) and committing its step on its own: the shape of
+    orbax's emergency local manager, whose slice and replica-axis machinery kiln does not need."""
+    me = jax.process_index()
+    processes = ocp.options.MultiprocessingOptions(
+        primary_host=None, active_processes={me}, barrier_sync_key_prefix=f"kiln-local-{me}"
+    )
+    arrays = ocp.type_handlers.ArrayHandler(
+        primary_host=None, replica_id=None, use_replica_parallel=False
+    )
+    registry = ocp.type_handlers.create_type_handler_registry((jax.Array, arrays))
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=cfg.local_keep if cfg else None,
+        enable_async_checkpointing=bool(cfg and cfg.async_save),
+        cleanup_tmp_directories=not read_only,
+        create=False,  # orbax refuses it with active_processes: the caller makes the directory
+        read_only=read_only,
+        multiprocessing_options=processes,
+        save_root_metadata=False,
+        # orbax signals an asynchronously created directory under a key of the key-value store
+        # that every process shares, named by the save's operation number alone: another
+        # process's local save of the same number would tell this one its directory is there.
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+    )
+    handlers = {
+        "state": ocp.PyTreeCheckpointHandler(
+            multiprocessing_options=processes, type_handler_registry=registry
+        ),
+        "data": ocp.JsonCheckpointHandler(multiprocessing_options=processes),
+    }
+    return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+
+
+def _save_args(state, data_state, local: bool):
+    state_args = ocp.args.PyTreeSave(state) if local else ocp.args.StandardSave(state)
+    return ocp.args.Composite(state=state_args, data=ocp.args.JsonSave(dict(data_state or {})))
+
+
+def _restore_args(abstract, local: bool):
+    if not local:
+        return ocp.args.StandardRestore(abstract)
+    restore_args = jax.tree.map(
+        lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype),
+        abstract,
+    )
+    return ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args)
 
 
 def abstract_like(tree, shardings=None):
@@ -121,12 +175,21 @@ def abstract_like(tree, shardings=None):
 
 class Checkpointer:
     """Saves a run's state and data-iterator state under `run_dir/checkpoints`, each step sealed
-    by a manifest of checksums once orbax has committed it (in the background when async)."""
+    by a manifest of checksums once orbax has committed it (in the background when async).
 
-    def __init__(self, run_dir: Path, cfg: CheckpointConfig):
-        self.directory = Path(run_dir).absolute() / "checkpoints"
+    With `local_directory`, the node-local tier instead: this process's shards alone, in that
+    directory (made here), sealed by this process.
+    """
+
+    def __init__(self, run_dir: Path, cfg: CheckpointConfig, local_directory: Path | None = None):
+        self.local = local_directory is not None
+        if self.local:
+            self.directory = Path(local_directory).absolute()
+            self.directory.mkdir(parents=True, exist_ok=True)
+        else:
+            self.directory = Path(run_dir).absolute() / "checkpoints"
         self.cfg = cfg
-        self._mgr = _manager(self.directory, cfg)
+        self._mgr = _manager(self.directory, cfg, local=self.local)
         self._pending: int | None = None  # the step of the latest save started
         self._sealer: threading.Thread | None = None
         self._seal_error: BaseException | None = None
@@ -144,8 +207,15 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self._mgr.all_steps())
 
-    def save(self, step: int, state, data_state: Mapping[str, Any] | None) -> None:
+    def save(
+        self,
+        step: int,
+        state,
+        data_state: Mapping[str, Any] | None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
         """Start saving (in the background when async); a save at an existing step is a no-op.
+        `metadata` is kept in orbax's metadata of the step (`step_metadata`).
 
         RunStopped (one line) if the directory cannot be written or an earlier background save
         failed: orbax would otherwise fail in a thread and wait minutes for the lost signal.
@@ -157,15 +227,11 @@ class Checkpointer:
         with self._failures(step):
             # A probe, so that a read-only or vanished directory stops the run here and now.
             os.rmdir(tempfile.mkdtemp(prefix=".kiln-probe-", dir=self.directory))
-            args = ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=ocp.args.JsonSave(dict(data_state or {})),
-            )
-            self._mgr.save(
-                step, args=args, force=True, custom_metadata={**self.metadata, SEALED: 1}
-            )
+            args = _save_args(state, data_state, self.local)
+            meta = {**self.metadata, **(metadata or {}), SEALED: 1}
+            self._mgr.save(step, args=args, force=True, custom_metadata=meta)
         self._pending = step
-        if jax.process_index() != 0:
+        if not self.local and jax.process_index() != 0:
             return
         if self.cfg.async_save:
             self._sealer = threading.Thread(
@@ -227,7 +293,7 @@ class Checkpointer:
             yield
         except Exception as e:
             what = self.directory / str(step)
-            kept = latest_complete_step(self.directory)
+            kept = latest_complete_step(self.directory, local=self.local)
             code = re.search(r"os_error_code='(\d+)'", str(e))  # tensorstore's errors
             if not isinstance(e, OSError) and code:
                 e = OSError(int(code[1]), os.strerror(int(code[1])))
@@ -238,12 +304,12 @@ class Checkpointer:
             ) from None
 
 
-def complete_steps(directory: Path) -> list[int]:
+def complete_steps(directory: Path, *, local: bool = False) -> list[int]:
     """Steps orbax finished in `directory`, newest first, without a save that never sealed."""
     directory = Path(directory).absolute()
     if not directory.is_dir():
         return []
-    mgr = _manager(directory, None, read_only=True)
+    mgr = _manager(directory, None, read_only=True, local=local)
     try:
         steps = sorted(mgr.all_steps(), reverse=True)
         return [s for s in steps if has_manifest(directory / str(s)) or not _sealed(mgr, s)]
@@ -251,23 +317,10 @@ def complete_steps(directory: Path) -> list[int]:
         mgr.close()
 
 
-def latest_complete_step(directory: Path) -> int | None:
+def latest_complete_step(directory: Path, *, local: bool = False) -> int | None:
     """Newest finished checkpoint in `directory` (None if there is none); creates nothing."""
-    steps = complete_steps(directory)
+    steps = complete_steps(directory, local=local)
     return steps[0] if steps else None
-
-
-def saved_metadata(directory: Path, step: int) -> dict[str, Any]:
-    """What `Checkpointer.metadata` held when `step` was saved ({} if unreadable or none)."""
-    mgr = _manager(Path(directory).absolute(), None, read_only=True)
-    try:
-        found = dict(mgr.metadata(step).custom_metadata or {})
-    except Exception:  # damaged metadata: the restore's own checks judge the step
-        return {}
-    finally:
-        mgr.close()
-    found.pop(SEALED, None)
-    return found
 
 
 def _sealed(mgr, step: int) -> bool:
@@ -309,8 +362,27 @@ def _array_shapes(directory: Path, step: int) -> dict[str, tuple[int, ...]]:
         ) from None
 
 
+def step_metadata(directory: Path, step: int, *, local: bool = False) -> dict[str, Any]:
+    """What `Checkpointer.metadata` held and `Checkpointer.save` was given as `metadata` when
+    `step` was saved ({} if unreadable)."""
+    mgr = _manager(Path(directory).absolute(), None, read_only=True, local=local)
+    try:
+        return dict(mgr.metadata(step).custom_metadata or {})
+    except Exception:  # damaged or missing metadata: the restore's checks say which
+        return {}
+    finally:
+        mgr.close()
+
+
 def _restore_step(
-    mgr, directory: Path, step: int, abstract, *, checksums: bool, what: str | None = None
+    mgr,
+    directory: Path,
+    step: int,
+    abstract,
+    *,
+    checksums: bool,
+    what: str | None = None,
+    local: bool = False,
 ):
     """(state tree, data state) of one step, checked; CheckpointDamaged or KilnError if not.
 
@@ -336,9 +408,7 @@ def _restore_step(
         state = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
         args = ocp.args.Composite(state=state)
     else:
-        args = ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()
-        )
+        args = ocp.args.Composite(state=_restore_args(abstract, local), data=ocp.args.JsonRestore())
     try:
         restored = mgr.restore(step, args=args)
     except Exception as e:  # files vouched for (or structure matched) but unreadable: damage
@@ -365,6 +435,19 @@ def restore(
         return _restore_step(mgr, directory, step, abstract_state, checksums=checksums)
     except CheckpointDamaged as e:
         raise damaged(directory, step, str(e)) from None
+    finally:
+        mgr.close()
+
+
+def restore_local(
+    directory: Path, step: int, abstract_state, *, checksums: bool
+) -> tuple[Any, dict[str, Any]]:
+    """(state, data state) of step `step` of this process's node-local `directory`: the shards
+    of `abstract_state` this process holds. CheckpointDamaged if its files are not as written."""
+    directory = Path(directory).absolute()
+    mgr = _manager(directory, None, read_only=True, local=True)
+    try:
+        return _restore_step(mgr, directory, step, abstract_state, checksums=checksums, local=True)
     finally:
         mgr.close()
 

@@ -28,6 +28,11 @@ def check_output_paths(config: Config) -> None:
     check_path_length(run_dir, "train.output_dir/train.run_name", RUN_DIR_RESERVE)
     if run_dir.exists() or run_dir.is_symlink():
         check_creatable(run_dir, "train.run_name")
+    if config.checkpoint.local_dir is not None:  # node-local: every process probes its own
+        check_creatable(
+            Path(config.checkpoint.local_dir).expanduser() / config.train.run_name,
+            "checkpoint.local_dir",
+        )
     if any(s.source in _CACHED_SOURCES for _, s in config.data.mixture()):
         cache = config.data.cache_dir
         root = Path(cache).expanduser() if cache else output_dir / ".cache"

@@ -15,6 +15,7 @@ from typing import Any
 
 from kiln.config import Config
 from kiln.errors import KilnError
+from kiln.runs import local_tier
 from kiln.runs.checkpoint import latest_complete_step
 
 PINNED = "inputs.json"
@@ -23,7 +24,8 @@ PINNED = "inputs.json"
 def recorded(config: Config) -> dict[str, Any] | None:
     """The inputs this run was started with, if it is being resumed and recorded them."""
     path = config.run_dir / PINNED
-    if not path.is_file() or latest_complete_step(config.run_dir / "checkpoints") is None:
+    saved = latest_complete_step(config.run_dir / "checkpoints") is not None
+    if not path.is_file() or not (saved or local_tier.own_steps(config)):
         return None
     try:
         inputs = json.loads(path.read_text())

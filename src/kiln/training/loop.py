@@ -16,6 +16,7 @@ from jax.experimental import multihost_utils
 
 from kiln.config import Config
 from kiln.errors import RunStopped
+from kiln.runs import local_tier
 from kiln.runs.checkpoint import Checkpointer
 from kiln.training import goodput
 from kiln.training.console import Summary, next_commands
@@ -130,9 +131,11 @@ class Loop:
     logger: MetricsLogger
     flops_per_token: float
     evaluate: Callable[[Any], dict[str, float]] | None = None
+    local: Checkpointer | None = None  # the node-local tier (checkpoint.local_dir)
     started: float | None = None  # perf_counter() at start-up, for the time to the first step
     clock: goodput.Clock = field(default_factory=goodput.Clock)  # where this attempt's time goes
     goodput_base: dict[str, float] = field(default_factory=dict)  # earlier attempts' figures
+    _local_identity: dict[str, Any] | None = field(default=None, init=False)
 
     def run(self, state):
         cfg = self.config
@@ -153,7 +156,12 @@ class Loop:
         self._evals: dict[int, dict[str, float]] = {}  # eval figures waiting for their step's row
         self._held: tuple[int, dict[str, float]] | None = None  # a row written after a save
         skips, pending = 0, None  # pending: (step, metrics on device), read one step late
-        saved_before = self.ckpt.latest_step()  # complete: a save of this run is still to come
+        # Complete: a save of this run is still to come (the local tier holds at most the step
+        # the run resumed from).
+        saved_before = max(
+            (s for s in (self.ckpt.latest_step(), self.local and self.local.latest_step()) if s),
+            default=None,
+        )
         way_back = lambda: self._way_back(saved_before)  # noqa: E731
         # Process 0 seals the checkpoints: the others do not know which one is the last.
         sealer = jax.process_index() == 0
@@ -183,6 +191,8 @@ class Loop:
                 with untimed("other", "writing a profiler trace", profile.edge(step)):
                     profile.after(step, (state, metrics))
                 self.ckpt.check()  # a failed background save stops the run now, not later
+                if self.local is not None:
+                    self.local.check()
                 if pending is not None:
                     watchdog.set_doing(f"waiting for the result of step {pending[0]}")
                     skips = skips + 1 if self._finish(*pending, clock) else 0
@@ -200,6 +210,9 @@ class Loop:
                 if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
                     with untimed("checkpoint", f"saving the checkpoint of step {step}"):
                         self._save(state)
+                elif self._local_due(step):  # a step saved persistently is not saved locally
+                    with untimed("checkpoint", f"saving the local checkpoint of step {step}"):
+                        self._save_local(state)
                 watchdog.set_doing(f"agreeing whether to stop after step {step}")
                 if stop_due(stop, step):
                     watchdog.set_doing(f"waiting for the result of step {step}")
@@ -249,9 +262,12 @@ class Loop:
             self.clock.enter("step")
 
     def _last_saved(self, saved_before: int | None) -> int | None:
-        """The step of the newest checkpoint on disk: this run's last sealed save, or the one
-        it started from."""
-        return self.ckpt.sealed if self.ckpt.sealed is not None else saved_before
+        """The step of the newest checkpoint on disk: this run's last sealed save (the local tier's
+        as sealed by this process), or the one it started from."""
+        saved = self.ckpt.sealed if self.ckpt.sealed is not None else saved_before
+        if self.local is not None and self.local.sealed is not None:
+            saved = max(saved or 0, self.local.sealed)
+        return saved
 
     def _way_back(self, saved_before: int | None) -> str:
         """What running the command again does after an exit without a checkpoint."""
@@ -285,6 +301,18 @@ class Loop:
 
     def _save(self, state) -> None:
         self.ckpt.save(int(state.step), checkpoint_tree(state), self.batches.get_state())
+
+    def _local_due(self, step: int) -> bool:
+        """A local save at `step`: not at the last step, which the persistent tier saves."""
+        every = self.config.checkpoint.local_every_steps
+        last = step == self.config.train.steps
+        return self.local is not None and every > 0 and step % every == 0 and not last
+
+    def _save_local(self, state) -> None:
+        tree = checkpoint_tree(state)
+        if self._local_identity is None:  # the same shards at every step
+            self._local_identity = local_tier.identity(self.config, tree)
+        self.local.save(int(state.step), tree, self.batches.get_state(), self._local_identity)
 
     def _finish(self, step: int, metrics, clock: StepClock, hold: bool = False) -> bool:
         """Fetch a dispatched step's metrics and log them when due; returns whether it skipped.

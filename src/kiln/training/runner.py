@@ -26,7 +26,7 @@ from kiln.model import check_state_memory
 from kiln.model.attention import check as check_attention
 from kiln.parallel.distributed import initialize
 from kiln.parallel.mesh import describe_topology, make_mesh, topology
-from kiln.runs import pinned
+from kiln.runs import local_tier, pinned
 from kiln.runs import sync as run_sync
 from kiln.runs.checkpoint import (
     Checkpointer,
@@ -34,7 +34,7 @@ from kiln.runs.checkpoint import (
     latest_complete_step,
     restore_newest_intact,
     restore_params,
-    saved_metadata,
+    step_metadata,
 )
 from kiln.runs.lock import RunLock
 from kiln.runs.paths import check_output_paths
@@ -154,26 +154,49 @@ def open_run_dir(
     return is_main, note
 
 
-def resume_notes(config: Config, restart: bool = False) -> list[str]:
+def newest_checkpoint(config: Config) -> int | None:
+    """The newest step complete in either tier: the run directory's checkpoints, or the local
+    tier on every process (a collective with several processes)."""
+    steps = [latest_complete_step(config.run_dir / "checkpoints")]
+    steps.append(next(iter(local_tier.agreed_steps(config)[0]), None))
+    return max((s for s in steps if s is not None), default=None)
+
+
+def resume_notes(config: Config, restart: bool = False, latest: int | None = None) -> list[str]:
     """What changed since the earlier invocation of this run (KilnError if it may not change,
     checkpoint or not); then whether the run has anything to do
-    (`kiln.training.resume.check_start`)."""
+    (`kiln.training.resume.check_start`). `latest`: the newest checkpoint (`newest_checkpoint`)."""
     if restart:
         return []
     previous = previous_config(config.run_dir)
-    latest = latest_complete_step(config.run_dir / "checkpoints")
     changes = resume_changes(previous, config, latest is not None) if previous else []
     check_start(config, previous, latest)
     return [f"changed on resume: {c}" for c in changes]
 
 
-def restore_latest(config: Config, state, batches, mesh) -> tuple[Any, list[str], list[int]]:
+def restore_latest(config: Config, state, batches, mesh) -> tuple[Any, list[str], list[int], bool]:
     """`state` and the data iterator from the run's newest intact checkpoint, if there is one;
-    also a note per damaged newer checkpoint skipped, and their steps (set aside by run_loop).
+    also a note per damaged newer checkpoint skipped, their steps (set aside by run_loop), and
+    whether the state came from the local tier (`kiln.runs.local_tier`): its newest step complete
+    on every process, when newer than the persistent tier's.
+
     A checkpoint saved on another topology than `mesh`'s (processes, devices, mesh shape) says
     so in its note: the state and data order carry over, the sums of a step change order."""
     directory = config.run_dir / "checkpoints"
     notes, skipped = [], []
+    abstract = abstract_like(checkpoint_tree(state))
+    if config.checkpoint.local_dir is not None:
+        found, notes = local_tier.restore_newest(config, abstract, latest_complete_step(directory))
+        if found is not None:
+            step, tree, data_state = found
+            batches.set_state(data_state)
+            where = local_tier.tier_root(config) / f"process_<i>/{step}"
+            return (
+                state.replace(**tree),
+                [f"resuming from step {step} (local checkpoint tier {where})", *notes],
+                [],
+                True,
+            )
 
     def skip(step: int, reason: str) -> None:
         skipped.append(step)
@@ -182,25 +205,24 @@ def restore_latest(config: Config, state, batches, mesh) -> tuple[Any, list[str]
             f"moved to {config.run_dir / 'damaged-checkpoints'}"
         )
 
-    abstract = abstract_like(checkpoint_tree(state))
     found = restore_newest_intact(
         directory, abstract, checksums=config.checkpoint.verify, skipped=skip
     )
     if found is None:
-        return state, notes, skipped
+        return state, notes, skipped, False
     step, tree, data_state = found
     state = state.replace(**tree)
     if data_state:  # empty for a checkpoint of `kiln import-hf`: data from the start
         batches.set_state(data_state)
     resuming = [f"resuming from step {step} ({directory / str(step)})"]
-    saved, now = saved_metadata(directory, step).get("topology"), topology(mesh)
+    saved, now = step_metadata(directory, step).get("topology"), topology(mesh)
     if saved is not None and saved != now:
         try:
             was = describe_topology(saved)
         except (AttributeError, KeyError, TypeError, ZeroDivisionError):  # written by another kiln
             was = f"{saved!r}"
         resuming.append(f"resuming on another topology: {was} -> {describe_topology(now)}")
-    return state, [*resuming, *notes], skipped
+    return state, [*resuming, *notes], skipped, False
 
 
 @dataclass
@@ -220,6 +242,7 @@ class PreparedRun:
     lock: RunLock  # held by process 0 (taken in `prepare_run` or, for a new run, `run_loop`)
     eval_tasks: list = field(default_factory=list)  # train.eval_tasks, read and tokenized
     damaged: list[int] = field(default_factory=list)  # steps to set aside
+    from_local: bool = False  # the state was restored from the local checkpoint tier
     inputs: dict[str, Any] = field(default_factory=dict)  # pinned in inputs.json
     restart_to: Path | None = None  # `--restart`: where the earlier run is moved
     sync: run_sync.RunSync | None = None  # a URL train.output_dir: the mirror's link to it
@@ -311,9 +334,9 @@ def prepare_run(
 def _prepare(config, build, command, check, lock, started, restart, wrap, clock) -> PreparedRun:
     # These read only metrics.jsonl, config.yaml and the checkpoint steps.
     check_entries(config.run_dir, restart)
-    notes = resume_notes(config, restart)  # a changed model is refused, checkpoint or not
-    checkpoints = config.run_dir / "checkpoints"
-    over = None if restart else starts_over(config.run_dir, latest_complete_step(checkpoints))
+    latest = None if restart else newest_checkpoint(config)  # in either tier
+    notes = resume_notes(config, restart, latest)  # a changed model is refused, checkpoint or not
+    over = None if restart else starts_over(config.run_dir, latest)
     if over is not None:  # a new start, not a resume: nothing "changed on resume"
         notes, restart = [], True
     mesh = make_mesh(config)
@@ -339,8 +362,8 @@ def _prepare(config, build, command, check, lock, started, restart, wrap, clock)
         why = over or "--restart"
         notes.append(f"{why}: the earlier run in {config.run_dir} moves to {restart_to}")
     with clock.within("checkpoint"):
-        state, resumed, damaged = (
-            (state, [], []) if restart else restore_latest(config, state, batches, mesh)
+        state, resumed, damaged, from_local = (
+            (state, [], [], False) if restart else restore_latest(config, state, batches, mesh)
         )
     batches = FirstRead(batches)  # the first batch to train on, read before anything is written
     source = config.checkpoint.load_params_from
@@ -373,6 +396,7 @@ def _prepare(config, build, command, check, lock, started, restart, wrap, clock)
         lock,
         eval_tasks,
         damaged,
+        from_local,
         {**datasets.inputs, **objective.pinned_inputs()},
         restart_to,
         carry_from=None if over is None or restart_to is None else restart_to / "metrics.jsonl",
@@ -402,6 +426,14 @@ def run_loop(run: PreparedRun):
         if isinstance(e, OSError):
             raise write_error(e, config.run_dir / "checkpoints") from None
         raise
+    try:
+        local = local_tier.open_tier(config, int(run.state.step) if run.from_local else None)
+    except BaseException as e:
+        _close_all((ckpt.close, run.lock.release), failing=True)
+        if isinstance(e, OSError):
+            raise write_error(e, e.filename or local_tier.tier_root(config)) from None
+        raise
+    closers = (ckpt.close,) if local is None else (ckpt.close, local.close)
     base = {}
     try:
         if is_main:  # before the rows after the restored step are dropped: they tell work lost
@@ -415,7 +447,7 @@ def run_loop(run: PreparedRun):
             started=run.started,
         )
     except BaseException:
-        _close_all((ckpt.close, run.lock.release), failing=True)
+        _close_all((*closers, run.lock.release), failing=True)
         raise
     failing = True
     try:
@@ -447,6 +479,7 @@ def run_loop(run: PreparedRun):
             place=lambda batch: train.place_batch(batch, mesh, config),
             batches=run.batches,
             ckpt=ckpt,
+            local=local,
             logger=logger,
             flops_per_token=run.objective.flops_per_token(),
             evaluate=eval_fn,
@@ -459,7 +492,7 @@ def run_loop(run: PreparedRun):
         return state
     finally:
         push = () if run.sync is None else (run.sync.push,)  # after the last save and rows
-        _close_all((ckpt.close, logger.close, *push, run.lock.release), failing=failing)
+        _close_all((*closers, logger.close, *push, run.lock.release), failing=failing)
 
 
 def _close_all(closers, *, failing: bool) -> None:

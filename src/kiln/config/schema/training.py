@@ -11,7 +11,7 @@ from pydantic import Field
 from kiln.config.schema.base import INT32_MAX, Z_LOSS_MAX, Count, PositiveInt, Section, Seed
 from kiln.data.eval_tasks import parse_tasks
 from kiln.errors import KilnError
-from kiln.util.storage import local_dir, local_or_url
+from kiln.util.storage import local_dir, local_or_url, scheme
 
 # Bytes of one directory name that filesystems commonly allow (Linux, macOS, Windows' NTFS).
 NAME_MAX = 255
@@ -350,6 +350,17 @@ class CheckpointConfig(Section):
         description="At restore, check every file of a checkpoint against the CRC-32 recorded "
         "when it was saved (false: only that each file is there with its size).",
     )
+    local_dir: str | None = Field(
+        None,
+        description="Node-local directory (each host its own, e.g. a local SSD) for frequent checkpoints beside the persistent ones: each process saves the shards it holds, with the data iterator's state, to local_dir/<train.run_name>/process_<i>/<step>/. A resume takes the newest step complete on every process in either tier. A local path, not a URL.",
+    )
+    local_every_steps: Count = Field(
+        0,
+        description="Steps between local checkpoints (needs checkpoint.local_dir); 0 = none. A step that is also a persistent save (checkpoint.every_steps) is saved to the persistent tier only.",
+    )
+    local_keep: PositiveInt = Field(
+        2, description="How many latest local checkpoints each process keeps."
+    )
     load_params_from: str | None = Field(
         None,
         description="Initialise parameters (only) from this run directory or checkpoint; a URL (gs://, s3://, ...) is mirrored into {train.output_dir}/.cache/remote-runs/ first. The optimizer starts fresh.",
@@ -359,3 +370,24 @@ class CheckpointConfig(Section):
     @classmethod
     def _source(cls, value: str | None) -> str | None:
         return local_or_url(value)
+
+    @pydantic.field_validator("local_dir")
+    @classmethod
+    def _node_local(cls, value: str | None) -> str | None:
+        if value is not None and scheme(value) not in (None, "file"):
+            raise ValueError(
+                f"a {scheme(value)}:// URL; allowed: a directory on this host's own disk (a "
+                "local path or file:// URL), the persistent tier being checkpoint.every_steps "
+                "under train.output_dir"
+            )
+        return local_dir(value, "checkpoint.local_dir")
+
+    @pydantic.model_validator(mode="after")
+    def _local_tier(self) -> CheckpointConfig:
+        if self.local_every_steps and self.local_dir is None:
+            raise ValueError(
+                f"checkpoint.local_every_steps is {self.local_every_steps} but "
+                "checkpoint.local_dir is not set; allowed: a node-local checkpoint.local_dir, or "
+                "checkpoint.local_every_steps: 0"
+            )
+        return self
