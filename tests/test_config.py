@@ -118,6 +118,11 @@ def test_config_is_frozen():
         (["distillation.beta=-1"], "distillation.beta"),
         (["distillation.balance=static"], "distillation.balance"),
         (["mesh.rules.batch=[data,data]"], "repeats a mesh axis"),
+        (
+            ["checkpoint.local_every_steps=10"],
+            "checkpoint.local_every_steps is 10 but checkpoint.local_dir is not set",
+        ),
+        (["checkpoint.local_dir=gs://b/ckpt"], "checkpoint.local_dir: got 'gs://b/ckpt'; a gs://"),
         (["loss.vocab_chunk_size=100"], "loss.vocab_chunk_size"),
         (["loss.schedule=blocked"], "loss.schedule"),
         (
@@ -364,6 +369,14 @@ def test_cli_run_name_is_one_path_component(tmp_path, name):
     proc = kiln_main("train", cfg, f"train.run_name={name}")
     assert_user_error(proc, f"train.run_name: got {name!r}", "single directory name")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]  # nothing written
+
+
+def test_cli_local_dir_that_cannot_be_written_exits_2_before_anything_is_written(tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", train={"output_dir": str(tmp_path / "runs")})
+    (tmp_path / "file").write_text("")
+    proc = kiln_main("train", cfg, f"checkpoint.local_dir={tmp_path / 'file' / 'local'}")
+    assert_user_error(proc, "checkpoint.local_dir: ", f"{tmp_path / 'file'} is not a directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml", "file"]  # nothing written
 
 
 @pytest.mark.parametrize(

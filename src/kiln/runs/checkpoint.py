@@ -293,15 +293,15 @@ class Checkpointer:
             yield
         except Exception as e:
             what = self.directory / str(step)
-            kept = latest_complete_step(self.directory, local=self.local)
+            # The local tier's newest step may be older than the run's newest checkpoint.
+            kept = "" if self.local else latest_complete_step(self.directory)
             code = re.search(r"os_error_code='(\d+)'", str(e))  # tensorstore's errors
             if not isinstance(e, OSError) and code:
                 e = OSError(int(code[1]), os.strerror(int(code[1])))
             if isinstance(e, OSError):
                 raise write_error(e, what, kept) from None
-            raise RunStopped(
-                f"saving {what} failed: {first_line(e)} (last complete checkpoint: {kept})"
-            ) from None
+            newest = "" if self.local else f" (last complete checkpoint: {kept})"
+            raise RunStopped(f"saving {what} failed: {first_line(e)}{newest}") from None
 
 
 def complete_steps(directory: Path, *, local: bool = False) -> list[int]:
