@@ -162,12 +162,15 @@ def newest_checkpoint(config: Config) -> int | None:
     return max((s for s in steps if s is not None), default=None)
 
 
-def resume_notes(config: Config, restart: bool = False, latest: int | None = None) -> list[str]:
+def resume_notes(config: Config, restart: bool = False, latest: Any = ...) -> list[str]:
     """What changed since the earlier invocation of this run (KilnError if it may not change,
     checkpoint or not); then whether the run has anything to do
-    (`kiln.training.resume.check_start`). `latest`: the newest checkpoint (`newest_checkpoint`)."""
+    (`kiln.training.resume.check_start`). `latest`: the newest checkpoint, if known
+    (`newest_checkpoint`, a collective with several processes)."""
     if restart:
         return []
+    if latest is ...:
+        latest = newest_checkpoint(config)
     previous = previous_config(config.run_dir)
     changes = resume_changes(previous, config, latest is not None) if previous else []
     check_start(config, previous, latest)
