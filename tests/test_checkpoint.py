@@ -13,6 +13,7 @@ import pytest
 
 from conftest import assert_user_error, communicate, kiln_main, start_kiln, wait_until, write_config
 from kiln.config import load_config
+from kiln.runs import local_tier
 from kiln.runs.checkpoint import latest_complete_step, restore
 from kiln.training import train
 from kiln.training.loop import checkpoint_tree
@@ -245,6 +246,10 @@ def test_kill_9_between_a_local_and_a_persistent_save_resumes_from_the_local_tie
     # The tier keeps the newest local saves (checkpoint.local_keep: 2); step 12, the last, is
     # saved persistently only.
     assert sorted(int(p.name) for p in tier.glob("[0-9]*")) == [10, 11]
+    # They belong to this run directory while it exists: one deleted by hand starts over.
+    assert local_tier.own_steps(load_config(config)) == [11, 10]
+    shutil.rmtree(run_dir)
+    assert local_tier.own_steps(load_config(config)) == []
 
 
 ROUTED = {"num_experts": 4, "experts_per_token": 2, "d_ff_expert": 16, "balance": "aux_free"}

@@ -89,9 +89,10 @@ def identity(config: Config, tree) -> dict[str, Any]:
 
 
 def own_steps(config: Config) -> list[int]:
-    """This process's complete local steps of this run and process count, newest first."""
+    """This process's complete local steps of this run and process count, newest first; none
+    for a run directory without its config.yaml (deleted by hand: a new run of the same path)."""
     root = tier_root(config)
-    if root is None:
+    if root is None or not (config.run_dir / "config.yaml").is_file():
         return []
     directory = process_dir(root)
     out = []
