@@ -161,7 +161,7 @@ def restore_newest(
                     "it holds other shards than this process needs (another mesh or sharding)"
                 )
             found = restore_local(directory, step, abstract, checksums=config.checkpoint.verify)
-        except CheckpointDamaged as e:
+        except KilnError as e:  # damage, or a model that does not match: the others must hear
             reason = str(e)
             if jax.process_index() != 0:  # process 0's reason is in the note below
                 print(f"kiln: local checkpoint step {step} unusable here: {e}", file=sys.stderr)
