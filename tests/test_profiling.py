@@ -79,7 +79,8 @@ def test_a_second_start_reads_the_cache_and_a_resume_continues_the_trace(tmp_pat
     args = [
         "configs/tiny.yaml", f"train.output_dir={tmp_path}", "data.source=synthetic",
         "data.paths=[]", "model.num_layers=2", "optim.warmup_steps=0", "train.eval_every_steps=0",
-        "train.log_every_steps=2", "checkpoint.every_steps=0",
+        "train.log_every_steps=2", "checkpoint.every_steps=0", "train.eval_tasks=[]",
+        "model.d_model=32", "model.d_ff=64", "data.seq_len=16", "train.global_batch_size=8",
         "optim.schedule=constant",  # extended below: a cosine decay may not be stretched on resume
     ]  # fmt: skip
     first = kiln_main("train", *args, "train.steps=4", "train.profile_steps=[3,4]", cwd=REPO)
