@@ -121,15 +121,15 @@ def test_the_summary_gives_the_state_in_the_gb_of_the_compiled_figures():
 
 def test_the_peak_buffers_sample_names_the_line_of_the_layer_scan():
     """docs/scaling.md's `--peak-buffers` sample: the stacked outputs are written at the layer
-    scan of src/kiln/model/llama/model.py (`scan_blocks`), and the source line it quotes is
+    scan of src/kiln/model/llama/layers.py (`scan_blocks`), and the source line it quotes is
     that call's line today (rerun the sample's command when the scan moves)."""
-    source = (REPO / "src" / "kiln" / "model" / "llama" / "model.py").read_text().splitlines()
+    source = (REPO / "src" / "kiln" / "model" / "llama" / "layers.py").read_text().splitlines()
     start = source.index(next(line for line in source if line.startswith("def scan_blocks(")))
     end = next(i for i in range(start + 1, len(source)) if source[i].startswith("def "))
     scans = [i + 1 for i in range(start, end) if "jax.lax.scan(" in source[i]]
     assert len(scans) == 1, scans
     quoted = re.findall(
-        r"src/kiln/model/llama/model\.py:(\d+)", (REPO / "docs/scaling.md").read_text()
+        r"src/kiln/model/llama/layers\.py:(\d+)", (REPO / "docs/scaling.md").read_text()
     )
     assert quoted and set(map(int, quoted)) == set(scans), (quoted, scans)
 

@@ -29,7 +29,7 @@ from kiln.config import ModelConfig
 from kiln.model.attention import attention, cached_attention, causal_attention
 from kiln.model.interface import DTYPES
 from kiln.model.llama import RMSNorm
-from kiln.model.llama.model import _HEADS, _KV_HEADS, _param
+from kiln.model.llama.layers import HEADS, KV_HEADS, param
 from kiln.model.project import project
 from kiln.parallel.mesh import constrain
 
@@ -135,20 +135,20 @@ class LatentAttention(nnx.Module):
         heads, into = ("embed", "heads", "head_dim"), ("embed",)
         latent_cfg = cfg.model_copy(update={"norm_eps": LATENT_EPS})
         if ds.q_lora_rank is None:
-            self.wq = _param(rngs, cfg, (d, n, a + p), heads, "matrix", into)
+            self.wq = param(rngs, cfg, (d, n, a + p), heads, "matrix", into)
             self.wq_a = self.q_norm = self.wq_b = None
         else:
             self.wq = None
             q = ds.q_lora_rank
-            self.wq_a = _param(rngs, cfg, (d, q), ("embed", None), "matrix", into)
+            self.wq_a = param(rngs, cfg, (d, q), ("embed", None), "matrix", into)
             self.q_norm = RMSNorm(q, "norm", latent_cfg)
             # The latent axis is the fan-in: split like embed (fsdp), as the other projections'.
-            self.wq_b = _param(rngs, cfg, (q, n, a + p), heads, "matrix", into)
-        self.wkv_a = _param(rngs, cfg, (d, r + p), ("embed", None), "matrix", into)
+            self.wq_b = param(rngs, cfg, (q, n, a + p), heads, "matrix", into)
+        self.wkv_a = param(rngs, cfg, (d, r + p), ("embed", None), "matrix", into)
         self.kv_norm = RMSNorm(r, "norm", latent_cfg)
-        self.wkv_b = _param(rngs, cfg, (r, n, a + v), heads, "matrix", into)
+        self.wkv_b = param(rngs, cfg, (r, n, a + v), heads, "matrix", into)
         out_of = ("heads", "head_dim")
-        self.wo = _param(rngs, cfg, (n, v, d), ("heads", "head_dim", "embed"), "matrix", out_of)
+        self.wo = param(rngs, cfg, (n, v, d), ("heads", "head_dim", "embed"), "matrix", out_of)
         self.nope, self.rank = a, r
         # Static settings; the frequencies are recomputed (in numpy) when traced.
         self.rope_settings = (p, cfg.rope_theta, yarn_settings(ds.yarn))
@@ -191,11 +191,11 @@ class LatentAttention(nnx.Module):
         q_BSNH = jnp.concatenate([q_BSNA, q_BSNP], axis=-1)
         q_BSNH = (q_BSNH * (self.scale * h**0.5)).astype(q_BSNA.dtype)
         k_BSNH = jnp.concatenate([k_BSNA, k_BSNP], axis=-1)
-        q_BSNH, k_BSNH = constrain(q_BSNH, _HEADS), constrain(k_BSNH, _KV_HEADS)
-        return q_BSNH, k_BSNH, constrain(v_BSNV, _KV_HEADS), (c_BS1R, k_BS1P)
+        q_BSNH, k_BSNH = constrain(q_BSNH, HEADS), constrain(k_BSNH, KV_HEADS)
+        return q_BSNH, k_BSNH, constrain(v_BSNV, KV_HEADS), (c_BS1R, k_BS1P)
 
     def _out(self, out_BSNV):
-        out_BSNV = checkpoint_name(constrain(out_BSNV, _HEADS), "attn_out")
+        out_BSNV = checkpoint_name(constrain(out_BSNV, HEADS), "attn_out")
         out_BSD = project("BSNV,NVD->BSD", out_BSNV, self.wo[...].astype(self.dtype))
         return checkpoint_name(out_BSD, "out_proj")
 

@@ -30,7 +30,7 @@ from kiln.model.llama import (
     RMSNorm,
     stacked_blocks,
 )
-from kiln.model.llama.model import _param
+from kiln.model.llama.layers import param
 from kiln.model.moe import MoeBlock, MoeTransformer
 from kiln.model.project import project
 from kiln.parallel.mesh import constrain
@@ -63,7 +63,7 @@ class MtpModule(nnx.Module):
         d = cfg.d_model
         self.embed_norm = RMSNorm(d, "norm", cfg)
         self.hidden_norm = RMSNorm(d, "norm", cfg)
-        self.proj = _param(rngs, cfg, (2 * d, d), ("embed", None), "matrix", ("embed",))
+        self.proj = param(rngs, cfg, (2 * d, d), ("embed", None), "matrix", ("embed",))
         self.block = LatentMoeBlock(cfg, rngs=rngs)
         self.final_norm = RMSNorm(d, "norm", cfg)
         self.dtype = DTYPES[cfg.dtype]

@@ -1,8 +1,8 @@
 """The `llama` family: a decoder-only Transformer (Llama-style, Flax NNX), the base the other
 families build on, and its Hugging Face format.
 
-Modules: `model` (norms, rotary embeddings, attention, MLP, the blocks and their scan, the
-`LanguageModel` with its decode cache and size accounting), `hf` (LlamaForCausalLM and
+Modules: `layers` (norms, rotary embeddings, attention, MLP, the blocks and their scan),
+`model` (the `LanguageModel` with its decode cache and size accounting), `hf` (LlamaForCausalLM and
 Qwen3ForCausalLM; the tensor tables the other families' formats extend). Config: model.
 """
 
@@ -14,7 +14,7 @@ from kiln.model.llama.hf import (
     LlamaHF,
     full_attention_only,
 )
-from kiln.model.llama.model import (
+from kiln.model.llama.layers import (
     ACT_BSD,
     REMAT_POLICIES,
     TAGS,
@@ -22,10 +22,10 @@ from kiln.model.llama.model import (
     Block,
     Mlp,
     RMSNorm,
-    Transformer,
     rope_frequencies,
     stacked_blocks,
 )
+from kiln.model.llama.model import Transformer
 
 __all__ = [
     "ACT_BSD",

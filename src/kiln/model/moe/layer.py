@@ -19,7 +19,7 @@ from kiln.config.axes import entry_axes
 from kiln.errors import KilnError
 from kiln.model.interface import DTYPES
 from kiln.model.llama import Block, Mlp
-from kiln.model.llama.model import _param
+from kiln.model.llama.layers import param
 from kiln.model.moe.experts import (
     NATIVE_RAGGED,
     ExpertAxis,
@@ -43,10 +43,10 @@ class MoeMlp(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         moe = cfg.moe
         d, e, f = cfg.d_model, moe.num_experts, moe.d_ff_expert
-        self.router = _param(rngs, cfg, (d, e), ("embed", None), "router")
-        self.w_gate = _param(rngs, cfg, (e, d, f), _EXPERT_IN, "matrix", ("embed",))
-        self.w_up = _param(rngs, cfg, (e, d, f), _EXPERT_IN, "matrix", ("embed",))
-        self.w_down = _param(rngs, cfg, (e, f, d), _EXPERT_OUT, "matrix", ("mlp",))
+        self.router = param(rngs, cfg, (d, e), ("embed", None), "router")
+        self.w_gate = param(rngs, cfg, (e, d, f), _EXPERT_IN, "matrix", ("embed",))
+        self.w_up = param(rngs, cfg, (e, d, f), _EXPERT_IN, "matrix", ("embed",))
+        self.w_down = param(rngs, cfg, (e, f, d), _EXPERT_OUT, "matrix", ("mlp",))
         # DeepSeek-V3's routing bias: moved by the balance rule after each step, never by the
         # optimizer (its gradient is zero: it only chooses experts).
         self.bias = (

@@ -12,7 +12,7 @@ from flax import nnx
 from kiln.config import ModelConfig
 from kiln.errors import KilnError
 from kiln.model.llama import Block, Transformer, stacked_blocks
-from kiln.model.llama.model import _join
+from kiln.model.llama.model import join_layers
 from kiln.model.moe.layer import MoeBlock
 
 
@@ -53,7 +53,7 @@ class MoeTransformer(Transformer):
         """The routed stacks' per-layer aux joined along layers ([L_moe, ...] per key; the
         dense stack has none): statistics as arrays, losses summed."""
         routed = [aux for aux in per_stack if aux]
-        aux = {k: _join([a[k] for a in routed]) for k in (routed[0] if routed else ())}
+        aux = {k: join_layers([a[k] for a in routed]) for k in (routed[0] if routed else ())}
         out = {k: v for k, v in aux.items() if k.startswith("moe/")}
         out.update({k: jnp.sum(v) for k, v in aux.items() if not k.startswith("moe/")})
         return out
