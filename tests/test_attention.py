@@ -27,7 +27,7 @@ from kiln.model.attention import (
     sequence_shards,
     splash_attention,
 )
-from kiln.model.attention.xla import _fold_tables
+from kiln.model.attention.xla import fold_tables
 from kiln.parallel.mesh import batch_sharding, logical_sharding, make_mesh, use_mesh
 
 B, N, K, H = 4, 4, 2, 16  # grouped-query: 2 query heads per key/value head
@@ -561,7 +561,7 @@ def test_balanced_shards_do_equal_work_and_less_of_it():
     device drop by that ratio (T = 8 local tiles of 4 rows, P = 2)."""
     useful = {}
     for balanced in (False, True):
-        _, owner = _fold_tables(2, 8, 4, None, balanced)
+        _, owner = fold_tables(2, 8, 4, None, balanced)
         per_shard = (owner < 2).sum(axis=(0, 2))
         useful[balanced] = (per_shard.max() / per_shard.mean(), owner.shape[-1])
     assert useful[True] == (1.0, 2 * 8 + 1)

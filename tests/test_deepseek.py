@@ -252,7 +252,7 @@ def test_multi_token_prediction_loss_equals_the_hand_written_one():
     @jax.jit
     def run_module(layer_params, h, shifted):
         module = nnx.merge(graphdef, layer_params)
-        h, _ = module(h, model._embed(shifted), batch["positions"], seg)
+        h, _ = module(h, model.embed(shifted), batch["positions"], seg)
         return h, module.final_norm(h)
 
     for d in (1, 2):

@@ -23,7 +23,7 @@ from kiln.model.moe import (
     sort_by_expert,
     swiglu,
 )
-from kiln.model.moe.experts import _blocked_assignments
+from kiln.model.moe.experts import blocked_assignments
 from kiln.parallel.exchange import take_copies, take_rows
 from kiln.parallel.mesh import make_mesh, use_mesh
 from kiln.training import train
@@ -425,7 +425,7 @@ def test_gather_permutes_equal_the_scatter_ones_bitwise_values_and_gradients():
 
 def test_tokens_straight_into_blocks_equal_the_grouped_layout_then_blocks_bitwise():
     """On one device the blocked matmul's tokens go straight from the sort into their blocks
-    and back (`_blocked_assignments`, outputs in token order): the same outputs and gradients,
+    and back (`blocked_assignments`, outputs in token order): the same outputs and gradients,
     bitwise, as gathering the grouped layout and then the blocks (`blocked_rows`), with
     padding and a capacity dropping assignments."""
     rng = np.random.default_rng(5)
@@ -444,7 +444,7 @@ def test_tokens_straight_into_blocks_equal_the_grouped_layout_then_blocks_bitwis
     )
 
     def composed(x, w):  # [T, K, D]
-        return _blocked_assignments(x, jnp.asarray(e_A), sort, w, swiglu)
+        return blocked_assignments(x, jnp.asarray(e_A), sort, w, swiglu)
 
     def two_steps(x, w):  # [K, T, D]
         a = t * k

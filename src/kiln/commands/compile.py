@@ -185,7 +185,7 @@ def program_fingerprint(lowered, mesh) -> str:
     recorded figures are checked by it without compiling (scripts/docs_figures.py)."""
     devices = list(mesh.devices.flat)
     parts = [
-        _without_paths(lowered.as_text(debug_info=False)),
+        without_paths(lowered.as_text(debug_info=False)),
         str(dict(mesh.shape)),
         ",".join(str(d.id) for d in devices),
         devices[0].device_kind,
@@ -205,7 +205,7 @@ def program_fingerprint(lowered, mesh) -> str:
 _KERNEL_BODY = re.compile(r"(\\22body\\22: \\22)([A-Za-z0-9+/=]+)(\\22)")
 
 
-def _without_paths(text: str) -> str:
+def without_paths(text: str) -> str:
     """The lowered program with each kernel's body replaced by a digest of it without source
     locations, so that the fingerprint does not depend on where the environment lives."""
 

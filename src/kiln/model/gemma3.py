@@ -115,8 +115,8 @@ class Gemma3Transformer(Transformer):
     block: ClassVar[type[Block]] = GemmaBlock
     norm: ClassVar[type[RMSNorm]] = GemmaRMSNorm
 
-    def _embed(self, inputs_BS):
-        x_BSD = super()._embed(inputs_BS)
+    def embed(self, inputs_BS):
+        x_BSD = super().embed(inputs_BS)
         # As transformers: sqrt(d_model) rounded to the activations' dtype first.
         return x_BSD * jnp.asarray(self.cfg.d_model**0.5, jnp.float32).astype(x_BSD.dtype)
 

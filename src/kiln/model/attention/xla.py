@@ -195,7 +195,7 @@ def balanced_order(s: int, shards: int) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[p], chunks[-1 - p]]) for p in range(shards)])
 
 
-def _fold_tables(
+def fold_tables(
     shards: int, tiles: int, c: int, window: int | None, balanced: bool = False
 ) -> tuple[np.ndarray, ...]:
     """Per step i and shard p: the key tile and owner (0 low, 1 high, 2 none) of each product.
@@ -367,7 +367,7 @@ def causal_attention(
         hi = jnp.flip(jax.lax.slice_in_dim(x, steps, tiles, axis=axis), axis)
         return jnp.moveaxis(lo, axis, 0), jnp.moveaxis(hi, axis, 0)
 
-    key_tile, owner = _fold_tables(p, tiles, c, window, balanced)
+    key_tile, owner = fold_tables(p, tiles, c, window, balanced)
     # Where each tile of the sequence is among the tiles as placed.
     placed = np.arange(s // c) if order is None else np.argsort(order[::c] // c)
     xs = (*lo_hi(q_BPLCKGH, 2), *lo_hi(seg_BPLC, 2), *lo_hi(pos_PLC, 1), key_tile)

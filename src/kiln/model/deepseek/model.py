@@ -104,7 +104,7 @@ class DeepseekTransformer(MoeTransformer):
         m = self.cfg.deepseek.mtp_num_layers
         if not m:
             return (), []
-        e_MBSD = jnp.stack([self._embed(ahead(inputs_BS, d)) for d in range(1, m + 1)])
+        e_MBSD = jnp.stack([self.embed(ahead(inputs_BS, d)) for d in range(1, m + 1)])
         graphdef, params = nnx.split(self.mtp)
 
         def body(h_BSD, xs):

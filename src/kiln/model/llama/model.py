@@ -99,7 +99,7 @@ class Transformer(nnx.Module):
                     f"layer {i} requested for features, but the model has "
                     f"model.num_layers={cfg.num_layers} (allowed: 0..{cfg.num_layers - 1})"
                 )
-        x_BSD = self._embed(inputs_BS)
+        x_BSD = self.embed(inputs_BS)
         schedule = pipeline.current_schedule()
         if schedule is not None:
             return self._stages(x_BSD, positions_BS, segment_ids_BS, schedule, collect)
@@ -158,7 +158,9 @@ class Transformer(nnx.Module):
         """`ModelOutput.aux` from each stack's per-layer aux (none for the dense blocks)."""
         return {}
 
-    def _embed(self, inputs_BS):
+    def embed(self, inputs_BS):
+        """The embedding rows of `inputs_BS` in the compute dtype, sharded as the residual stream
+        ([B, S, D])."""
         # The rows are looked up where the table lies: every device takes its slice of the
         # embed dimension for all tokens (the ids are gathered, not the table), and one
         # all-to-all moves the [B, S, D] result to the batch/length split. The table is never
@@ -222,7 +224,7 @@ class Transformer(nnx.Module):
         and values, which are written into the whole cache once after the scans (in place when
         the cache is donated).
         """
-        x_BSD = self._embed(inputs_BS)
+        x_BSD = self.embed(inputs_BS)
         at = (0, cache.index)
         segment_ids_BT = jax.lax.dynamic_update_slice(
             cache.segment_ids, segment_ids_BS.astype(jnp.int32), at

@@ -81,7 +81,7 @@ def expert_outputs(
     e_A = jnp.where(real_TK, e_TK, num_experts).T.reshape(-1)
     if expert_axis is None and getattr(matmul, "func", matmul) is blocked_rows:
         sort = sort_by_expert(e_A, num_experts, cap)
-        y_TKD = _blocked_assignments(x_TD, e_A, sort, weights, matmul.keywords["act"])
+        y_TKD = blocked_assignments(x_TD, e_A, sort, weights, matmul.keywords["act"])
         return y_TKD, jnp.sum(sort.count_E - sort.kept_E)
     src_C, slot_A, kept_E, dropped = expert_layout(e_A, num_experts, cap)
     a = t * k
@@ -95,7 +95,7 @@ def expert_outputs(
     return y_AD.reshape(k, t, -1).transpose(1, 0, 2), dropped
 
 
-def _blocked_assignments(x_TD, e_A, sort: Sorted, weights: ExpertWeights, act):
+def blocked_assignments(x_TD, e_A, sort: Sorted, weights: ExpertWeights, act):
     """`blocked_rows` for every expert here, straight from the sort: each expert's kept
     assignments padded to whole blocks, the tokens gathered straight into their blocks and the
     outputs straight back to their assignments (no grouped layout between: one gather each
