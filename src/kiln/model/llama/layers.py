@@ -405,6 +405,9 @@ def scan_blocks(
     get a zero that differs per layer added first (x + 0.0 is x, and its gradient is the
     identity), so that XLA casts one layer's weights per iteration instead of moving the cast
     out of the loop, which would hold a cast copy of the whole stack (3.5 GB on the 8B).
+    An optimization barrier on the layer's weights instead does not keep the TPU compiler from
+    making bf16 copies of whole stacks ([6, 352, 32] in tests/test_compile.py's
+    `test_layer_weights_are_cast_to_the_compute_dtype_one_layer_at_a_time`, which pins this).
     """
     graphdef, params = nnx.split(blocks)
 
