@@ -64,9 +64,18 @@ MOE_CANARY = (
     "model.moe.num_experts=16",
     "model.moe.d_ff_expert=128",
 )
+# A pipelined model cut as CANARY cuts a dense one, to 8 layers (2 per stage on 4 stages) and
+# the 4 micro-batches of 16 sequences that 4 stages x fsdp 16 need.
+PIPELINE_CANARY = (
+    *(item for item in CANARY if not item.startswith(("model.num_layers=", "train."))),
+    "model.num_layers=8",
+    "train.global_batch_size=64",
+    "train.gradient_accumulation_steps=4",
+)
 B1 = "configs/models/llama3-1b.yaml"
 B8 = "configs/models/llama3-8b.yaml"
 B8_128K = "configs/models/llama3-8b-128k.yaml"
+B70 = "configs/models/llama3-70b.yaml"
 GEMMA3_1B = "configs/models/gemma3-1b.yaml"
 GPT_OSS_20B = "configs/models/gpt-oss-20b.yaml"
 QWEN = "configs/models/qwen3-30b-a3b.yaml"
@@ -155,6 +164,9 @@ ENTRIES = {
         tpu=True,
     ),
     "8b-128k-v5p-16": Entry(("compile", B8_128K, "--topology", "v5p-16"), canary=True, tpu=True),
+    "70b-v5p-128": Entry(
+        ("compile", B70, "--topology", "v5p-128"), canary=True, tpu=True, cut=PIPELINE_CANARY
+    ),
     "gemma3-1b-v5e-8": Entry(
         ("compile", GEMMA3_1B, "--topology", "v5e-8"),
         canary=True,
