@@ -154,14 +154,18 @@ def _save_args(state, data_state, local: bool):
     return ocp.args.Composite(state=state_args, data=ocp.args.JsonSave(dict(data_state or {})))
 
 
-def _restore_args(abstract, local: bool):
-    if not local:
-        return ocp.args.StandardRestore(abstract)
-    restore_args = jax.tree.map(
+def _array_restore_args(abstract):
+    """orbax's restore arguments of each array of `abstract`: its sharding, shape and dtype."""
+    return jax.tree.map(
         lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype),
         abstract,
     )
-    return ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args)
+
+
+def _restore_args(abstract, local: bool):
+    if not local:
+        return ocp.args.StandardRestore(abstract)
+    return ocp.args.PyTreeRestore(item=abstract, restore_args=_array_restore_args(abstract))
 
 
 def abstract_like(tree, shardings=None):
@@ -198,7 +202,8 @@ class Checkpointer:
         # Called once a step is sealed (in the sealing thread when async): uploads of a run
         # whose output_dir is a URL; its errors stop the run like those of the save.
         self.after_seal: Callable[[], None] | None = None
-        # JSON saved with every step in orbax's step metadata (the topology that saved it).
+        # JSON saved with every step in orbax's step metadata (`step_metadata`): the topology
+        # that saved it; in the local tier, the shards it holds (`local_tier.identity`).
         self.metadata: dict[str, Any] = {}
 
     def latest_step(self) -> int | None:
@@ -207,15 +212,8 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self._mgr.all_steps())
 
-    def save(
-        self,
-        step: int,
-        state,
-        data_state: Mapping[str, Any] | None,
-        metadata: Mapping[str, Any] | None = None,
-    ) -> None:
+    def save(self, step: int, state, data_state: Mapping[str, Any] | None) -> None:
         """Start saving (in the background when async); a save at an existing step is a no-op.
-        `metadata` is kept in orbax's metadata of the step (`step_metadata`).
 
         RunStopped (one line) if the directory cannot be written or an earlier background save
         failed: orbax would otherwise fail in a thread and wait minutes for the lost signal.
@@ -228,7 +226,7 @@ class Checkpointer:
             # A probe, so that a read-only or vanished directory stops the run here and now.
             os.rmdir(tempfile.mkdtemp(prefix=".kiln-probe-", dir=self.directory))
             args = _save_args(state, data_state, self.local)
-            meta = {**self.metadata, **(metadata or {}), SEALED: 1}
+            meta = {**self.metadata, SEALED: 1}
             self._mgr.save(step, args=args, force=True, custom_metadata=meta)
         self._pending = step
         if not self.local and jax.process_index() != 0:
@@ -363,8 +361,7 @@ def _array_shapes(directory: Path, step: int) -> dict[str, tuple[int, ...]]:
 
 
 def step_metadata(directory: Path, step: int, *, local: bool = False) -> dict[str, Any]:
-    """What `Checkpointer.metadata` held and `Checkpointer.save` was given as `metadata` when
-    `step` was saved ({} if unreadable)."""
+    """What `Checkpointer.metadata` held when `step` was saved ({} if unreadable)."""
     mgr = _manager(Path(directory).absolute(), None, read_only=True, local=local)
     try:
         return dict(mgr.metadata(step).custom_metadata or {})
@@ -399,12 +396,7 @@ def _restore_step(
         raise KilnError(f"{where} does not match this model: {e}") from None
     if what:
         item = {"params": abstract}
-        restore_args = jax.tree.map(
-            lambda a: ocp.ArrayRestoreArgs(
-                sharding=a.sharding, global_shape=a.shape, dtype=a.dtype
-            ),
-            item,
-        )
+        restore_args = _array_restore_args(item)
         state = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
         args = ocp.args.Composite(state=state)
     else:

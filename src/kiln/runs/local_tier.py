@@ -76,7 +76,7 @@ def _check_covered(tree) -> None:
 
 
 def identity(config: Config, tree) -> dict[str, Any]:
-    """The metadata a local step is saved with (`Checkpointer.save`); checks first that the
+    """The metadata a local step is saved with (`Checkpointer.metadata`); checks first that the
     save writes every shard of this process."""
     _check_covered(tree)
     return {

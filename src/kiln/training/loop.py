@@ -135,7 +135,6 @@ class Loop:
     started: float | None = None  # perf_counter() at start-up, for the time to the first step
     clock: goodput.Clock = field(default_factory=goodput.Clock)  # where this attempt's time goes
     goodput_base: dict[str, float] = field(default_factory=dict)  # earlier attempts' figures
-    _local_identity: dict[str, Any] | None = field(default=None, init=False)
 
     def run(self, state):
         cfg = self.config
@@ -310,9 +309,9 @@ class Loop:
 
     def _save_local(self, state) -> None:
         tree = checkpoint_tree(state)
-        if self._local_identity is None:  # the same shards at every step
-            self._local_identity = local_tier.identity(self.config, tree)
-        self.local.save(int(state.step), tree, self.batches.get_state(), self._local_identity)
+        if not self.local.metadata:  # the same shards at every step
+            self.local.metadata = local_tier.identity(self.config, tree)
+        self.local.save(int(state.step), tree, self.batches.get_state())
 
     def _finish(self, step: int, metrics, clock: StepClock, hold: bool = False) -> bool:
         """Fetch a dispatched step's metrics and log them when due; returns whether it skipped.
