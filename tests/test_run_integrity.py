@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,10 +20,12 @@ from conftest import (
     USER_XLA_FLAGS,
     assert_user_error,
     communicate,
+    cpu_seconds,
     kiln,
     kiln_env,
     kiln_main,
     start_kiln,
+    wait_until,
     write_config,
 )
 from kiln.config import config_from_dict
@@ -161,7 +162,10 @@ def test_ctrl_c_during_start_up_exits_130_in_one_line(tmp_path, after):
     raw = small_run(tmp_path, compilation_cache_dir=".jax_cache")
     config = write_config(tmp_path / "c.yaml", raw)
     proc = start_kiln("train", config, env={"XLA_FLAGS": USER_XLA_FLAGS})
-    time.sleep(after)
+    # `after` CPU seconds into the process: the same moment of start-up however loaded the
+    # machine (the interpreter and kiln's command line take well under 0.5 s of it; a Ctrl-C
+    # before kiln's first line runs is Python's own).
+    wait_until(lambda: cpu_seconds(proc.pid) >= after or proc.poll() is not None, what="start-up")
     proc.send_signal(signal.SIGINT)
     _, err = communicate(proc)
     if "first step after" in err:

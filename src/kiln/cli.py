@@ -371,11 +371,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    # The process is this command's own (not a caller's that runs `main` as a function): a run
-    # counts its start-up from the process's start, and ends the process when it is done.
-    args.whole_process = argv is None
-    try:
+    try:  # a Ctrl-C while the arguments are read is one line too
+        args = parse_args(argv)
+        # The process is this command's own (not a caller's that runs `main` as a function): a
+        # run counts its start-up from the process's start, and ends the process when it is done.
+        args.whole_process = argv is None
         # Every command: one line and an immediate exit on a signal (a run's loop takes the
         # signals over to checkpoint first, `kiln prepare` to stop its workers); what commands
         # write is renamed into place whole or removed on the way out (kiln.util.interrupt).
