@@ -57,13 +57,18 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         shape = (cfg.vocab_size, cfg.d_model)
         self.embedding = param(rngs, cfg, shape, ("vocab", "embed"), "embedding")
-        self.blocks = stacked_blocks(cfg, rngs, self.block)
+        self._build_stacks(cfg, rngs)
         self.final_norm = self.norm(cfg.d_model, "norm", cfg)
         self.lm_head = (
             None
             if cfg.tie_embeddings
             else param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), "head")
         )
+
+    def _build_stacks(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
+        """The scanned stacks of blocks, between the embedding and the final norm: one of
+        `num_layers` blocks (`self.blocks`) for this family."""
+        self.blocks = stacked_blocks(cfg, rngs, self.block)
 
     def hidden_states(
         self,

@@ -37,8 +37,11 @@ class MoeTransformer(Transformer):
                 f"allowed: 0..{cfg.num_layers - 1} (model.num_layers={cfg.num_layers})"
             )
         super().__init__(cfg, rngs=rngs)
-        # Replaces the dense stack the base class built with the two stacks.
-        dense = moe.first_dense_layers
+
+    def _build_stacks(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
+        """`first_dense_layers` dense blocks (`self.dense_blocks`, None if 0), then the MoE
+        blocks (`self.blocks`)."""
+        dense = cfg.moe.first_dense_layers
         self.dense_blocks = stacked_blocks(cfg, rngs, self.dense_block, dense) if dense else None
         self.blocks = stacked_blocks(cfg, rngs, self.moe_block, cfg.num_layers - dense)
 
