@@ -22,6 +22,7 @@ import jax
 from kiln.config import CheckpointConfig, config_from_dict
 from kiln.runs.checkpoint import Checkpointer, abstract_like, restore
 from kiln.training import train
+from kiln.training.batches import place_batch
 from kiln.training.loop import checkpoint_tree
 from kiln.util import checksums
 from step_throughput import make_batch  # a sibling script: benchmarks/ is on sys.path
@@ -69,7 +70,7 @@ def main() -> None:
     state = train.init_state(config)
     mesh = jax.tree.leaves(state.params)[0].sharding.mesh
     step_fn = train.make_train_step(config, mesh, train.shardings_of(state))
-    batch = train.place_batch(make_batch(BATCH, SEQ, 8192), mesh, config)
+    batch = place_batch(make_batch(BATCH, SEQ, 8192), mesh, config)
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(checkpoint_tree(state)))
 
     state, _ = run_steps(step_fn, state, batch, 2)  # compile

@@ -149,7 +149,8 @@ def bench_trainer(config, steps: int) -> dict:
 
     from kiln.data import make_datasets
     from kiln.parallel.mesh import make_mesh
-    from kiln.training.train import init_state, make_train_step, place_batch, shardings_of
+    from kiln.training.batches import place_batch
+    from kiln.training.train import init_state, make_train_step, shardings_of
 
     mesh = make_mesh(config)
     state = init_state(config, mesh)

@@ -38,6 +38,7 @@ from kiln.config import load_config
 from kiln.distill import online as distill
 from kiln.parallel.mesh import make_mesh
 from kiln.training import train
+from kiln.training.batches import place_batch
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHAPE = [
@@ -113,9 +114,9 @@ def main() -> None:
     raw = batches(online_cfg, a.steps)
     temperature = online_cfg.distillation.temperature
     data = {
-        "online": [train.place_batch(b, mesh, online_cfg) for b in raw],
+        "online": [place_batch(b, mesh, online_cfg) for b in raw],
         "offline": [
-            train.place_batch(stored_top_k(teacher, b, a.top_k, temperature), mesh, offline_cfg)
+            place_batch(stored_top_k(teacher, b, a.top_k, temperature), mesh, offline_cfg)
             for b in raw
         ],
     }

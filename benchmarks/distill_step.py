@@ -61,6 +61,7 @@ from kiln.distill import online as distill
 from kiln.losses import schedule as sched
 from kiln.parallel.mesh import make_mesh, traced_platform
 from kiln.training import train
+from kiln.training.batches import place_batch
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHAPE = ["model.vocab_size=32768", "loss.num_vocab_tiling=4", "mesh.fsdp=1"]
@@ -408,7 +409,7 @@ def measure(teacher_cfg, overrides: list[str], steps_per_round: int, rounds: int
         "pre_redesign": PreRedesign.create(config, mesh, teacher),
     }
     steps = {name: train.make_step(obj, shardings) for name, obj in objectives.items()}
-    data = [train.place_batch(b, mesh, config) for b in batches(config, steps_per_round)]
+    data = [place_batch(b, mesh, config) for b in batches(config, steps_per_round)]
 
     def copy(state):
         return jax.tree.map(jnp.copy, state)

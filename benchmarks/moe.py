@@ -45,6 +45,7 @@ from kiln.model import abstract_model, state_size
 from kiln.model.moe import route, routed
 from kiln.parallel.mesh import use_mesh
 from kiln.training import train
+from kiln.training.batches import place_batch
 from step_throughput import make_batch  # benchmarks/, the script's own directory
 
 # A ragged dot lowered for TPU: `%ragged-dot... = ... custom-call(...)` in the compiled HLO
@@ -208,7 +209,7 @@ class Arm:
         self.state = train.init_state(c)
         mesh = jax.tree.leaves(self.state.params)[0].sharding.mesh
         self.step = train.make_train_step(c, mesh, train.shardings_of(self.state))
-        self.batch = train.place_batch(raw_batch, mesh, c)
+        self.batch = place_batch(raw_batch, mesh, c)
         self.memory = self.step.lower(self.state, self.batch).compile().memory_analysis()
 
     def run(self, n: int) -> list[tuple[float, float]]:

@@ -25,6 +25,7 @@ import jax
 from kiln.config import load_config
 from kiln.model import optimizer_state_bytes
 from kiln.training import train
+from kiln.training.batches import place_batch
 from kiln.training.optim import make_optimizer
 from step_throughput import make_batch  # benchmarks/, the script's own directory
 
@@ -42,7 +43,7 @@ class Arm:
         mesh = jax.tree.leaves(self.state.params)[0].sharding.mesh
         self.step = train.make_train_step(c, mesh, train.shardings_of(self.state))
         raw = make_batch(c.train.global_batch_size, c.data.seq_len, c.model.vocab_size)
-        self.batch = train.place_batch(raw, mesh, c)
+        self.batch = place_batch(raw, mesh, c)
         compiled = self.step.lower(self.state, self.batch).compile()
         self.memory = compiled.memory_analysis()
         self.state_bytes = optimizer_state_bytes(c, make_optimizer(c.optim).init, dict(mesh.shape))

@@ -53,6 +53,7 @@ import numpy as np
 from kiln.config import config_from_dict
 from kiln.parallel.pipeline import Schedule
 from kiln.training import train
+from kiln.training.batches import place_batch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vs_maxtext as vs
@@ -106,7 +107,7 @@ class Variant:
             "segment_ids": np.ones((batch, CPU_SEQ), np.int32),
             "weights": np.ones((batch, CPU_SEQ), np.float32),
         }
-        self.batch = train.place_batch(host, mesh, config)
+        self.batch = place_batch(host, mesh, config)
 
     def steps(self, n: int) -> list[float]:
         times = []

@@ -21,6 +21,7 @@ from kiln.config import MESH_AXES, config_from_dict
 from kiln.config.schema import ModelConfig
 from kiln.model.llama import Transformer
 from kiln.training import train
+from kiln.training.batches import place_batch
 
 POLICIES = typing.get_args(ModelConfig.model_fields["remat"].annotation)
 BATCH, VOCAB = 8, 128
@@ -49,7 +50,7 @@ def measure(remat, state, mesh, layers, seq, d_model, steps):
     step = train.make_train_step(config, mesh, train.shardings_of(state))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, VOCAB, (BATCH, seq + 1), dtype=np.int32)
-    batch = train.place_batch(
+    batch = place_batch(
         {
             "inputs": tokens[:, :-1],
             "targets": tokens[:, 1:],

@@ -21,6 +21,7 @@ import optax
 
 from kiln.config import config_from_dict
 from kiln.training import train
+from kiln.training.batches import place_batch
 
 LAYERS, D, HEADS, FF, VOCAB, SEQ, BATCH = 4, 512, 8, 1408, 8192, 512, 8
 LR, B1, B2, EPS, WD, CLIP = 3e-4, 0.9, 0.95, 1e-8, 0.1, 1.0
@@ -174,7 +175,7 @@ def main() -> None:
     state = train.init_state(config)
     mesh = jax.tree.leaves(state.params)[0].sharding.mesh
     kiln_step = train.make_train_step(config, mesh, train.shardings_of(state))
-    kiln_batch = train.place_batch(make_batch(), mesh, config)
+    kiln_batch = place_batch(make_batch(), mesh, config)
 
     ref_init_fn, ref_step = ref_step_fn()
     ref_state = ref_init_fn(jax.random.key(0))

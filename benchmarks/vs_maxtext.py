@@ -65,6 +65,7 @@ import numpy as np
 from kiln.commands.hlo import collectives
 from kiln.config import config_from_dict
 from kiln.training import train
+from kiln.training.batches import place_batch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import step_throughput as st
@@ -300,7 +301,7 @@ class KilnVariant:
         self.state = train.init_state(config)
         mesh = jax.tree.leaves(self.state.params)[0].sharding.mesh
         self.step = train.make_train_step(config, mesh, train.shardings_of(self.state))
-        self.batch = train.place_batch(st.make_batch(), mesh, config)
+        self.batch = place_batch(st.make_batch(), mesh, config)
 
     def steps(self, n: int) -> tuple[list[float], list[float]]:
         times, losses = [], []

@@ -13,6 +13,7 @@ import pytest
 from conftest import REPO, make_config
 from kiln.parallel.mesh import make_mesh
 from kiln.training import train
+from kiln.training.batches import place_batch
 
 MODEL = {"vocab_size": 64, "d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64}
 MODEL.update(max_seq_len=16)
@@ -133,7 +134,7 @@ def test_the_example_trains_an_moe_model_with_its_router_terms_unmentioned(examp
     assert float(aux["learning/router_z_loss"]) == float(lm_aux["learning/router_z_loss"])
     np.testing.assert_allclose(float(loss), float(lm_loss), rtol=1e-6)  # f32, same sums
     step = train.make_step(objective, train.shardings_of(state))
-    state, metrics = step(state, train.place_batch(batch, mesh, config))
+    state, metrics = step(state, place_batch(batch, mesh, config))
     assert "learning/moe_lb_loss" in metrics
     bias = np.asarray(state.params["blocks"]["mlp"]["bias"].get_value())
     assert np.abs(bias).max() > 0  # the aux-free update ran after the step

@@ -16,7 +16,8 @@ from kiln.commands import compile as aot
 from kiln.commands import hlo as hlo_text
 from kiln.commands.fit import remat_policies
 from kiln.config import load_config
-from kiln.training import pretrain, runner, train
+from kiln.training import pretrain, runner
+from kiln.training.objective import LMObjective
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_1B = ROOT / "configs/models/llama3-1b.yaml"
@@ -69,7 +70,7 @@ def test_compile_reports_the_memory_of_the_step_kiln_train_runs(
         memory["arguments"] + memory["outputs"] + memory["temporaries"] - memory["aliased"]
     )
     tokens = config.train.global_batch_size * config.data.seq_len
-    want = train.LMObjective(config=config, mesh=None).flops_per_token() * tokens
+    want = LMObjective(config=config, mesh=None).flops_per_token() * tokens
     assert report.flops["kiln_per_step"] == want
     # fsdp gathers parameters and scatters gradients.
     assert report.collectives["all-gather"]["ops"] > 0

@@ -20,6 +20,7 @@ from kiln.model import build_model, create_model, summary
 from kiln.model.deepseek.mla import LatentAttention
 from kiln.parallel.mesh import make_mesh, use_mesh
 from kiln.training import train
+from kiln.training.objective import LMObjective
 from kiln.training.optim import make_optimizer, state_name
 from test_moe import lm_batch, one_device, rel_err
 
@@ -231,7 +232,7 @@ def test_multi_token_prediction_loss_equals_the_hand_written_one():
     batch["segment_ids"][:, 7:] = np.where(batch["segment_ids"][:, 7:] > 0, 2, 0)  # 2 documents
     batch["weights"][::2, :5] = 0.0  # prompts that weigh nothing
     batch["weights"][1] *= 0.5
-    objective = train.LMObjective(config=config, mesh=None)
+    objective = LMObjective(config=config, mesh=None)
     graphdef, state = nnx.split(model)
 
     @jax.jit

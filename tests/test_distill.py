@@ -20,6 +20,7 @@ from kiln.model import create_model
 from kiln.parallel.mesh import make_mesh, sharded_init
 from kiln.runs.checkpoint import Checkpointer, abstract_like, restore, restore_params
 from kiln.training import train
+from kiln.training.batches import place_batch
 from kiln.training.loop import checkpoint_tree
 
 SEQ, BATCH, VOCAB = 16, 16, 384
@@ -308,7 +309,7 @@ def test_teacher_is_frozen_and_student_learns(teacher, batch):
     state = distill.init_student(config, mesh, teacher.config)
     step = distill.make_distill_step(config, teacher, mesh, train.shardings_of(state))
     teacher_before, student_before = host(teacher.params), host(state.params)
-    placed = train.place_batch(batch, mesh, config)
+    placed = place_batch(batch, mesh, config)
     hard = []
     for _ in range(3):
         state, metrics = step(state, placed)

@@ -19,6 +19,7 @@ from kiln.errors import KilnError
 from kiln.losses import TopK
 from kiln.parallel.mesh import make_mesh
 from kiln.training import train
+from kiln.training.batches import BATCH_KEYS
 
 AXES = ("data", "fsdp", "tensor", "sequence")  # meshes add expert=1
 TILINGS = {"untiled": (1, None), "tiled": (4, None), "vocab_chunked": (2, 32)}
@@ -394,7 +395,7 @@ def test_offline_objective_is_the_online_one_with_all_logits_stored(teacher_and_
     online_cfg, offline_cfg = student_config(offline=False), student_config()
     mesh = make_mesh(online_cfg)
     state = distill.init_student(online_cfg, mesh, teacher.config)
-    plain = {k: batch[k] for k in train.BATCH_KEYS}
+    plain = {k: batch[k] for k in BATCH_KEYS}
     ref_loss, ref_aux, ref_grads = distill.loss_and_grads(online_cfg, teacher, state, plain)
     objective = distill.DistillObjective.create(offline_cfg, mesh, None)
     assert objective.teacher_params is None  # no teacher parameters in the step

@@ -34,6 +34,7 @@ from kiln.parallel.mesh import (
     use_mesh,
 )
 from kiln.training import train
+from kiln.training.batches import place_batch
 from kiln.training.optim import make_optimizer, state_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -475,7 +476,7 @@ def head_products(config):
     mesh = one_device_mesh()
     state = train.init_state(config, mesh)
     step = train.make_train_step(config, mesh, train.shardings_of(state))
-    batch = train.place_batch(lm_batch(), mesh, config)
+    batch = place_batch(lm_batch(), mesh, config)
     closed = step.trace(state, batch).jaxpr
     out = []
     for eqn in _dot_generals(closed.jaxpr):

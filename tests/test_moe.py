@@ -27,6 +27,7 @@ from kiln.model.moe.experts import blocked_assignments
 from kiln.parallel.exchange import take_copies, take_rows
 from kiln.parallel.mesh import make_mesh, use_mesh
 from kiln.training import train
+from kiln.training.objective import lm_loss_sums
 
 D, F, B, S = 32, 16, 8, 16
 
@@ -745,9 +746,7 @@ def test_router_losses_are_per_routed_token_whatever_the_loss_weights():
         for a in range(accumulation):
             mb = {k: v[a::accumulation] for k, v in batch.items()}
             out = model.hidden_states(mb["inputs"], mb["positions"], mb["segment_ids"])
-            lm_sum += train.lm_loss_sums(config, out.hidden, model.head_weight(), mb, None)[
-                "loss_sum"
-            ]
+            lm_sum += lm_loss_sums(config, out.hidden, model.head_weight(), mb, None)["loss_sum"]
             router += out.aux["learning/router_z_loss"] + out.aux["learning/moe_lb_loss"]
         return lm_sum / weights.sum() + router / real.sum()
 

@@ -24,6 +24,7 @@ from kiln.parallel.mesh import make_mesh
 from kiln.runs.checkpoint import Checkpointer
 from kiln.training import train
 from kiln.training.loop import checkpoint_tree
+from kiln.training.objective import LMObjective
 from kiln.training.optim import make_optimizer, state_name
 from kiln.training.pretrain import run
 
@@ -58,7 +59,7 @@ def test_summary_counts_total_and_active_parameters_by_hand():
     assert f"6 x {matmul:,} active matmul params" in text
     assert "routed experts:    8 per MoE layer; split over mesh.expert=4: 2 per device" in text
     # perf/mfu divides these FLOPs (the active parameters') by the step time.
-    assert train.LMObjective(config=config, mesh=None).flops_per_token() == flops
+    assert LMObjective(config=config, mesh=None).flops_per_token() == flops
 
 
 def test_summary_memory_per_device_is_what_the_expert_split_model_holds():

@@ -17,6 +17,7 @@ from kiln.parallel import pipeline
 from kiln.parallel.mesh import make_mesh
 from kiln.runs.checkpoint import abstract_like, restore
 from kiln.training import train
+from kiln.training.batches import place_batch
 from kiln.training.loop import checkpoint_tree
 from kiln.training.profiling import compilation_cache_for
 
@@ -162,7 +163,7 @@ def one_device_run():
         batch = random_batch(i)
         loss, _, grads = train.loss_and_grads(config, state, batch)
         steps.append((host(state.params), batch, float(loss), host(grads)))
-        state, _ = step(state, train.place_batch(batch, mesh, config))
+        state, _ = step(state, place_batch(batch, mesh, config))
     return steps
 
 
@@ -291,7 +292,7 @@ def test_a_run_saved_on_4_stages_resumes_on_2_bitwise(tmp_path):
         batches.set_state(data_state)
         with compilation_cache_for(config), jax.default_matmul_precision(None):
             step = train.make_step(objective, train.shardings_of(state))
-            state, metrics = step(state, train.place_batch(next(batches), mesh, config))
+            state, metrics = step(state, place_batch(next(batches), mesh, config))
         return float(metrics["learning/loss"]), checkpoint_tree(state)
 
     loss2, on_two = next_step(two)

@@ -15,6 +15,7 @@ from kiln.config import MESH_AXES, config_from_dict
 from kiln.config.schema import ModelConfig
 from kiln.model.llama import REMAT_POLICIES, TAGS, Block, Transformer
 from kiln.training import train
+from kiln.training.batches import place_batch
 
 # The schema lists the policies most memory first (as docs/performance.md does); offload's
 # place depends on whether the platform has a separate host memory, so it is checked apart.
@@ -117,7 +118,7 @@ def temp_bytes(remat: str, state, mesh) -> tuple[int, int]:
         "segment_ids": np.ones((B, S), np.int32),
         "weights": np.ones((B, S), np.float32),
     }
-    stats = step.lower(state, train.place_batch(batch, mesh, cfg)).compile().memory_analysis()
+    stats = step.lower(state, place_batch(batch, mesh, cfg)).compile().memory_analysis()
     return stats.temp_size_in_bytes, stats.host_temp_size_in_bytes
 
 

@@ -11,6 +11,7 @@ from conftest import REPO, kiln_main
 from kiln.config import MESH_AXES, config_from_dict
 from kiln.errors import RunStopped
 from kiln.training import pretrain, runner, train
+from kiln.training.batches import place_batch
 
 SEQ, BATCH, VOCAB = 16, 32, 128
 MODEL = {
@@ -159,7 +160,7 @@ def one_train_step(config, batch):
     state = init(config)
     mesh = train.mesh_of(state)
     step = train.make_train_step(config, mesh, train.shardings_of(state))
-    state, metrics = step(state, train.place_batch(batch, mesh, config))
+    state, metrics = step(state, place_batch(batch, mesh, config))
     return host(metrics), host(state.params)
 
 
@@ -268,14 +269,14 @@ def test_non_finite_batch_skips_the_update(stepper, batch):
     bad = dict(batch, weights=batch["weights"].copy())
     bad["weights"][3, 2] = np.nan
     before = host((state.params, state.opt_state))
-    state, metrics = step(state, train.place_batch(bad, mesh, config))
+    state, metrics = step(state, place_batch(bad, mesh, config))
     assert float(metrics["learning/step_skipped"]) == 1.0
     assert not np.isfinite(float(metrics["learning/loss"]))
     after = host((state.params, state.opt_state))
     for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
         np.testing.assert_array_equal(x, y)  # bitwise: nothing moved
     assert int(state.step) == 1
-    state, metrics = step(state, train.place_batch(batch, mesh, config))
+    state, metrics = step(state, place_batch(batch, mesh, config))
     assert float(metrics["learning/step_skipped"]) == 0.0
     moved = host(state.params)
     assert any(

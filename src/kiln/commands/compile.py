@@ -33,7 +33,8 @@ from kiln.distill.reader import check
 from kiln.errors import KilnError, RunStopped, first_line
 from kiln.parallel.mesh import make_mesh
 from kiln.parallel.pipeline import Schedule
-from kiln.training.train import abstract_batch, abstract_pretraining, make_step, shardings_of
+from kiln.training.batches import abstract_batch
+from kiln.training.train import abstract_pretraining, make_step, shardings_of
 from kiln.util.humanize import plural
 from kiln.util.platforms import tpu_attached
 

@@ -61,8 +61,10 @@ from kiln.model.student import PROJECTION, FeatureProjection, student_class
 from kiln.parallel.mesh import sharded_init
 from kiln.runs.remote import local_run
 from kiln.training import train
+from kiln.training.batches import Batch
+from kiln.training.objective import Objective, token_mean
 from kiln.training.runner import execute
-from kiln.training.train import Batch, Objective, TrainState, token_mean
+from kiln.training.train import TrainState
 
 # Tags under distill/ that every step reports (besides the scheduled alpha, temperature, beta).
 METRICS = (

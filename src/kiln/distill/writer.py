@@ -48,6 +48,7 @@ from kiln.parallel.mesh import batch_sharding, in_mesh, make_mesh
 from kiln.runs.checkpoint import complete_steps, restore_params
 from kiln.runs.lock import LOCK_NAME, RunLock
 from kiln.training import train
+from kiln.training.batches import micro_batches, place_batch
 from kiln.util.files import check_creatable
 from kiln.util.humanize import plural
 
@@ -69,7 +70,7 @@ def topk_function(config: Config, teacher, mesh, top_k: int):
             values, ids = jax.lax.top_k(x, top_k)
             return values, ids.astype(np.int32), jax.nn.logsumexp(x / temperature, axis=-1)
 
-        parts = jax.lax.map(one, train.micro_batches(batch, accum, mesh, rules))
+        parts = jax.lax.map(one, micro_batches(batch, accum, mesh, rules))
         # Micro-batch a holds rows a, a + accum, ...: [accum, G/accum, ...] -> [G, ...].
         return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(-1, *y.shape[2:]), parts)
 
@@ -208,7 +209,7 @@ def _write_store(
         parts: dict[str, list[np.ndarray]] = {"values": [], "ids": [], "lse": [], "row_crc": []}
         for _ in range(*steps):
             batch = next(batches)
-            values, ids, lse = fn(teacher.params, train.place_batch(batch, mesh, config))
+            values, ids, lse = fn(teacher.params, place_batch(batch, mesh, config))
             values = local_rows(values, rows[0], block)
             parts["values"].append(_stored(values, dtype))
             parts["ids"].append(local_rows(ids, rows[0], block))

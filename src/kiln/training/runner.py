@@ -47,8 +47,10 @@ from kiln.runs.rundir import (
     restart_target,
 )
 from kiln.training import goodput, train
+from kiln.training.batches import place_batch
 from kiln.training.loop import Loop, checkpoint_tree
 from kiln.training.metrics import MetricsLogger
+from kiln.training.objective import Objective
 from kiln.training.optim import make_optimizer, state_name
 from kiln.training.profiling import compilation_cache_for
 from kiln.training.resume import check_start, starts_over
@@ -235,7 +237,7 @@ class PreparedRun:
     config: Config
     command: str  # what the user runs to resume it, e.g. "kiln train"
     mesh: Any
-    objective: train.Objective
+    objective: Objective
     state: train.TrainState
     datasets: Any
     batches: Iterator
@@ -256,7 +258,7 @@ class PreparedRun:
 
 def execute(
     config: Config,
-    build: Callable[[Config, Any], tuple[train.Objective, train.TrainState, list[str]]],
+    build: Callable[[Config, Any], tuple[Objective, train.TrainState, list[str]]],
     *,
     command: str,
     check: Callable[[Config], Any] | None = None,
@@ -284,7 +286,7 @@ def execute(
 
 def prepare_run(
     config: Config,
-    build: Callable[[Config, Any], tuple[train.Objective, train.TrainState, list[str]]],
+    build: Callable[[Config, Any], tuple[Objective, train.TrainState, list[str]]],
     *,
     command: str,
     check: Callable[[Config], Any] | None = None,
@@ -479,7 +481,7 @@ def run_loop(run: PreparedRun):
             config=config,
             command=run.command,
             step_fn=train.make_step(run.objective, train.shardings_of(run.state)),
-            place=lambda batch: train.place_batch(batch, mesh, config),
+            place=lambda batch: place_batch(batch, mesh, config),
             batches=run.batches,
             ckpt=ckpt,
             local=local,

@@ -35,6 +35,7 @@ from kiln.data.eval_tasks import (
 from kiln.data.tokenizers import Tokenizer
 from kiln.parallel.mesh import in_mesh
 from kiln.training import train
+from kiln.training.batches import Batch, place_batch
 
 # The metrics logged as eval/<task>/<metric> (the rest, counts, go to eval.json only).
 LOGGED = ("loss", "perplexity", "bits_per_byte", "acc", "acc_norm")
@@ -51,7 +52,7 @@ def load_tasks(specs: Sequence[TaskSpec], config: Config, tokenizer: Tokenizer) 
     ]
 
 
-def continuation_loglik(state, batch: train.Batch) -> jax.Array:
+def continuation_loglik(state, batch: Batch) -> jax.Array:
     """[B] float32: sum over positions of log p(target) * weight, from the full logits."""
     model = state.model()
     hidden = model.hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"]).hidden
@@ -96,7 +97,7 @@ class Evaluator:
         k = len(batch["inputs"]) // jax.process_count()
         p = jax.process_index()
         local = {key: v[p * k : (p + 1) * k] for key, v in batch.items()}
-        return train.place_batch(local, self.mesh, self.config)
+        return place_batch(local, self.mesh, self.config)
 
     def _perplexity(self, task: PerplexityTask, state) -> dict[str, float]:
         nll = weight = 0.0
