@@ -20,7 +20,8 @@ from pathlib import Path
 import jax
 
 from kiln.config import CheckpointConfig, config_from_dict
-from kiln.runs.checkpoint import Checkpointer, abstract_like, restore
+from kiln.runs.checkpoint import Checkpointer
+from kiln.runs.restore import abstract_like, restore
 from kiln.training import train
 from kiln.training.batches import place_batch
 from kiln.training.loop import checkpoint_tree

@@ -19,7 +19,8 @@ import pytest
 from conftest import kiln_env, write_config
 from kiln.config import load_config
 from kiln.parallel.mesh import make_mesh
-from kiln.runs.checkpoint import abstract_like, latest_complete_step, restore
+from kiln.runs.checkpoint import latest_complete_step
+from kiln.runs.restore import abstract_like, restore
 from kiln.training import train
 from kiln.training.loop import checkpoint_tree
 

@@ -14,7 +14,8 @@ import pytest
 from conftest import assert_user_error, communicate, kiln_main, start_kiln, wait_until, write_config
 from kiln.config import load_config
 from kiln.runs import local_tier
-from kiln.runs.checkpoint import latest_complete_step, restore
+from kiln.runs.checkpoint import latest_complete_step
+from kiln.runs.restore import restore
 from kiln.training import train
 from kiln.training.loop import checkpoint_tree
 
@@ -91,7 +92,7 @@ def train_abstract(config):
     shardings, as `kiln compile` lowers it (nothing initialised or compiled); the straight and
     the resumed run of a test share one."""
     from kiln.parallel.mesh import make_mesh
-    from kiln.runs.checkpoint import abstract_like
+    from kiln.runs.restore import abstract_like
 
     key = config.model_dump_json(include={"model", "optim", "mesh"})
     if key not in _ABSTRACT:

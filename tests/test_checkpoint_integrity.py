@@ -17,14 +17,8 @@ from kiln.distill import online as distill
 from kiln.errors import KilnError
 from kiln.parallel.mesh import make_mesh
 from kiln.runs import pinned
-from kiln.runs.checkpoint import (
-    Checkpointer,
-    abstract_like,
-    complete_steps,
-    restore,
-    restore_newest_intact,
-    restore_params,
-)
+from kiln.runs.checkpoint import Checkpointer, complete_steps
+from kiln.runs.restore import abstract_like, restore, restore_newest_intact, restore_params
 from kiln.training import train
 from kiln.training.loop import checkpoint_tree, skip_cause
 from kiln.util import checksums

@@ -18,7 +18,8 @@ from kiln.distill import online as distill
 from kiln.errors import KilnError
 from kiln.model import create_model
 from kiln.parallel.mesh import make_mesh, sharded_init
-from kiln.runs.checkpoint import Checkpointer, abstract_like, restore, restore_params
+from kiln.runs.checkpoint import Checkpointer
+from kiln.runs.restore import abstract_like, restore, restore_params
 from kiln.training import train
 from kiln.training.batches import place_batch
 from kiln.training.loop import checkpoint_tree
@@ -436,7 +437,8 @@ def metrics(run_dir):
 
 def final_params(config_path):
     from kiln.config import load_config
-    from kiln.runs.checkpoint import abstract_like, latest_complete_step, restore
+    from kiln.runs.checkpoint import latest_complete_step
+    from kiln.runs.restore import abstract_like, restore
     from kiln.training.loop import checkpoint_tree
 
     config = load_config(config_path)

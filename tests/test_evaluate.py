@@ -23,7 +23,7 @@ from kiln.data.corpus import split_documents
 from kiln.data.eval_tasks import default_name, parse_task, parse_tasks
 from kiln.errors import KilnError
 from kiln.model import abstract_state, build_model
-from kiln.runs.checkpoint import abstract_like, restore_params
+from kiln.runs.restore import abstract_like, restore_params
 from kiln.training.pretrain import run
 from kiln.training.profiling import compilation_cache_for
 

@@ -22,7 +22,8 @@ from kiln.data.tokenizers import load_tokenizer
 from kiln.distill.teacher import load_teacher
 from kiln.model.llama import rope_frequencies
 from kiln.parallel.mesh import make_mesh
-from kiln.runs.checkpoint import Checkpointer, restore_params
+from kiln.runs.checkpoint import Checkpointer
+from kiln.runs.restore import restore_params
 from kiln.training.loop import checkpoint_tree
 from kiln.training.train import init_state
 

@@ -15,7 +15,7 @@ from kiln.data import make_datasets
 from kiln.errors import KilnError
 from kiln.parallel import pipeline
 from kiln.parallel.mesh import make_mesh
-from kiln.runs.checkpoint import abstract_like, restore
+from kiln.runs.restore import abstract_like, restore
 from kiln.training import train
 from kiln.training.batches import place_batch
 from kiln.training.loop import checkpoint_tree

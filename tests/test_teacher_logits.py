@@ -306,7 +306,8 @@ def fresh_student(config):
 def final_state(config, state):
     """(step, state, data state) of the run's latest checkpoint, restored into the shapes and
     shardings of `state` (a fresh student of the same config)."""
-    from kiln.runs.checkpoint import abstract_like, latest_complete_step, restore
+    from kiln.runs.checkpoint import latest_complete_step
+    from kiln.runs.restore import abstract_like, restore
 
     directory = config.run_dir / "checkpoints"
     step = latest_complete_step(directory)

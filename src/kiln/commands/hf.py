@@ -33,7 +33,8 @@ from kiln.model.interop import (
     model_section,
 )
 from kiln.parallel.mesh import make_mesh, sharded_abstract
-from kiln.runs.checkpoint import Checkpointer, abstract_like, restore_params
+from kiln.runs.checkpoint import Checkpointer
+from kiln.runs.restore import abstract_like, restore_params
 from kiln.training.runner import checkpoint_tree
 from kiln.training.train import state_from_model
 from kiln.util.scratch import check_stageable, staged

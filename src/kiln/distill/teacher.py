@@ -13,8 +13,9 @@ from kiln.errors import KilnError
 from kiln.model import LanguageModel, build_model
 from kiln.parallel.mesh import sharded_abstract
 from kiln.runs import pinned
-from kiln.runs.checkpoint import complete_steps, restore_params
+from kiln.runs.checkpoint import complete_steps
 from kiln.runs.remote import local_run
+from kiln.runs.restore import restore_params
 
 
 @dataclasses.dataclass(frozen=True)

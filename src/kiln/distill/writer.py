@@ -45,8 +45,9 @@ from kiln.distill.teacher import abstract_teacher, load_teacher, read_teacher_co
 from kiln.errors import KilnError, write_error
 from kiln.parallel.distributed import initialize
 from kiln.parallel.mesh import batch_sharding, in_mesh, make_mesh
-from kiln.runs.checkpoint import complete_steps, restore_params
+from kiln.runs.checkpoint import complete_steps
 from kiln.runs.lock import LOCK_NAME, RunLock
+from kiln.runs.restore import restore_params
 from kiln.training import train
 from kiln.training.batches import micro_batches, place_batch
 from kiln.util.files import check_creatable

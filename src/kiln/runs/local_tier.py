@@ -24,7 +24,8 @@ from jax.experimental import multihost_utils
 
 from kiln.config import Config
 from kiln.errors import KilnError
-from kiln.runs.checkpoint import Checkpointer, complete_steps, restore_local, step_metadata
+from kiln.runs.checkpoint import Checkpointer, complete_steps, step_metadata
+from kiln.runs.restore import restore_local
 from kiln.util.checksums import CheckpointDamaged
 
 KEY = "kiln_local"  # of orbax's per-step custom metadata: which run and layout saved the step

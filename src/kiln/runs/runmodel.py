@@ -48,7 +48,7 @@ def load_run_model(
     config.yaml, read when not given). Parameters are read straight into their shardings on
     it; errors are KilnErrors starting with `context` (e.g. "kiln generate").
     """
-    from kiln.runs.checkpoint import restore_run_params  # orbax: imported when a run is loaded
+    from kiln.runs.restore import restore_run_params  # orbax: imported when a run is loaded
 
     run_dir = Path(run_dir).expanduser()
     config = config if config is not None else read_run_config(run_dir, context)

@@ -28,17 +28,11 @@ from kiln.parallel.distributed import initialize
 from kiln.parallel.mesh import describe_topology, make_mesh, topology
 from kiln.runs import local_tier, pinned
 from kiln.runs import sync as run_sync
-from kiln.runs.checkpoint import (
-    Checkpointer,
-    abstract_like,
-    latest_complete_step,
-    restore_newest_intact,
-    restore_params,
-    step_metadata,
-)
+from kiln.runs.checkpoint import Checkpointer, latest_complete_step, step_metadata
 from kiln.runs.lock import RunLock
 from kiln.runs.paths import check_output_paths
 from kiln.runs.remote import local_run
+from kiln.runs.restore import abstract_like, restore_newest_intact, restore_params
 from kiln.runs.rundir import (
     RunComplete,
     check_entries,
