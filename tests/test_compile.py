@@ -264,16 +264,12 @@ TENSOR_PARALLEL = [
 
 def full_activation_all_reduces(hlo: str, dims: str) -> int:
     """All-reduced arrays of shape `dims` that are not the inside of a reduce-scatter fusion."""
-    count, scope = 0, ""
-    for line in hlo.splitlines():
-        header = hlo_text._COMPUTATION.match(line)
-        if header is not None:
-            scope = header.group(1)
-            continue
-        op = hlo_text._OP.search(line)
-        if op and op.group(2) == "all-reduce" and not scope.startswith("all-reduce-scatter"):
-            count += sum(d == dims for _, d in hlo_text._ARRAY.findall(op.group(1)))
-    return count
+    return sum(
+        d == dims
+        for scope, kind, result in hlo_text.collective_instructions(hlo)
+        if kind == "all-reduce" and not (scope or "").startswith("all-reduce-scatter")
+        for _, d in hlo_text.arrays(result)
+    )
 
 
 @pytest.mark.slow
@@ -322,7 +318,7 @@ def test_sequence_parallel_attention_sums_key_value_gradients_once_per_layer():
         # The whole dK or dV of one device: [1 row, S/128 tiles, 128, K=2, H=16].
         key_tiles = f"1,{s // 128},128,2,16"
         summed = [
-            runs * sum(dims == key_tiles for _, dims in hlo_text._ARRAY.findall(result))
+            runs * sum(dims == key_tiles for _, dims in hlo_text.arrays(result))
             for kind, result, runs in ops
             if kind in ("all-reduce", "reduce-scatter")
         ]
@@ -554,12 +550,12 @@ def test_layer_weights_are_cast_to_the_compute_dtype_one_layer_at_a_time():
 
 def reductions(hlo: str) -> list[tuple[str, str]]:
     """(dtype, dims) of every array summed across devices (all-reduce, reduce-scatter)."""
-    out = []
-    for line in hlo.splitlines():
-        op = hlo_text._OP.search(line)
-        if op and op.group(2) in ("all-reduce", "reduce-scatter"):
-            out += hlo_text._ARRAY.findall(op.group(1))
-    return out
+    return [
+        array
+        for _, kind, result in hlo_text.collective_instructions(hlo)
+        if kind in ("all-reduce", "reduce-scatter")
+        for array in hlo_text.arrays(result)
+    ]
 
 
 @pytest.mark.slow
@@ -604,7 +600,8 @@ def test_peak_buffers_are_the_largest_live_at_the_peak_with_their_jax_ops(tiny_p
     m = report.memory
     assert sum(sizes) <= m["temporaries"] + m["arguments"] + m["outputs"]
     for b in found:
-        dtype, dims = hlo_text._ARRAY.fullmatch(b.shape).groups()
+        [(dtype, dims)] = hlo_text.arrays(b.shape)
+        assert b.shape == f"{dtype}[{dims}]"
         # float32 (configs/tiny.yaml's dtype): 4 bytes per element of the shape shown.
         assert dtype == "f32" and b.bytes == 4 * math.prod(int(d) for d in dims.split(","))
         assert b.op_name.startswith("jit(step)/") and b.instruction

@@ -10,6 +10,7 @@ import functools
 import math
 import os
 import re
+from collections.abc import Iterator
 
 from kiln.errors import RunStopped
 
@@ -116,6 +117,22 @@ def group_size(line: str) -> int | None:
     return None
 
 
+def collective_instructions(hlo: str) -> Iterator[tuple[str | None, str, str]]:
+    """(computation, kind, result type) of every collective instruction of an HLO module's
+    text, as XLA printed it: an async collective at its `-done`, and none left out or renamed
+    (unlike `collective_ops`: groups of one device, a TPU's `all-reduce-scatter` fusion). The
+    computation is None before the first header."""
+    computation = None
+    for line in hlo.splitlines():
+        header = _COMPUTATION.match(line)
+        if header is not None:
+            computation = header.group(1)
+            continue
+        match = _OP.search(line)
+        if match is not None:
+            yield computation, match.group(2), match.group(1)
+
+
 def _read_module(hlo: str):
     """([(computation, kind, result type)] of the collectives, {callee: [(caller, runs)]}).
 
@@ -183,10 +200,16 @@ def _runs_per_step(call_sites):
     return runs
 
 
+def arrays(hlo_type: str) -> list[tuple[str, str]]:
+    """(dtype, dims) of each array of an HLO type: `(bf16[8,128]{1,0}, f32[])` ->
+    `[("bf16", "8,128"), ("f32", "")]`."""
+    return _ARRAY.findall(hlo_type)
+
+
 def shape_bytes(hlo_type: str) -> int:
     """Bytes of an HLO result type: an array `bf16[8,128]{1,0}` or a tuple of them."""
     total = 0
-    for dtype, dims in _ARRAY.findall(hlo_type):
+    for dtype, dims in arrays(hlo_type):
         bits = _BITS.get(dtype, 8)  # float8 variants (f8e4m3fn, ...) are one byte
         total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
     return total
