@@ -1,6 +1,6 @@
 """What a run's inputs were, pinned in `RUN_DIR/inputs.json`: a resume on other inputs is refused.
 
-Config fields that define the token stream are frozen on resume (`runner.FROZEN_ON_RESUME`);
+Config fields that define the token stream are frozen on resume (`kiln.training.resume.FROZEN_ON_RESUME`);
 this file covers what the config does not show: the corpus behind `data.paths` (files, sizes,
 documents and tokens after tokenization), the document split it gave, and for distillation the
 teacher's checkpoint step, which a resumed student keeps even when the teacher run has moved on.

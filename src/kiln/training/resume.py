@@ -2,13 +2,15 @@
 optimizer than the checkpoint's, or a longer schedule whose learning rate would jump at the
 resume step, is refused (or, when finished, reported) before anything is written; a run with
 metrics but no checkpoint starts over (with the same model and token stream: another one is
-refused, `kiln.training.runner.resume_changes`)."""
+refused, `resume_changes`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from kiln.config import Config, OptimConfig
+from kiln.config import Config, OptimConfig, read_run_config
 from kiln.errors import KilnError
 from kiln.runs.rundir import RunComplete, metrics_rows
 from kiln.training.optim import make_schedule
@@ -81,3 +83,69 @@ def _way_on(optim: OptimConfig, latest: int) -> str:
 
 def _new_run(run_dir: Path) -> str:
     return f"train.run_name=NEW checkpoint.load_params_from={run_dir}, with a schedule of its own"
+
+
+# Sections and fields a resumed run may not change: they define the model and the token stream.
+FROZEN_ON_RESUME = (
+    "model",
+    "data.source",
+    "data.synthetic_kind",
+    "data.paths",
+    "data.eval_paths",
+    "data.on_decode_error",
+    "data.field",
+    "data.tokenizer",
+    "data.seq_len",
+    "data.seed",
+    "data.eval_fraction",
+    "data.sources",
+    "train.global_batch_size",
+    "distillation.teacher_run_dir",
+    "distillation.teacher_logits_dir",
+)
+
+
+def previous_config(run_dir: Path) -> Config | None:
+    """The resolved config of an earlier invocation in this run directory, if it left one
+    (with or without checkpoints: its metrics belong to that config)."""
+    if not (run_dir / "config.yaml").is_file():
+        return None
+    return read_run_config(run_dir, "resume (the earlier run's config)")
+
+
+def resume_changes(old: Config, new: Config, resumed: bool = True) -> list[str]:
+    """Changed fields as 'a.b: old -> new'; a KilnError if a frozen field changed, whether the
+    run resumes a checkpoint (`resumed`) or has none yet: its directory holds one model and
+    token stream."""
+    before, after = _flatten(old.model_dump(mode="json")), _flatten(new.model_dump(mode="json"))
+    changes = []
+    for key in sorted(set(before) | set(after)):
+        if before.get(key) == after.get(key):
+            continue
+        if any(key == f or key.startswith(f + ".") for f in FROZEN_ON_RESUME):
+            if resumed:
+                why = "a resumed run cannot change it"
+                ways = "checkpoint.load_params_from to start from its weights, or "
+            else:
+                why = (
+                    "a run cannot change it, even before its first checkpoint: its directory "
+                    "holds the metrics of one model and token stream"
+                )
+                ways = ""
+            raise KilnError(
+                f"{key}: the run in {new.run_dir} was started with {before.get(key)!r}, this config "
+                f"says {after.get(key)!r}; {why} (use a new train.run_name, or {ways}--restart "
+                "to start this run over)"
+            )
+        changes.append(f"{key}: {before.get(key)!r} -> {after.get(key)!r}")
+    return changes
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping) and not (prefix == "mesh." and k == "rules"):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

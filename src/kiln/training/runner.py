@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,11 +17,11 @@ import jax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from kiln.config import Config, read_run_config
+from kiln.config import Config
 from kiln.data import make_datasets
 from kiln.data.eval_tasks import parse_tasks
 from kiln.data.pipeline import FirstRead
-from kiln.errors import KilnError, write_error
+from kiln.errors import write_error
 from kiln.model import check_state_memory
 from kiln.model.attention import check as check_attention
 from kiln.parallel.distributed import initialize
@@ -47,75 +47,10 @@ from kiln.training.metrics import MetricsLogger
 from kiln.training.objective import Objective
 from kiln.training.optim import make_optimizer, state_name
 from kiln.training.profiling import compilation_cache_for
-from kiln.training.resume import check_start, starts_over
+from kiln.training.resume import check_start, previous_config, resume_changes, starts_over
 from kiln.training.scoring import Evaluator, load_tasks
 from kiln.training.tracking import check_wandb
 from kiln.util.checksums import set_aside
-
-# Sections and fields a resumed run may not change: they define the model and the token stream.
-FROZEN_ON_RESUME = (
-    "model",
-    "data.source",
-    "data.synthetic_kind",
-    "data.paths",
-    "data.eval_paths",
-    "data.on_decode_error",
-    "data.field",
-    "data.tokenizer",
-    "data.seq_len",
-    "data.seed",
-    "data.eval_fraction",
-    "data.sources",
-    "train.global_batch_size",
-    "distillation.teacher_run_dir",
-    "distillation.teacher_logits_dir",
-)
-
-
-def previous_config(run_dir: Path) -> Config | None:
-    """The resolved config of an earlier invocation in this run directory, if it left one
-    (with or without checkpoints: its metrics belong to that config)."""
-    if not (run_dir / "config.yaml").is_file():
-        return None
-    return read_run_config(run_dir, "resume (the earlier run's config)")
-
-
-def resume_changes(old: Config, new: Config, resumed: bool = True) -> list[str]:
-    """Changed fields as 'a.b: old -> new'; a KilnError if a frozen field changed, whether the
-    run resumes a checkpoint (`resumed`) or has none yet: its directory holds one model and
-    token stream."""
-    before, after = _flatten(old.model_dump(mode="json")), _flatten(new.model_dump(mode="json"))
-    changes = []
-    for key in sorted(set(before) | set(after)):
-        if before.get(key) == after.get(key):
-            continue
-        if any(key == f or key.startswith(f + ".") for f in FROZEN_ON_RESUME):
-            if resumed:
-                why = "a resumed run cannot change it"
-                ways = "checkpoint.load_params_from to start from its weights, or "
-            else:
-                why = (
-                    "a run cannot change it, even before its first checkpoint: its directory "
-                    "holds the metrics of one model and token stream"
-                )
-                ways = ""
-            raise KilnError(
-                f"{key}: the run in {new.run_dir} was started with {before.get(key)!r}, this config "
-                f"says {after.get(key)!r}; {why} (use a new train.run_name, or {ways}--restart "
-                "to start this run over)"
-            )
-        changes.append(f"{key}: {before.get(key)!r} -> {after.get(key)!r}")
-    return changes
-
-
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, Mapping) and not (prefix == "mesh." and k == "rules"):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def open_run_dir(
