@@ -16,14 +16,8 @@ from kiln.config.schema.base import (
 )
 from kiln.config.schema.data import PER_SOURCE, DataConfig
 from kiln.config.schema.distillation import DistillationConfig
-from kiln.config.schema.model import (
-    ATTENTION_KERNELS,
-    FAMILY_SECTIONS,
-    MAX_EXPERTS,
-    DeepseekConfig,
-    ModelConfig,
-    MoeConfig,
-)
+from kiln.config.schema.families import MAX_EXPERTS, DeepseekConfig, MoeConfig
+from kiln.config.schema.model import ATTENTION_KERNELS, FAMILY_SECTIONS, ModelConfig
 from kiln.config.schema.runtime import DistributedConfig, LoggingConfig
 from kiln.config.schema.training import (
     CheckpointConfig,
