@@ -191,6 +191,101 @@ def test_pipelined_step_equals_one_device(one_device_run, mesh, accum, pipe):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
 
 
+MOE = {
+    "num_experts": 4,
+    "experts_per_token": 2,
+    "d_ff_expert": 32,
+    "router_z_loss": 1e-3,
+    "load_balance_loss": 1e-2,
+}
+DEEPSEEK = {
+    "family": "deepseek",
+    "num_layers": 3,
+    "num_kv_heads": None,
+    "moe": {
+        **MOE,
+        "first_dense_layers": 1,
+        "num_shared_experts": 1,
+        "score": "sigmoid",
+        "n_group": 2,
+        "routed_scaling_factor": 2.5,
+        "balance": "aux_free",
+    },
+    "deepseek": {
+        "q_lora_rank": 16,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 8,
+        "mtp_num_layers": 1,
+        "mtp_loss_weight": 0.3,
+    },
+}
+
+
+def mesh_on(sizes):
+    """A mesh of these axis sizes (the others 1) on the first devices."""
+    shape = tuple(sizes.get(a, 1) for a in MESH_AXES)
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=jax.devices()[: np.prod(shape)])
+
+
+@pytest.mark.parametrize(
+    ("model", "mesh", "accum", "pipe", "unstaged"),
+    [
+        # Dense blocks before the circular MoE stack, experts split over `expert` with a
+        # capacity (its drops are per device, so the reference has the same devices per
+        # micro-batch: expert 2 x fsdp 2 without stages), accumulation around the pipeline.
+        (
+            {
+                "family": "moe",
+                "num_layers": 6,
+                "moe": {**MOE, "first_dense_layers": 2, "capacity_factor": 1.0},
+            },
+            {"stage": 2, "expert": 2, "fsdp": 2},
+            2,
+            {"microbatches": 2, "repeats": 2},
+            {"expert": 2, "fsdp": 2},
+        ),
+        # DeepSeek: a dense block, group routing, a shared expert, a prediction module; the
+        # accumulation's micro-batches are the pipeline's.
+        (DEEPSEEK, {"stage": 2, "expert": 2, "fsdp": 2}, 4, {}, {}),
+    ],
+)
+def test_moe_in_stages_equals_the_run_without(model, mesh, accum, pipe, unstaged):
+    """Loss, routing statistics and gradients of an MoE model in stages against the same model
+    without stages, its accumulation running the pipeline's micro-batches (the router's
+    balance loss and an expert's capacity depend on the tokens of one call)."""
+    model = {**MODEL, "num_layers": 4, **model}
+    pieces = accum * pipe.get("microbatches", 1)
+    ref = make_config(
+        model=model, mesh={"fsdp": 1, **unstaged}, train={"gradient_accumulation_steps": pieces}
+    )
+    state = train.init_state(ref, mesh_on(unstaged))
+    batch = random_batch(0)
+    want_loss, want_aux, want_grads = host(train.loss_and_grads(ref, state, batch))
+    config = make_config(
+        model=model,
+        mesh={"fsdp": 1, **mesh},
+        train={"gradient_accumulation_steps": accum},
+        pipeline=pipe,
+    )
+    staged = train.init_state(config)
+    staged = staged.replace(
+        params=jax.device_put(host(state.params), train.shardings_of(staged.params))
+    )
+    loss, aux, grads = host(train.loss_and_grads(config, staged, batch))
+    assert sorted(aux) == sorted(want_aux) and "moe/expert_tokens" in aux
+    if "capacity_factor" in model["moe"]:
+        assert want_aux["moe/dropped_tokens"].sum() > 0
+    # float32; the same sums over the batch's tokens in another order: 1e-5 relative.
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for k, w in want_aux.items():
+        np.testing.assert_allclose(aux[k], w, rtol=1e-5, err_msg=k)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
+
+
 # ---------------------------------------------------------------------------------------------
 # Refused
 
@@ -214,8 +309,18 @@ def test_pipelined_step_equals_one_device(one_device_run, mesh, accum, pipe):
         (["pipeline.repeats=2"], "pipeline.repeats: 2"),
         (["pipeline.microbatches=4"], "pipeline.microbatches: 4"),
         (
-            ["mesh.stage=2", "mesh.fsdp=4", "pipeline.microbatches=2", "model.family=moe"],
+            [
+                *("mesh.stage=2", "mesh.fsdp=4", "pipeline.microbatches=2"),
+                *("model.family=gemma3", "model.qk_norm=true"),
+            ],
             "mesh.stage: 2",
+        ),
+        (
+            [
+                *("mesh.stage=2", "mesh.fsdp=4", "pipeline.microbatches=2"),
+                *("model.family=moe", "model.moe.first_dense_layers=1"),
+            ],
+            "model.moe.first_dense_layers: 1",
         ),
     ],
 )

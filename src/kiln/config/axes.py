@@ -47,6 +47,9 @@ DEFAULT_AXIS_RULES: dict[str, list[str]] = {
     # The block stack's layer axis: whole on every device; with pipeline stages (mesh.stage
     # other than 1) the stage axis is put in front, consecutive layers per stage (_Mesh).
     "layers": [],
+    # The layer axis of the stacks that run outside pipeline stages, on every stage: the moe
+    # family's first dense blocks and DeepSeek's multi-token prediction modules.
+    "unstaged_layers": [],
     "norm": [],
     # A Mixture-of-Experts layer's expert dimension (its weights [experts, embed, mlp]: embed
     # then takes only the axes experts left, as every later dimension does).

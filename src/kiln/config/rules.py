@@ -164,6 +164,12 @@ def pipeline_split(c: Config, stages: int) -> tuple[int, int]:
     return (1, accum) if pieces is None else (accum, pieces)
 
 
+# The families whose main block stack runs in pipeline stages (docs/pipeline.md): llama's one
+# stack; the moe family's MoE stack (its first dense blocks, and DeepSeek's multi-token
+# prediction modules, run outside the stages, on every stage).
+STAGED_FAMILIES = ("llama", "moe", "deepseek", "gpt_oss")
+
+
 def _pipeline_errors(c: Config, num_devices: int | None) -> Iterator[str]:
     """Pipeline stages against the model, the batch and each other."""
     p, m, t = c.pipeline, c.model, c.train
@@ -186,11 +192,11 @@ def _pipeline_errors(c: Config, num_devices: int | None) -> Iterator[str]:
         return
     if stages == -1:
         return  # checked again once the device count is known
-    if m.family != "llama":
+    if m.family not in STAGED_FAMILIES:
         yield (
-            f"mesh.stage: {stages} pipeline stages run the llama family's block stack; "
-            f"model.family={m.family} has other stacks or modules; allowed: mesh.stage 1 "
-            "for it"
+            f"mesh.stage: {stages} pipeline stages run the block stacks of the "
+            f"{', '.join(STAGED_FAMILIES)} families; model.family={m.family} has other stacks "
+            "or modules; allowed: mesh.stage 1 for it"
         )
     elif len(set(m.local_layers())) > 1:
         yield (
@@ -209,7 +215,15 @@ def _pipeline_errors(c: Config, num_devices: int | None) -> Iterator[str]:
             "student features; allowed: mesh.stage 1 for distillation"
         )
     groups = stages * p.repeats
-    if m.num_layers % groups:
+    dense = m.moe.first_dense_layers if m.moe is not None else 0
+    if dense and (m.num_layers - dense) % groups:
+        yield (
+            f"model.moe.first_dense_layers: {dense} leaves {m.num_layers - dense} MoE layers "
+            f"of model.num_layers={m.num_layers}, not divisible by mesh.stage x "
+            f"pipeline.repeats = {stages} x {p.repeats} = {groups} (the MoE stack runs in the "
+            "stages, each stage and repeat as many layers); allowed: a multiple of it"
+        )
+    elif m.num_layers % groups and not dense:
         yield (
             f"model.num_layers: {m.num_layers} is not divisible by mesh.stage x "
             f"pipeline.repeats = {stages} x {p.repeats} = {groups} (each stage and repeat runs "

@@ -167,6 +167,29 @@ def run(
     return circ[0], aux
 
 
+def split(a: jax.Array, microbatches: int) -> jax.Array:
+    """[G, ...] -> [M, G/M, ...]: micro-batch m = rows m, m + M, ... (each shard keeps its rows)."""
+    return a.reshape(a.shape[0] // microbatches, microbatches, *a.shape[1:]).swapaxes(0, 1)
+
+
+def merge(a: jax.Array) -> jax.Array:
+    """The inverse of `split`: [M, G/M, ...] -> [G, ...]."""
+    return a.swapaxes(0, 1).reshape(-1, *a.shape[2:])
+
+
+def each_microbatch(fn: Callable[..., tuple[Any, Any]], args: Any, microbatches: int):
+    """`fn(*args)` on each of the pipeline's micro-batches in turn (leaves of `args` [G, ...],
+    cut as `stack` cuts them): (its outputs, leaves [G, ...] put back in row order; its aux
+    summed over the micro-batches). For what runs around the stages but has statistics of the
+    batch it sees (an MoE layer's), so that they are the micro-batches' as in the stack."""
+
+    def one(piece):
+        return fn(*piece)
+
+    outs, aux = jax.lax.map(one, jax.tree.map(lambda a: split(a, microbatches), args))
+    return jax.tree.map(merge, outs), jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)
+
+
 def stack(
     run_layers: Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]],
     params: Any,
@@ -192,11 +215,9 @@ def stack(
         a = a if r_count == 1 else jnp.take(a, jnp.asarray(order), axis=0)
         return a.reshape(s_count, r_count, per, *a.shape[1:])
 
-    def split(a):
-        return a.reshape(a.shape[0] // m_count, m_count, *a.shape[1:]).swapaxes(0, 1)
-
     weights = jax.tree.map(to_stages, params)
-    out, aux = run(run_layers, weights, split(x), jax.tree.map(split, extras), schedule)
+    pieces = jax.tree.map(lambda a: split(a, m_count), (x, extras))
+    out, aux = run(run_layers, weights, *pieces, schedule)
     inverse = jnp.asarray(np.argsort(order))
     aux = jax.tree.map(lambda a: jnp.take(a.reshape(layers, *a.shape[3:]), inverse, axis=0), aux)
-    return out.swapaxes(0, 1).reshape(x.shape), aux
+    return merge(out), aux

@@ -27,7 +27,7 @@ Schedule = Callable[[jax.Array], jax.Array]
 DECAYED_ROLES = ("matrix", "head", "projection", "router")
 # Batch axes of a matrix parameter, never its input or output: the stacked-layers axis of
 # scanned blocks (one matrix per layer) and the experts of an MoE layer (one per expert).
-BATCH_AXES = ("layers", "experts")
+BATCH_AXES = ("layers", "unstaged_layers", "experts")
 
 
 def make_schedule(cfg: OptimConfig, total_steps: int) -> Schedule:

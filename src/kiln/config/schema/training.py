@@ -197,7 +197,7 @@ class PipelineConfig(Section):
     repeats: PositiveInt = Field(
         1,
         le=1024,
-        description="Circular (interleaved) stages: each stage runs repeats groups of model.num_layers / (stage x repeats) layers, a micro-batch passing every stage repeats times; the bubble shrinks by this factor. num_layers must be divisible by stage x repeats.",
+        description="Circular (interleaved) stages: each stage runs repeats groups of consecutive layers of the staged stack (of L / (stage x repeats) layers each), a micro-batch passing every stage repeats times; the bubble shrinks by this factor. L (model.num_layers; with model.moe.first_dense_layers, the MoE layers after them) must be divisible by stage x repeats.",
     )
 
 

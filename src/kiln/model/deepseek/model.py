@@ -93,7 +93,7 @@ class DeepseekTransformer(MoeTransformer):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         super().__init__(cfg, rngs=rngs)
         m = cfg.deepseek.mtp_num_layers
-        self.mtp = stacked_blocks(cfg, rngs, MtpModule, m) if m else None
+        self.mtp = stacked_blocks(cfg, rngs, MtpModule, m, "unstaged_layers") if m else None
 
     def _routed(self) -> list[nnx.Module]:
         return [self.blocks.mlp] + ([] if self.mtp is None else [self.mtp.block.mlp])

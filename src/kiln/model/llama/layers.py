@@ -430,13 +430,18 @@ def scan_blocks(
 
 
 def stacked_blocks(
-    cfg: ModelConfig, rngs: nnx.Rngs, block: type[Block] = Block, num_layers: int | None = None
+    cfg: ModelConfig,
+    rngs: nnx.Rngs,
+    block: type[Block] = Block,
+    num_layers: int | None = None,
+    axis: str = "layers",
 ) -> Block:
-    """One `block` whose parameters have a leading `layers` axis of size `num_layers`
-    (default: model.num_layers)."""
+    """One `block` whose parameters have a leading axis of size `num_layers` (default:
+    model.num_layers) named `axis`: `layers`, or `unstaged_layers` for a stack that runs
+    outside pipeline stages (docs/pipeline.md)."""
 
     @nnx.split_rngs(splits=cfg.num_layers if num_layers is None else num_layers)
-    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
     def make(layer_rngs: nnx.Rngs) -> Block:
         return block(cfg, rngs=layer_rngs)
 

@@ -85,7 +85,14 @@ class Transformer(nnx.Module):
         auxiliary sums, combined by `_aux` (none for this family).
         """
         x_BSD, features, aux = self.trunk(inputs_BS, positions_BS, segment_ids_BS, collect=collect)
-        ahead, ahead_aux = self._ahead(x_BSD, inputs_BS, positions_BS, segment_ids_BS)
+        args = (x_BSD, inputs_BS, positions_BS, segment_ids_BS)
+        schedule = pipeline.current_schedule()
+        if schedule is not None and self.predicts_ahead(self.cfg)[0]:
+            # After the stages, on the stages' micro-batches: the modules' routing statistics
+            # are then those of the micro-batches gradient accumulation would run.
+            ahead, ahead_aux = pipeline.each_microbatch(self._ahead, args, schedule.microbatches)
+        else:
+            ahead, ahead_aux = self._ahead(*args)
         return ModelOutput(self.final_norm(x_BSD), features, self._aux(aux + ahead_aux), ahead)
 
     def _ahead(self, x_BSD, inputs_BS, positions_BS, segment_ids_BS):
@@ -106,35 +113,42 @@ class Transformer(nnx.Module):
                 )
         x_BSD = self.embed(inputs_BS)
         schedule = pipeline.current_schedule()
-        if schedule is not None:
-            return self._stages(x_BSD, positions_BS, segment_ids_BS, schedule, collect)
+        if schedule is not None and collect:
+            raise KilnError(  # the config's checks refuse this first (kiln.config.rules)
+                "mesh.stage: pipeline stages do not collect features"
+            )
         all_LBSD, aux, first, local = [], [], 0, cfg.local_layers()
         for blocks in self._stacks():
             n = stack_size(blocks)
-            x_BSD, all_BSD, stack_aux = scan_blocks(
-                blocks,
-                x_BSD,
-                positions_BS,
-                segment_ids_BS,
-                remat=cfg.remat,
-                collect=bool(collect),
-                casts=cfg.dtype != cfg.param_dtype,
-                local=local[first : first + n],
-            )
+            if schedule is not None and blocks is self.blocks:
+                # The main stack in pipeline stages; the others run before it as they do
+                # without stages, on every stage (docs/pipeline.md).
+                x_BSD, stack_aux = self._stages(
+                    x_BSD, positions_BS, segment_ids_BS, schedule, local[first : first + 1]
+                )
+                all_BSD = None
+            else:
+                x_BSD, all_BSD, stack_aux = scan_blocks(
+                    blocks,
+                    x_BSD,
+                    positions_BS,
+                    segment_ids_BS,
+                    remat=cfg.remat,
+                    collect=bool(collect),
+                    casts=cfg.dtype != cfg.param_dtype,
+                    local=local[first : first + n],
+                )
             all_LBSD.append(all_BSD)
             aux.append(stack_aux)
             first += n
         features = join_layers(all_LBSD)[jnp.asarray(collect)] if collect else None
         return x_BSD, features, aux
 
-    def _stages(self, x_BSD, positions_BS, segment_ids_BS, schedule, collect):
-        """`trunk` with the block stack in pipeline stages (`kiln.parallel.pipeline.stack`):
-        each stage scans its layers as `trunk` scans the whole stack."""
+    def _stages(self, x_BSD, positions_BS, segment_ids_BS, schedule, local):
+        """(x after the main stack `blocks`, its per-layer aux) with the stack in pipeline
+        stages (`kiln.parallel.pipeline.stack`): each stage scans its layers as `trunk` scans
+        the whole stack. `local`: the stack's one layer kind (the config refuses mixed ones)."""
         cfg = self.cfg
-        if collect or len(self._stacks()) != 1:
-            raise KilnError(  # the config's checks refuse these first (kiln.config.rules)
-                "mesh.stage: pipeline stages run one block stack without features"
-            )
         graphdef, params = nnx.split(self.blocks)
 
         def run_layers(layer_params, x_BSD, extras):
@@ -147,13 +161,12 @@ class Transformer(nnx.Module):
                 remat=cfg.remat,
                 collect=False,
                 casts=cfg.dtype != cfg.param_dtype,
-                local=cfg.local_layers()[:1],
+                local=local,
             )
             return y_BSD, aux
 
         extras = (positions_BS, segment_ids_BS)
-        x_BSD, aux = pipeline.stack(run_layers, params, x_BSD, extras, schedule)
-        return x_BSD, None, [aux]
+        return pipeline.stack(run_layers, params, x_BSD, extras, schedule)
 
     def _stacks(self) -> list[nnx.Module]:
         """The scanned stacks of blocks, in order (each with a leading `layers` axis)."""

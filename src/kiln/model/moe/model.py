@@ -40,9 +40,12 @@ class MoeTransformer(Transformer):
 
     def _build_stacks(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         """`first_dense_layers` dense blocks (`self.dense_blocks`, None if 0), then the MoE
-        blocks (`self.blocks`)."""
+        blocks (`self.blocks`). The dense stack runs outside pipeline stages (docs/pipeline.md),
+        so its layers are never split over them."""
         dense = cfg.moe.first_dense_layers
-        self.dense_blocks = stacked_blocks(cfg, rngs, self.dense_block, dense) if dense else None
+        self.dense_blocks = (
+            stacked_blocks(cfg, rngs, self.dense_block, dense, "unstaged_layers") if dense else None
+        )
         self.blocks = stacked_blocks(cfg, rngs, self.moe_block, cfg.num_layers - dense)
 
     def _stacks(self) -> list[nnx.Module]:
