@@ -234,34 +234,54 @@ def mesh_on(sizes):
     ("model", "mesh", "accum", "pipe", "unstaged"),
     [
         # Dense blocks before the circular MoE stack, experts split over `expert` with a
-        # capacity (its drops are per device, so the reference has the same devices per
-        # micro-batch: expert 2 x fsdp 2 without stages), accumulation around the pipeline.
+        # capacity, ring attention over `sequence`, accumulation around the pipeline. The
+        # capacity's drops are per device: the reference has the same devices per micro-batch
+        # (expert 2 x sequence 2, all-gathered attention).
         (
             {
                 "family": "moe",
                 "num_layers": 6,
+                "context_parallel": "ring",
                 "moe": {**MOE, "first_dense_layers": 2, "capacity_factor": 1.0},
             },
-            {"stage": 2, "expert": 2, "fsdp": 2},
+            {"stage": 2, "expert": 2, "sequence": 2},
             2,
             {"microbatches": 2, "repeats": 2},
-            {"expert": 2, "fsdp": 2},
+            {"mesh": {"expert": 2, "sequence": 2}, "model": {"context_parallel": "all_gather"}},
         ),
         # DeepSeek: a dense block, group routing, a shared expert, a prediction module; the
         # accumulation's micro-batches are the pipeline's.
         (DEEPSEEK, {"stage": 2, "expert": 2, "fsdp": 2}, 4, {}, {}),
+        # GPT-OSS: sliding and full layers alternating (each stage scans its layers' kinds),
+        # sinks, router and expert biases; circular, no accumulation loop.
+        (
+            {
+                "family": "gpt_oss",
+                "moe": MOE,
+                "attention_sinks": True,
+                "sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention"],
+            },
+            {"stage": 2, "expert": 2, "fsdp": 2},
+            1,
+            {"microbatches": 2, "repeats": 2},
+            {},
+        ),
     ],
 )
 def test_moe_in_stages_equals_the_run_without(model, mesh, accum, pipe, unstaged):
     """Loss, routing statistics and gradients of an MoE model in stages against the same model
-    without stages, its accumulation running the pipeline's micro-batches (the router's
-    balance loss and an expert's capacity depend on the tokens of one call)."""
+    without stages (`unstaged`: its mesh, one device by default, and model changes), its
+    accumulation running the pipeline's micro-batches (the router's balance loss and an
+    expert's capacity depend on the tokens of one call)."""
     model = {**MODEL, "num_layers": 4, **model}
     pieces = accum * pipe.get("microbatches", 1)
     ref = make_config(
-        model=model, mesh={"fsdp": 1, **unstaged}, train={"gradient_accumulation_steps": pieces}
+        model={**model, **unstaged.get("model", {})},
+        mesh={"fsdp": 1, **unstaged.get("mesh", {})},
+        train={"gradient_accumulation_steps": pieces},
     )
-    state = train.init_state(ref, mesh_on(unstaged))
+    state = train.init_state(ref, mesh_on(unstaged.get("mesh", {})))
     batch = random_batch(0)
     want_loss, want_aux, want_grads = host(train.loss_and_grads(ref, state, batch))
     config = make_config(
@@ -308,13 +328,6 @@ def test_moe_in_stages_equals_the_run_without(model, mesh, accum, pipe, unstaged
         (["mesh.stage=4", "mesh.fsdp=2", "pipeline.microbatches=2"], "pipeline.microbatches: 2"),
         (["pipeline.repeats=2"], "pipeline.repeats: 2"),
         (["pipeline.microbatches=4"], "pipeline.microbatches: 4"),
-        (
-            [
-                *("mesh.stage=2", "mesh.fsdp=4", "pipeline.microbatches=2"),
-                *("model.family=gemma3", "model.qk_norm=true"),
-            ],
-            "mesh.stage: 2",
-        ),
         (
             [
                 *("mesh.stage=2", "mesh.fsdp=4", "pipeline.microbatches=2"),

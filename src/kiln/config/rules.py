@@ -164,12 +164,6 @@ def pipeline_split(c: Config, stages: int) -> tuple[int, int]:
     return (1, accum) if pieces is None else (accum, pieces)
 
 
-# The families whose main block stack runs in pipeline stages (docs/pipeline.md): llama's one
-# stack; the moe family's MoE stack (its first dense blocks, and DeepSeek's multi-token
-# prediction modules, run outside the stages, on every stage).
-STAGED_FAMILIES = ("llama", "moe", "deepseek", "gpt_oss")
-
-
 def _pipeline_errors(c: Config, num_devices: int | None) -> Iterator[str]:
     """Pipeline stages against the model, the batch and each other."""
     p, m, t = c.pipeline, c.model, c.train
@@ -192,22 +186,6 @@ def _pipeline_errors(c: Config, num_devices: int | None) -> Iterator[str]:
         return
     if stages == -1:
         return  # checked again once the device count is known
-    if m.family not in STAGED_FAMILIES:
-        yield (
-            f"mesh.stage: {stages} pipeline stages run the block stacks of the "
-            f"{', '.join(STAGED_FAMILIES)} families; model.family={m.family} has other stacks "
-            "or modules; allowed: mesh.stage 1 for it"
-        )
-    elif len(set(m.local_layers())) > 1:
-        yield (
-            f"model.layer_types: sliding and full attention layers mixed in one stack do not "
-            f"run in pipeline stages (mesh.stage={stages}); allowed: one kind, or mesh.stage 1"
-        )
-    if m.context_parallel == "ring":
-        yield (
-            f"model.context_parallel: ring runs under shard_map, which pipeline stages "
-            f"(mesh.stage={stages}) do not run; allowed: all_gather, or mesh.stage 1"
-        )
     d = c.distillation
     if d.teacher_run_dir is not None or d.teacher_logits_dir is not None:
         yield (

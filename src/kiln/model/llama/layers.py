@@ -377,10 +377,12 @@ def stack_size(blocks: nnx.Module) -> int:
     return jax.tree.leaves(nnx.state(blocks))[0].shape[0]
 
 
-def layer_kinds(local: Sequence[bool]) -> tuple[bool | None, jax.Array | None]:
+def layer_kinds(local: Sequence[bool] | jax.Array) -> tuple[bool | None, jax.Array | None]:
     """(the `local` every block of a stack gets, or None; the [L] bools to scan over, or None):
     a stack whose layers are all of one kind compiles one attention, a mixed one gets each
-    layer's kind as a scanned input."""
+    layer's kind as a scanned input (as does an array of kinds, e.g. a pipeline stage's)."""
+    if isinstance(local, jax.Array):
+        return None, local
     if len(set(local)) == 1:
         return bool(local[0]), None
     return None, jnp.asarray(local)
@@ -395,11 +397,12 @@ def scan_blocks(
     remat: str,
     collect: bool,
     casts: bool = False,
-    local: Sequence[bool] = (False,),
+    local: Sequence[bool] | jax.Array = (False,),
 ):
     """Run a stack of blocks over x: (x after the stack, the residual stream after each block
     [L,B,S,D] if `collect` else None, each block's aux stacked along a leading [L] axis).
-    `local`: per layer, whether it is a sliding_attention layer (`layer_kinds`).
+    `local`: per layer, whether it is a sliding_attention layer (`layer_kinds`; a bool array
+    when the layers a call runs are only known when traced).
 
     `casts`: the blocks cast their weights to another compute dtype. Each layer's weights then
     get a zero that differs per layer added first (x + 0.0 is x, and its gradient is the

@@ -124,7 +124,7 @@ class Transformer(nnx.Module):
                 # The main stack in pipeline stages; the others run before it as they do
                 # without stages, on every stage (docs/pipeline.md).
                 x_BSD, stack_aux = self._stages(
-                    x_BSD, positions_BS, segment_ids_BS, schedule, local[first : first + 1]
+                    x_BSD, positions_BS, segment_ids_BS, schedule, local[first : first + n]
                 )
                 all_BSD = None
             else:
@@ -147,12 +147,16 @@ class Transformer(nnx.Module):
     def _stages(self, x_BSD, positions_BS, segment_ids_BS, schedule, local):
         """(x after the main stack `blocks`, its per-layer aux) with the stack in pipeline
         stages (`kiln.parallel.pipeline.stack`): each stage scans its layers as `trunk` scans
-        the whole stack. `local`: the stack's one layer kind (the config refuses mixed ones)."""
+        the whole stack. `local`: each layer's kind; when they differ, each layer's goes with
+        its weights to the stage that runs it."""
         cfg = self.cfg
         graphdef, params = nnx.split(self.blocks)
+        mixed = len(set(local)) > 1
+        stacked = (params, jnp.asarray(local)) if mixed else params
 
         def run_layers(layer_params, x_BSD, extras):
             positions_BS, segment_ids_BS = extras
+            layer_params, kinds = layer_params if mixed else (layer_params, local[:1])
             y_BSD, _, aux = scan_blocks(
                 nnx.merge(graphdef, layer_params),
                 x_BSD,
@@ -161,12 +165,12 @@ class Transformer(nnx.Module):
                 remat=cfg.remat,
                 collect=False,
                 casts=cfg.dtype != cfg.param_dtype,
-                local=local,
+                local=kinds,
             )
             return y_BSD, aux
 
         extras = (positions_BS, segment_ids_BS)
-        return pipeline.stack(run_layers, params, x_BSD, extras, schedule)
+        return pipeline.stack(run_layers, stacked, x_BSD, extras, schedule)
 
     def _stacks(self) -> list[nnx.Module]:
         """The scanned stacks of blocks, in order (each with a leading `layers` axis)."""
