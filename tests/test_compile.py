@@ -1,5 +1,6 @@
 """`kiln compile`: the AOT-compiled step is the one `kiln train` runs; bad input; --fit; summary."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -92,6 +93,18 @@ def test_peak_over_the_budget_prints_the_report_and_exits_1(small_1b_report, cap
     text = aot.format_report(report, "c.yaml")
     assert re.search(rf"peak +{report.memory['peak'] / 1e9:.3f} GB", text)
     assert "all-gather" in text and "counts a scan body once" in text
+    # XLA:CPU gives every loop's trip count: exact per-step figures, no lower bound in the JSON.
+    assert report.collectives_per_step_at_least is None
+    assert "collectives_per_step_at_least" not in got and ">=" not in text
+    # As the TPU compiler's HLO reads (no trip counts): the bound printed, said to be one.
+    unknown = {**report.collectives["all-gather"], "ops_per_step": None, "bytes_per_step": None}
+    tpu_like = dataclasses.replace(
+        report,
+        collectives={"all-gather": unknown},
+        collectives_per_step_at_least={"all-gather": dict(ops_per_step=7, bytes_per_step=2e9)},
+    )
+    line = aot.format_report(tpu_like, "c.yaml").splitlines()[-1]
+    assert re.search(r"per step >= +7 ops +2\.000 GB +\(loops of unknown trip count", line), line
 
 
 @pytest.mark.parametrize(
@@ -229,8 +242,14 @@ def test_collectives_per_step_multiply_the_trip_counts_of_the_loops_around_them(
     assert got["all-reduce"] == dict(ops=2, bytes=40, ops_per_step=13, bytes_per_step=12 * 32 + 8)
     assert got["all-gather"] == dict(ops=1, bytes=64, ops_per_step=3, bytes_per_step=3 * 64)
     # inner_body also called by a loop of unknown length: its runs per step are unknown.
-    got = hlo_text.collectives(LOOPS.rstrip().removesuffix("}") + UNKNOWN_LOOP)
+    unknown = LOOPS.rstrip().removesuffix("}") + UNKNOWN_LOOP
+    got = hlo_text.collectives(unknown)
     assert (got["all-reduce"]["ops_per_step"], got["all-gather"]["ops_per_step"]) == (None, 3)
+    # The lower bound counts that loop once: inner_body 12 + 1 times, all-reduce.3 once.
+    at_least = hlo_text.collectives_at_least(unknown)
+    assert at_least["all-reduce"] == dict(ops_per_step=14, bytes_per_step=13 * 32 + 8)
+    assert at_least["all-gather"] == dict(ops_per_step=3, bytes_per_step=3 * 64)
+    assert hlo_text.collectives_at_least(LOOPS) is None  # every count known: no bound needed
 
 
 def test_tpu_all_reduce_scatter_fusions_count_as_reduce_scatters():

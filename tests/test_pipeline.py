@@ -3,6 +3,7 @@ in order, the whole train step's loss and gradients against one device, the bubb
 configs refused."""
 
 import json
+import types
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import kiln_main
+from kiln.commands import fit
 from kiln.config import MESH_AXES, config_from_dict, load_config
 from kiln.data import make_datasets
 from kiln.errors import KilnError
@@ -450,3 +452,52 @@ def test_compile_reports_the_bubble_and_the_permutes():
     permutes = report["collectives"]["collective-permute"]
     # Forward and backward: the activations move once per iteration each way.
     assert permutes["ops_per_step"] >= 2 * 11 and permutes["bytes_per_step"] > 0
+    # Inside the loop over the iterations: a step moves more than the static count says, and
+    # XLA:CPU gives every trip count, so no lower bound is reported.
+    assert permutes["bytes_per_step"] > permutes["bytes"]
+    assert "collectives_per_step_at_least" not in report
+
+
+def test_fit_searches_the_repeats_most_first_on_each_stage_split(monkeypatch):
+    """`--fit --fit-mesh stage,fsdp` probes each split with every valid pipeline.repeats, most
+    first; the compile is replaced by a peak that fits only on 2 stages without repeats, so
+    the order of the trials is the search's, not a compiler's."""
+    config = load_config(
+        "configs/tiny.yaml",
+        [
+            "model.num_layers=6",
+            "mesh.stage=2",
+            "mesh.fsdp=4",
+            "train.gradient_accumulation_steps=2",
+        ],
+    )
+
+    def compile_report(c, devices):
+        fits = c.mesh.stage == 2 and c.pipeline.repeats == 1
+        return types.SimpleNamespace(memory={"peak": 0 if fits else 2 * fit.GB})
+
+    monkeypatch.setattr(fit, "compile_report", compile_report)
+    found = fit.fit(config, jax.devices(), 1.0, ("stage", "fsdp"))
+    tried = [(s.mesh[0], s.repeats) for s, _ in found.trials]
+    # 6 layers on 2 stages: 3 repeats first (the smallest bubble), then 1 (2 does not divide).
+    assert tried[:2] == [(("stage", 2), 3), (("stage", 2), 1)]
+    assert found.best.repeats == 1 and dict(found.best.mesh)["stage"] == 2
+    assert found.best.overrides().endswith(" pipeline.repeats=1")
+    # 4 and 8 stages do not divide 6 layers at any repeats: skipped, each with the refusal.
+    assert [(m["stage"], r) for m, r, _ in found.skipped] == [(8, 1), (4, 1)]
+    assert all("not divisible by mesh.stage x pipeline.repeats" in why for *_, why in found.skipped)
+    report = json.loads(json.dumps(found.to_json()))
+    assert [t["repeats"] for t in report["trials"][:2]] == [3, 1]
+    assert report["skipped_splits"][0]["repeats"] == 1
+    text = fit.format_fit(found)
+    assert "pipeline.repeats=3" in text and "skipped mesh stage=8" in text
+
+
+def test_repeats_ladder_divides_the_staged_stack_up_to_the_cap():
+    tiny = load_config("configs/tiny.yaml", ["model.num_layers=64"])
+    assert fit.repeats_ladder(tiny, 2) == [8, 4, 2, 1]  # 32 layers a stage, capped at 8
+    assert fit.repeats_ladder(tiny, 1) == [1]
+    assert fit.repeats_ladder(tiny, 128) == [tiny.pipeline.repeats]  # none: its refusal says why
+    # DeepSeek stages only the MoE layers after the first dense one: 8 of 9.
+    deepseek = load_config("configs/deepseek_tiny.yaml", ["model.num_layers=9"])
+    assert fit.repeats_ladder(deepseek, 2) == [4, 2, 1]

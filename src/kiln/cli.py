@@ -203,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="AXES",
         help="with --fit, also search the splits of the devices over these mesh axes "
-        "(comma-separated among data,fsdp,tensor,sequence)",
+        "(comma-separated among stage,data,fsdp,expert,tensor,sequence; with stage, also "
+        "pipeline.repeats on each stage count)",
     )
     p.add_argument(
         "--peak-buffers",

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 
 from kiln.commands import buffers
-from kiln.commands.hlo import collectives
+from kiln.commands.hlo import collectives, collectives_at_least
 from kiln.config import MESH_AXES, Config, pipeline_split
 from kiln.distill.offline import abstract_offline, abstract_teacher_rows
 from kiln.distill.online import abstract_distillation
@@ -153,6 +153,10 @@ class StepReport:
     # With pipeline stages: stages, repeats, microbatches, iterations and bubble (the fraction
     # of stage-iterations in the bubble, (S-1)/(R·M+S-1)); None (left out of the JSON) without.
     pipeline: dict[str, float] | None = None
+    # Where a loop's trip count is not in the HLO (the TPU compiler's): kind -> {"ops_per_step",
+    # "bytes_per_step"} with each such loop counted once, a lower bound (hlo.collectives_at_least);
+    # None (left out of the JSON) when `collectives` has every per-step figure.
+    collectives_per_step_at_least: dict[str, dict[str, int]] | None = None
 
     def fits(self, hbm_gb: float | None) -> bool:
         return hbm_gb is None or self.memory["peak"] <= hbm_gb * GB
@@ -161,7 +165,7 @@ class StepReport:
         # Without --peak-buffers the key is left out: a report's JSON stays what the records
         # of docs/figures.json (compared whole by scripts/docs_figures.py) hold.
         out = dataclasses.asdict(self)
-        for key in ("peak_buffers", "pipeline"):
+        for key in ("peak_buffers", "pipeline", "collectives_per_step_at_least"):
             if out[key] is None:
                 del out[key]
         return out
@@ -254,6 +258,7 @@ def compile_report(config: Config, devices: list[Any], peak_buffers: int = 0) ->
     kiln_flops = objective.flops_per_token() * tokens
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
+    hlo = compiled.as_text()
     return StepReport(
         command=command,
         platform=devices[0].platform,
@@ -267,10 +272,11 @@ def compile_report(config: Config, devices: list[Any], peak_buffers: int = 0) ->
             "kiln_per_device": kiln_flops / len(devices),
             "xla_cost_analysis_per_device": float((cost or {}).get("flops", float("nan"))),
         },
-        collectives=collectives(compiled.as_text()),
+        collectives=collectives(hlo),
         peak_buffers=largest,
         program=program_fingerprint(lowered, mesh),
         pipeline=_pipeline_figures(config, dict(mesh.shape)),
+        collectives_per_step_at_least=collectives_at_least(hlo),
     )
 
 
@@ -345,12 +351,18 @@ def format_report(report: StepReport, config_path: str) -> str:
         "collectives between devices in the compiled HLO (static: an op inside a loop counted "
         "once; per step: as often as the loops around it run):",
     ]
+    at_least = report.collectives_per_step_at_least or {}
     for kind, c in report.collectives.items():
-        per_step = (
-            "per step: loop counts unknown"
-            if c["ops_per_step"] is None
-            else f"per step {c['ops_per_step']:>5} ops  {_gb(c['bytes_per_step'])}"
-        )
+        if c["ops_per_step"] is not None:
+            per_step = f"per step {c['ops_per_step']:>5} ops  {_gb(c['bytes_per_step'])}"
+        elif kind in at_least:
+            b = at_least[kind]
+            per_step = (
+                f"per step >= {b['ops_per_step']:>5} ops  {_gb(b['bytes_per_step'])}  "
+                "(loops of unknown trip count counted once)"
+            )
+        else:
+            per_step = "per step: loop counts unknown"
         lines.append(f"  {kind:<19} {c['ops']:>4} ops  {_gb(c['bytes'])}    {per_step}")
     return "\n".join(lines)
 

@@ -24,6 +24,14 @@ the others with the first named axis largest; the first split that fits gets ste
 the config's rules refuse is skipped without a compile, with the reason: for a Mixture-of-Experts
 model (`--fit-mesh fsdp,expert`) an `expert` size that does not divide `model.moe.num_experts`.
 
+With pipeline stages among the splits (`--fit-mesh stage,fsdp`, or a config whose own
+`mesh.stage` is above 1), `pipeline.repeats` is searched with the split: on S stages, the
+repeats R that divide the staged stack evenly (its L / S layers, L = `model.num_layers`, or
+the MoE layers after `model.moe.first_dense_layers`) up to REPEATS_CAP, most first, each
+(split, R) probed as a split is. Most first: the bubble (S-1)/(R·M+S-1) shrinks with R, so the
+first that fits idles least; fewer repeats are tried when more do not fit. On one stage R is 1.
+A split with no valid R is skipped with the refusal of the configured one.
+
 A setting the compiler refuses for want of memory (the TPU compiler, `--topology`, checks the
 HBM of the slice's chips) does not fit, like one whose compiled peak exceeds `--hbm-gb`.
 """
@@ -41,6 +49,9 @@ from kiln.config.axes import MESH_AXES
 from kiln.errors import KilnError
 
 TILINGS = (1, 2, 4, 8, 16, 32)
+# The most `pipeline.repeats` the search tries: past it the bubble is under (S-1)/(8·M) of
+# the iterations, and each further repeat still adds M of them, each with its permute.
+REPEATS_CAP = 8
 
 
 # Policies that keep another's tensors (chosen by name): the search does not compile them.
@@ -61,17 +72,21 @@ class Setting:
     num_vocab_tiling: int
     gradient_accumulation_steps: int
     mesh: tuple[tuple[str, int], ...] = ()  # every mesh axis's size when the mesh is searched
+    repeats: int | None = None  # pipeline.repeats when searched (with pipeline stages)
 
     def overrides(self) -> str:
         mesh = "".join(f" mesh.{axis}={size}" for axis, size in self.mesh)
+        repeats = "" if self.repeats is None else f" pipeline.repeats={self.repeats}"
         return (
             f"model.remat={self.remat} loss.num_vocab_tiling={self.num_vocab_tiling} "
-            f"train.gradient_accumulation_steps={self.gradient_accumulation_steps}{mesh}"
+            f"train.gradient_accumulation_steps={self.gradient_accumulation_steps}{mesh}{repeats}"
         )
 
     def to_json(self) -> dict[str, Any]:
         fields = dataclasses.asdict(self)
         del fields["mesh"]
+        if self.repeats is None:
+            del fields["repeats"]
         return {**fields, "mesh": dict(self.mesh)} if self.mesh else fields
 
 
@@ -82,7 +97,9 @@ class FitResult:
     trials: list[tuple[Setting, int | None]]
     best: Setting | None
     mesh_axes: tuple[str, ...] = ()  # the searched axes; () = the config's mesh only
-    skipped: list[tuple[dict[str, int], str]] = dataclasses.field(default_factory=list)
+    # (split, pipeline.repeats or None when not searched, why the config's rules refuse it)
+    skipped: list[tuple[dict[str, int], int | None, str]] = dataclasses.field(default_factory=list)
+    searches_repeats: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -97,7 +114,11 @@ class FitResult:
         }
         if self.mesh_axes:
             out["mesh_axes"] = list(self.mesh_axes)
-            out["skipped_splits"] = [{"mesh": m, "reason": r} for m, r in self.skipped]
+        if self.mesh_axes or self.searches_repeats:
+            out["skipped_splits"] = [
+                {"mesh": m, **({} if r is None else {"repeats": r}), "reason": why}
+                for m, r, why in self.skipped
+            ]
         return out
 
 
@@ -113,6 +134,8 @@ def with_setting(config: Config, setting: Setting) -> Config:
     raw["train"]["gradient_accumulation_steps"] = setting.gradient_accumulation_steps
     for axis, size in setting.mesh:
         raw["mesh"][axis] = size
+    if setting.repeats is not None:
+        raw["pipeline"]["repeats"] = setting.repeats
     return config_from_dict(raw)
 
 
@@ -150,6 +173,19 @@ def mesh_splits(config: Config, num_devices: int, axes: tuple[str, ...]) -> list
     return splits
 
 
+def repeats_ladder(config: Config, stages: int) -> list[int]:
+    """`pipeline.repeats` the search tries on `stages` stages, most first: those that split the
+    staged stack evenly, at most REPEATS_CAP; [1] on one stage; the configured one if none does
+    (so its refusal says why)."""
+    if stages == 1:
+        return [1]
+    moe = config.model.moe
+    staged = config.model.num_layers - (moe.first_dense_layers if moe is not None else 0)
+    top = min(REPEATS_CAP, staged // stages)
+    ladder = [r for r in range(top, 0, -1) if staged % (stages * r) == 0]
+    return ladder or [config.pipeline.repeats]
+
+
 def _valid(config: Config, setting: Setting, num_devices: int) -> bool:
     try:
         check_devices(with_setting(config, setting), num_devices)
@@ -163,31 +199,31 @@ def fit(
 ) -> FitResult:
     """Search the settings as the module docstring says; `best` is None if nothing fits."""
     n = len(devices)
-    meshes: list[tuple[tuple[str, int], ...]] = [()]
-    skipped: list[tuple[dict[str, int], str]] = []
-    if mesh_axes:
-        meshes = []
-        batch = config.train.global_batch_size
-        own = (config.model.remat, config.loss.num_vocab_tiling)
-        for split in mesh_splits(config, n, mesh_axes):
-            mesh = tuple(split.items())
-            divisors = [a for a in range(1, batch + 1) if batch % a == 0]
+    own = check_devices(config, n)
+    splits = mesh_splits(config, n, mesh_axes) if mesh_axes else [own]
+    searches_repeats = "stage" in mesh_axes or own["stage"] > 1
+    layouts: list[tuple[tuple[tuple[str, int], ...], int | None]] = []
+    skipped: list[tuple[dict[str, int], int | None, str]] = []
+    batch = config.train.global_batch_size
+    policy = (config.model.remat, config.loss.num_vocab_tiling)
+    divisors = [a for a in range(1, batch + 1) if batch % a == 0]
+    for split in splits:
+        mesh = tuple(split.items()) if mesh_axes else ()
+        for repeats in repeats_ladder(config, split["stage"]) if searches_repeats else [None]:
             if any(
-                _valid(config, Setting(own[0], t, a, mesh), n) for a in divisors for t in TILINGS
+                _valid(config, Setting(policy[0], t, a, mesh, repeats), n)
+                for a in divisors
+                for t in TILINGS
             ):
-                meshes.append(mesh)
+                layouts.append((mesh, repeats))
                 continue
             reason = "no accumulation and tiling are valid on it"
             try:  # the config's own settings on this split say why
-                check_devices(
-                    with_setting(
-                        config, Setting(*own, config.train.gradient_accumulation_steps, mesh)
-                    ),
-                    n,
-                )
+                accum = config.train.gradient_accumulation_steps
+                check_devices(with_setting(config, Setting(*policy, accum, mesh, repeats)), n)
             except KilnError as e:
                 reason = str(e).replace("\n", "; ")
-            skipped.append((split, reason))
+            skipped.append((split, repeats, reason))
     peaks: dict[Setting, int] = {}
     trials: list[tuple[Setting, int]] = []
 
@@ -201,22 +237,21 @@ def fit(
             trials.append((setting, peak))
         return _fits(peaks[setting], hbm_gb)
 
-    batch = config.train.global_batch_size
     for remat in remat_policies():
-        for mesh in meshes:
+        for mesh, repeats in layouts:
 
-            def tilings(accum: int, remat: str = remat, mesh: Any = mesh) -> list[int]:
-                return [t for t in TILINGS if _valid(config, Setting(remat, t, accum, mesh), n)]
+            def tilings(accum: int, remat: str = remat, mesh: Any = mesh, r: Any = repeats):
+                return [t for t in TILINGS if _valid(config, Setting(remat, t, accum, mesh, r), n)]
 
             accums = [a for a in range(1, batch + 1) if batch % a == 0 and tilings(a)]
             if not accums:
                 continue
-            if not fits(Setting(remat, tilings(accums[-1])[-1], accums[-1], mesh)):
+            if not fits(Setting(remat, tilings(accums[-1])[-1], accums[-1], mesh, repeats)):
                 continue
             lo, hi = 0, len(accums) - 1  # accums[hi] fits
             while lo < hi:
                 mid = (lo + hi) // 2
-                if fits(Setting(remat, tilings(accums[mid])[-1], accums[mid], mesh)):
+                if fits(Setting(remat, tilings(accums[mid])[-1], accums[mid], mesh, repeats)):
                     hi = mid
                 else:
                     lo = mid + 1
@@ -224,13 +259,13 @@ def fit(
             lo, hi = 0, len(ladder) - 1  # ladder[hi] fits
             while lo < hi:
                 mid = (lo + hi) // 2
-                if fits(Setting(remat, ladder[mid], accum, mesh)):
+                if fits(Setting(remat, ladder[mid], accum, mesh, repeats)):
                     hi = mid
                 else:
                     lo = mid + 1
-            best = Setting(remat, ladder[hi], accum, mesh)
-            return FitResult(hbm_gb, trials, best, mesh_axes, skipped)
-    return FitResult(hbm_gb, trials, None, mesh_axes, skipped)
+            best = Setting(remat, ladder[hi], accum, mesh, repeats)
+            return FitResult(hbm_gb, trials, best, mesh_axes, skipped, searches_repeats)
+    return FitResult(hbm_gb, trials, None, mesh_axes, skipped, searches_repeats)
 
 
 def format_fit(result: FitResult) -> str:
@@ -238,8 +273,9 @@ def format_fit(result: FitResult) -> str:
     lines = [
         f"compiled {len(result.trials)} settings (peak per device, --hbm-gb {result.hbm_gb:g}):"
     ]
-    for split, reason in result.skipped:
+    for split, repeats, reason in result.skipped:
         sizes = " x ".join(f"{axis}={size}" for axis, size in split.items())
+        sizes += "" if repeats is None else f", pipeline.repeats={repeats}"
         lines.append(f"  skipped mesh {sizes}: {reason}")
     for s, peak in result.trials:
         if peak is None:

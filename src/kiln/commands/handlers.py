@@ -105,6 +105,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_json()) if args.json else format_fit(result))
         if result.best is None:
             mesh = f", mesh split over {args.fit_mesh}" if args.fit_mesh else ""
+            mesh += ", pipeline.repeats" if result.searches_repeats else ""
             raise RunStopped(
                 f"no combination of model.remat, loss.num_vocab_tiling{mesh} and "
                 f"train.gradient_accumulation_steps fits in --hbm-gb {args.hbm_gb:g} "

@@ -89,16 +89,34 @@ def collectives(hlo: str) -> dict[str, dict[str, int | None]]:
     return out
 
 
-def collective_ops(hlo: str) -> list[tuple[str, str, int | None]]:
+def collectives_at_least(hlo: str) -> dict[str, dict[str, int]] | None:
+    """Per-step ops and bytes by kind (as `collectives`' `ops_per_step`, `bytes_per_step`) with
+    each loop whose trip count the HLO does not give counted as running once: a lower bound
+    where `collectives` has None, every loop of a train step (the layer scan, accumulation,
+    the pipeline's iterations) running at least once. None when every trip count is known."""
+    exact, bound = collective_ops(hlo), collective_ops(hlo, unknown_trips=1)
+    if all(runs is not None for _, _, runs in exact):
+        return None
+    out = {kind: {"ops_per_step": 0, "bytes_per_step": 0} for kind in COLLECTIVES}
+    for kind, result, runs in bound:
+        out[kind]["ops_per_step"] += runs
+        out[kind]["bytes_per_step"] += runs * shape_bytes(result)
+    if not any(kind == "ragged-all-to-all" for kind, _, _ in bound):
+        del out["ragged-all-to-all"]
+    return out
+
+
+def collective_ops(hlo: str, unknown_trips: int | None = None) -> list[tuple[str, str, int | None]]:
     """Every collective op of a compiled HLO module: (kind, result type, runs per step).
 
-    Runs per step: the product of the trip counts of the loops around the op (None when one is
-    not in the HLO, as in the TPU compiler's); a conditional's branches count as taken. The
+    Runs per step: the product of the trip counts of the loops around the op (a loop whose
+    count is not in the HLO, as in the TPU compiler's, counts `unknown_trips` times; None: the
+    op's runs are None); a conditional's branches count as taken. The
     TPU compiler emits a reduce-scatter as an `all-reduce-scatter` fusion (an all-reduce whose
     result is sliced inside it): it is a reduce-scatter with the fusion's result.
     """
     found, call_sites = _read_module(hlo)
-    runs = _runs_per_step(call_sites)
+    runs = _runs_per_step(call_sites, unknown_trips)
     return [(kind, result, runs(computation)) for computation, kind, result in found]
 
 
@@ -182,8 +200,9 @@ def _read_module(hlo: str):
     return found, call_sites
 
 
-def _runs_per_step(call_sites):
-    """computation -> how often one run of the module runs it (None: a loop count unknown)."""
+def _runs_per_step(call_sites, unknown_trips: int | None):
+    """computation -> how often one run of the module runs it (a loop count unknown: taken as
+    `unknown_trips`, None makes the runs None)."""
 
     @functools.cache
     def runs(computation):
@@ -192,6 +211,8 @@ def _runs_per_step(call_sites):
         total = 0
         for caller, times in call_sites[computation]:
             outer = runs(caller)
+            if times is None and unknown_trips is not None:
+                times = unknown_trips
             if times is None or outer is None:
                 return None
             total += outer * times
