@@ -93,7 +93,8 @@ def collectives_at_least(hlo: str) -> dict[str, dict[str, int]] | None:
     """Per-step ops and bytes by kind (as `collectives`' `ops_per_step`, `bytes_per_step`) with
     each loop whose trip count the HLO does not give counted as running once: a lower bound
     where `collectives` has None, every loop of a train step (the layer scan, accumulation,
-    the pipeline's iterations) running at least once. None when every trip count is known."""
+    the pipeline's iterations) running at least once (a conditional's branches all count, as in
+    `collective_ops`). None when every trip count is known."""
     exact, bound = collective_ops(hlo), collective_ops(hlo, unknown_trips=1)
     if all(runs is not None for _, _, runs in exact):
         return None
