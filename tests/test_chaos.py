@@ -26,7 +26,7 @@ from kiln.training.loop import checkpoint_tree
 
 pytestmark = pytest.mark.slow
 
-STEPS = 16
+STEPS = 12
 EXIT_HANG = 75  # kiln.training.watchdog.EXIT_HANG, as a scheduler sees it
 TIMEOUT_S = 3
 CONFIG = {
