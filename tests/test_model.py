@@ -1,6 +1,5 @@
 """The Transformer against a float64 numpy reference, across meshes, and its size accounting."""
 
-import sys
 from pathlib import Path
 
 import jax
@@ -10,7 +9,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from conftest import run_process
+from conftest import kiln_main
 from kiln.config import MESH_AXES, config_from_dict, load_config
 from kiln.errors import KilnError
 from kiln.model import (
@@ -635,10 +634,7 @@ def test_optimizer_state_bytes_per_device_match_the_real_shards(name):
 
 
 def test_cli_config_summary_for_llama3_8b():
-    proc = run_process(
-        [sys.executable, "-m", "kiln.cli", "config", "configs/models/llama3-8b.yaml", "--summary"],
-        cwd=ROOT,
-    )
+    proc = kiln_main("config", "configs/models/llama3-8b.yaml", "--summary", cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "8,030,261,248" in proc.stdout
     assert "memory per device" in proc.stdout
