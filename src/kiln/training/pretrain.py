@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kiln.config import Config
 from kiln.training.runner import execute
-from kiln.training.train import TrainState, pretraining
+from kiln.training.train import TrainState, abstract_pretraining, pretraining
 
 
 def run(config: Config, restart: bool = False, whole_process: bool = False) -> TrainState | None:
@@ -14,5 +14,10 @@ def run(config: Config, restart: bool = False, whole_process: bool = False) -> T
     process (see `kiln.training.runner.prepare_run`); None when it was complete.
     """
     return execute(
-        config, pretraining, command="kiln train", restart=restart, whole_process=whole_process
+        config,
+        pretraining,
+        command="kiln train",
+        restart=restart,
+        whole_process=whole_process,
+        abstract=abstract_pretraining,
     )

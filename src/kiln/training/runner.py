@@ -194,6 +194,7 @@ def execute(
     restart: bool = False,
     wrap_batches: Callable[[Config, Any, Iterator], Iterator] | None = None,
     whole_process: bool = False,
+    abstract: Callable[[Config, Any], tuple[train.Objective, train.TrainState]] | None = None,
 ):
     """`prepare_run`, then `run_loop`, with the run's persistent compilation cache in use.
 
@@ -204,7 +205,7 @@ def execute(
         try:
             run = prepare_run(
                 config, build, command=command, check=check, restart=restart,
-                wrap_batches=wrap_batches, whole_process=whole_process,
+                wrap_batches=wrap_batches, whole_process=whole_process, abstract=abstract,
             )  # fmt: skip
         except RunComplete as done:
             if jax.process_index() == 0:
@@ -222,6 +223,7 @@ def prepare_run(
     restart: bool = False,
     wrap_batches: Callable[[Config, Any, Iterator], Iterator] | None = None,
     whole_process: bool = False,
+    abstract: Callable[[Config, Any], tuple[train.Objective, train.TrainState]] | None = None,
 ) -> PreparedRun:
     """Validate against devices, data and any earlier run; build the state; resume or load.
 
@@ -234,7 +236,10 @@ def prepare_run(
     the training batches (an iterator with the data's get_state/set_state, restored with it).
     `whole_process`: this process is the command's own (`kiln train`), so the run's goodput
     counts its start-up from the start of the process, interpreter and imports included; else
-    from this call. Raises RunComplete when there is nothing to train.
+    from this call. `abstract(config, mesh) -> (objective, state as sharded
+    ShapeDtypeStructs)`: what a resume restores into instead of a fresh state, which it would
+    initialise only to replace (its initialisation's time and, until then, twice the memory).
+    Raises RunComplete when there is nothing to train.
     """
     started = time.perf_counter()
     clock = goodput.Clock(whole_process)
@@ -249,7 +254,9 @@ def prepare_run(
         sync = run_sync.start(config)  # a URL output_dir: the mirror is up to date from here
         if main and config.run_dir.is_dir():  # a mirror the fetch made (a no-op if held)
             taken = lock.acquire() or taken
-        run = _prepare(config, build, command, check, lock, started, restart, wrap_batches, clock)
+        run = _prepare(
+            config, build, abstract, command, check, lock, started, restart, wrap_batches, clock
+        )
     except BaseException:
         lock.release()
         raise
@@ -265,7 +272,9 @@ def prepare_run(
     return run
 
 
-def _prepare(config, build, command, check, lock, started, restart, wrap, clock) -> PreparedRun:
+def _prepare(
+    config, build, abstract, command, check, lock, started, restart, wrap, clock
+) -> PreparedRun:
     # These read only metrics.jsonl, config.yaml and the checkpoint steps.
     check_entries(config.run_dir, restart)
     latest = None if restart else newest_checkpoint(config)  # in either tier
@@ -287,7 +296,15 @@ def _prepare(config, build, command, check, lock, started, restart, wrap, clock)
         eval_tasks = load_tasks(specs, config, datasets.tokenizer)
     if not restart:
         pinned.check_data(config, datasets.inputs)
-    objective, state, built_notes = build(config, mesh)
+    objective = state = None
+    if abstract is not None and latest is not None and not restart:
+        objective, state = abstract(config, mesh)
+        if jax.tree.leaves(state.rest):  # variables a checkpoint does not hold: initialised
+            objective = state = None
+    if state is None:
+        objective, state, built_notes = build(config, mesh)
+    else:
+        built_notes = []
     batches = datasets.train_iterator()
     if wrap is not None:
         batches = wrap(config, datasets, batches)
@@ -299,6 +316,8 @@ def _prepare(config, build, command, check, lock, started, restart, wrap, clock)
         state, resumed, damaged, from_local = (
             (state, [], [], False) if restart else restore_latest(config, state, batches, mesh)
         )
+    if isinstance(state.step, jax.ShapeDtypeStruct):  # no intact checkpoint after all
+        objective, state, built_notes = build(config, mesh)
     batches = FirstRead(batches)  # the first batch to train on, read before anything is written
     source = config.checkpoint.load_params_from
     if resumed:
