@@ -252,6 +252,74 @@ def test_collectives_per_step_multiply_the_trip_counts_of_the_loops_around_them(
     assert hlo_text.collectives_at_least(LOOPS) is None  # every count known: no bound needed
 
 
+# The TPU compiler's loop, without known_trip_count, as it prints it (layouts, a copy around
+# the counter; the operand tuple's `/*index=N*/` comments): i from 1 while i < 7, i += 2.
+COUNTED_LOOP = """
+%cond (wide.param.1: (s32[], f32[8])) -> pred[] {
+  %constant.1 = s32[]{:T(128)} constant(7)
+  %wide.param.1 = (s32[]{:T(128)}, f32[8]{0:T(256)}) parameter(0)
+  %get-tuple-element.1 = s32[]{:T(128)} get-tuple-element(%wide.param.1), index=0
+  ROOT %lt.1 = pred[]{:T(512)} compare(%get-tuple-element.1, %constant.1), direction=LT, metadata={op_name="jit(step)/while/cond/lt"}
+}
+
+%body (wide.param.0: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %wide.param.0 = (s32[]{:T(128)}, f32[8]{0:T(256)}) parameter(0)
+  %get-tuple-element.2 = s32[]{:T(128)} get-tuple-element(%wide.param.0), index=0
+  %copy.1 = s32[]{:T(128)S(6)} copy(%get-tuple-element.2)
+  %constant.2 = s32[]{:T(128)} constant(2)
+  %add.1 = s32[]{:T(128)} add(%copy.1, %constant.2), metadata={op_name="jit(step)/while/body/add"}
+  %get-tuple-element.3 = f32[8]{0:T(256)} get-tuple-element(%wide.param.0), index=1
+  %all-reduce.1 = f32[8]{0:T(256)} all-reduce(%get-tuple-element.3), to_apply=%add
+  ROOT %tuple.1 = (s32[]{:T(128)}, f32[8]{0:T(256)}) tuple(%add.1, %all-reduce.1)
+}
+
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0:T(256)} parameter(0)
+  %constant.3 = s32[]{:T(128)} constant(1)
+  %copy.2 = s32[]{:T(128)} copy(%constant.3)
+  %tuple.2 = (s32[]{:T(128)}, f32[8]{0:T(256)}) tuple(%copy.2, /*index=1*/%p)
+  %while.1 = (s32[]{:T(128)}, f32[8]{0:T(256)}) while(%tuple.2), condition=%cond, body=%body
+}
+"""
+
+
+def test_trip_counts_the_hlo_states_without_known_trip_count_are_derived():
+    # i = 1, 3, 5: 3 runs of the body.
+    assert hlo_text.derived_trip_counts(COUNTED_LOOP) == {("main", "while.1"): 3}
+    got = hlo_text.collectives(COUNTED_LOOP)["all-reduce"]
+    assert got == dict(ops=1, bytes=32, ops_per_step=3, bytes_per_step=3 * 32)
+    assert hlo_text.collectives_at_least(COUNTED_LOOP) is None
+    # Any other form stays unknown: a limit that is not a constant, a step from another
+    # element, an init not constant, a condition that is not a compare of the counter.
+    for old, new in [
+        ("compare(%get-tuple-element.1, %constant.1)", "compare(%get-tuple-element.1, %p)"),
+        ("add(%copy.1, %constant.2)", "add(%get-tuple-element.3, %constant.2)"),
+        ("tuple(%copy.2, /*index=1*/%p)", "tuple(%p, /*index=1*/%p)"),
+        ("direction=LT", "direction=EQ"),
+        ("ROOT %lt.1 = pred[]{:T(512)} compare", "ROOT %lt.1 = pred[]{:T(512)} fusion"),
+    ]:
+        other = COUNTED_LOOP.replace(old, new)
+        assert other != COUNTED_LOOP and hlo_text.derived_trip_counts(other) == {}, old
+        assert hlo_text.collectives(other)["all-reduce"]["ops_per_step"] is None
+    # The count of `for (i = start; i <direction> limit; i += step)`, None where it never ends.
+    cases = [
+        ((1, 7, 2, "LT"), 3),
+        ((0, 7, 2, "LE"), 4),
+        ((0, 6, 2, "LE"), 4),
+        ((7, 0, 1, "LT"), 0),
+        ((5, 0, -1, "GT"), 5),
+        ((5, 0, -2, "GE"), 3),
+        ((0, 6, 3, "NE"), 2),
+        ((0, 0, 1, "NE"), 0),
+        ((0, 5, 3, "NE"), None),
+        ((0, 2, 0, "LT"), None),
+        ((0, 2, -1, "LT"), None),
+        ((2, 0, 1, "GT"), None),
+        ((0, 2, 1, "EQ"), None),
+    ]
+    assert [hlo_text.loop_trips(*args) for args, _ in cases] == [want for _, want in cases]
+
+
 def test_tpu_all_reduce_scatter_fusions_count_as_reduce_scatters():
     hlo = """
 %all-reduce-scatter.1 (input.5: f32[2,64,128]) -> f32[2,32,128] {
@@ -304,6 +372,8 @@ def test_tensor_parallel_residual_stream_is_reduce_scattered_not_all_reduced():
     hlo = aot.lower_step(config, devices)[0].compile().as_text()
     assert full_activation_all_reduces(hlo, "2,64,128") == 0
     assert hlo_text.collectives(hlo)["reduce-scatter"]["ops"] > 0
+    # The layer scan's 2 trips forward and back, read from the loops' HLO (XLA:CPU's counts).
+    assert sorted(hlo_text.derived_trip_counts(hlo).values()) == [2, 2]
     # The rule before sequence parallelism: the residual replicated over tensor, so every
     # projection back to d_model all-reduces the full activation.
     old = load_config(

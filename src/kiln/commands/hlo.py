@@ -34,6 +34,15 @@ _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.-]+)\s+\(.*\)\s+->\s+(.+?)\s*\{\
 _CALLEE = re.compile(r"\b(body|condition|to_apply|calls)=%([\w.-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+# For loops without one (the TPU compiler's): an instruction's name, result type, opcode and
+# operands (`%a, %b`; a tuple's `/*index=5*/` comments taken out first), its rest after them;
+# a while's operand; a compare's direction; an integer scalar constant.
+_CALL = re.compile(r"^\s*(ROOT\s+)?%([\w.-]+)\s+=\s+(.*?)\s([a-z][\w-]*)\(([^()]*)\)(.*)$")
+_INDEX_COMMENT = re.compile(r"/\*index=\d+\*/")
+_WHILE = re.compile(r"\swhile\(%([\w.-]+)\)")
+_DIRECTION = re.compile(r"\bdirection=(\w+)")
+_INTEGER = re.compile(r"^[su]\d+\[\]")
+_TUPLE_INDEX = re.compile(r"\bindex=(\d+)")
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
 # An instruction: `  %name = TYPE opcode(...), ..., metadata={op_name="..." stack_frame_id=97}`.
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.-]+)\s+= ")
@@ -156,11 +165,13 @@ def _read_module(hlo: str):
     """([(computation, kind, result type)] of the collectives, {callee: [(caller, runs)]}).
 
     `runs` is how often one run of the caller runs the callee: a while loop's trip count for
-    its body (one more for its condition), None when unknown, 1 for any other call. A
+    its body (one more for its condition; the compiler's `known_trip_count`, else as
+    `derived_trip_counts` reads it), None when unknown, 1 for any other call. A
     collective whose groups each hold one device (a reduction over a mesh axis of size 1,
     which XLA:CPU keeps in the program) exchanges nothing and is left out.
     """
     found, call_sites = [], {}
+    derived = derived_trip_counts(hlo)
     starts: dict[str, int | None] = {}  # group size of each async collective's start
     types: dict[str, str] = {}  # array type of each instruction read
     computation, scatter_result = None, None  # scatter_result: of the all-reduce-scatter read
@@ -171,8 +182,12 @@ def _read_module(hlo: str):
             is_scatter = computation.startswith("all-reduce-scatter")
             scatter_result = header.group(2) if is_scatter else None
             continue
+        name = _INSTRUCTION.match(line)
         trips = _TRIPS.search(line)
-        trips = int(trips.group(1)) if trips else None
+        if trips is not None:
+            trips = int(trips.group(1))
+        elif name is not None:
+            trips = derived.get((computation, name.group(1)))
         for role, callee in _CALLEE.findall(line):
             loop = {"body": trips, "condition": None if trips is None else trips + 1}
             call_sites.setdefault(callee, []).append((computation, loop.get(role, 1)))
@@ -182,7 +197,6 @@ def _read_module(hlo: str):
         typed = _TYPED.match(line)
         if typed is not None:
             types[typed.group(1)] = typed.group(2)
-        name = _INSTRUCTION.match(line)
         if name is not None and _START.search(line):
             starts[name.group(1)] = group_size(line)
         match = _OP.search(line)
@@ -199,6 +213,126 @@ def _read_module(hlo: str):
             result = min(result, types[operand.group(1)], key=shape_bytes)
         found.append((computation, kind, result))
     return found, call_sites
+
+
+def derived_trip_counts(hlo: str) -> dict[tuple[str, str], int]:
+    """(computation, while instruction) -> trip count, for the while loops whose count the
+    compiler does not write (the TPU compiler's) but whose HLO states it in the one form read:
+    the condition's root `compare(get-tuple-element(param, i), constant(N))`, the body's
+    element i `add(get-tuple-element(param, i), constant(step))` and the while's operand a
+    `tuple(...)` whose element i is `constant(init)`, integer scalars each (a `copy` of a value
+    taken as the value, as the TPU compiler inserts). Directions LT, LE, GT, GE and NE; any
+    other form, or a loop that would not end, is left out (its count unknown)."""
+    computations: dict[str, dict[str, tuple]] = {}  # computation -> name -> instruction
+    roots: dict[str, str] = {}
+    computation = None
+    for line in hlo.splitlines():
+        header = _COMPUTATION.match(line)
+        if header is not None:
+            computation = header.group(1)
+            computations[computation] = {}
+            continue
+        call = _CALL.match(_INDEX_COMMENT.sub("", line)) if computation is not None else None
+        if call is None:
+            continue
+        root, name, hlo_type, opcode, operands, rest = call.groups()
+        operands = [o.strip().lstrip("%") for o in operands.split(",") if o.strip()]
+        computations[computation][name] = (hlo_type, opcode, operands, rest)
+        if root:
+            roots[computation] = name
+
+    def look_through(instructions, name):  # the instruction a chain of copies copies
+        while name in instructions and instructions[name][1] == "copy":
+            name = instructions[name][2][0]
+        return instructions.get(name)
+
+    def constant(instructions, name) -> int | None:
+        found = look_through(instructions, name)
+        if found is None or found[1] != "constant" or not _INTEGER.match(found[0]):
+            return None
+        return int(found[2][0]) if re.fullmatch(r"-?\d+", found[2][0] or "") else None
+
+    def counter(instructions, name) -> int | None:  # i of get-tuple-element(parameter, i)
+        found = look_through(instructions, name)
+        if found is None or found[1] != "get-tuple-element" or not _INTEGER.match(found[0]):
+            return None
+        param = instructions.get(found[2][0])
+        index = _TUPLE_INDEX.search(found[3])
+        if param is None or param[1] != "parameter" or index is None:
+            return None
+        return int(index.group(1))
+
+    out = {}
+    for caller, instructions in computations.items():
+        for name, (_, opcode, operands, rest) in instructions.items():
+            if opcode != "while":
+                continue
+            condition = re.search(r"\bcondition=%([\w.-]+)", rest)
+            body = re.search(r"\bbody=%([\w.-]+)", rest)
+            if condition is None or body is None:
+                continue
+            trips = _trip_count(
+                computations.get(condition.group(1), {}),
+                roots.get(condition.group(1)),
+                computations.get(body.group(1), {}),
+                roots.get(body.group(1)),
+                instructions.get(operands[0]) if len(operands) == 1 else None,
+                instructions,
+                (look_through, constant, counter),
+            )
+            if trips is not None:
+                out[(caller, name)] = trips
+    return out
+
+
+def _trip_count(cond, cond_root, body, body_root, init, caller, readers) -> int | None:
+    """A while loop's trip count from its condition, body and operand (`derived_trip_counts`)."""
+    look_through, constant, counter = readers
+    compare = cond.get(cond_root)
+    if compare is None or compare[1] != "compare" or len(compare[2]) != 2:
+        return None
+    index, limit = counter(cond, compare[2][0]), constant(cond, compare[2][1])
+    direction = _DIRECTION.search(compare[3])
+    step_root = body.get(body_root)
+    if index is None or limit is None or direction is None or step_root is None:
+        return None
+    if step_root[1] != "tuple" or index >= len(step_root[2]):
+        return None
+    add = look_through(body, step_root[2][index])
+    if add is None or add[1] != "add" or len(add[2]) != 2:
+        return None
+    if counter(body, add[2][0]) == index:
+        step = constant(body, add[2][1])
+    elif counter(body, add[2][1]) == index:
+        step = constant(body, add[2][0])
+    else:
+        return None
+    if init is None or init[1] != "tuple" or index >= len(init[2]):
+        return None
+    start = constant(caller, init[2][index])
+    if step is None or start is None:
+        return None
+    return loop_trips(start, limit, step, direction.group(1))
+
+
+def loop_trips(start: int, limit: int, step: int, direction: str) -> int | None:
+    """How often `for (i = start; i <direction> limit; i += step)` runs its body; None when
+    it would not end or the direction is none of LT, LE, GT, GE, NE."""
+    if direction in ("LE", "GE"):  # i <= limit is i < limit + 1 (integers)
+        direction, limit = direction[0] + "T", limit + (1 if direction == "LE" else -1)
+    if direction == "GT":  # counting down: as counting up from -start to -limit
+        direction, start, limit, step = "LT", -start, -limit, -step
+    if direction == "LT":
+        if start >= limit:
+            return 0
+        return -(-(limit - start) // step) if step > 0 else None
+    if direction == "NE":
+        if start == limit:
+            return 0
+        if step == 0 or (limit - start) % step or (limit - start) // step < 0:
+            return None
+        return (limit - start) // step
+    return None
 
 
 def _runs_per_step(call_sites, unknown_trips: int | None):
