@@ -36,10 +36,9 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 # For loops without one (the TPU compiler's): an instruction's name, result type, opcode and
 # operands (`%a, %b`; a tuple's `/*index=5*/` comments taken out first), its rest after them;
-# a while's operand; a compare's direction; an integer scalar constant.
+# a compare's direction; an integer scalar type; a get-tuple-element's index.
 _CALL = re.compile(r"^\s*(ROOT\s+)?%([\w.-]+)\s+=\s+(.*?)\s([a-z][\w-]*)\(([^()]*)\)(.*)$")
 _INDEX_COMMENT = re.compile(r"/\*index=\d+\*/")
-_WHILE = re.compile(r"\swhile\(%([\w.-]+)\)")
 _DIRECTION = re.compile(r"\bdirection=(\w+)")
 _INTEGER = re.compile(r"^[su]\d+\[\]")
 _TUPLE_INDEX = re.compile(r"\bindex=(\d+)")
@@ -241,27 +240,6 @@ def derived_trip_counts(hlo: str) -> dict[tuple[str, str], int]:
         if root:
             roots[computation] = name
 
-    def look_through(instructions, name):  # the instruction a chain of copies copies
-        while name in instructions and instructions[name][1] == "copy":
-            name = instructions[name][2][0]
-        return instructions.get(name)
-
-    def constant(instructions, name) -> int | None:
-        found = look_through(instructions, name)
-        if found is None or found[1] != "constant" or not _INTEGER.match(found[0]):
-            return None
-        return int(found[2][0]) if re.fullmatch(r"-?\d+", found[2][0] or "") else None
-
-    def counter(instructions, name) -> int | None:  # i of get-tuple-element(parameter, i)
-        found = look_through(instructions, name)
-        if found is None or found[1] != "get-tuple-element" or not _INTEGER.match(found[0]):
-            return None
-        param = instructions.get(found[2][0])
-        index = _TUPLE_INDEX.search(found[3])
-        if param is None or param[1] != "parameter" or index is None:
-            return None
-        return int(index.group(1))
-
     out = {}
     for caller, instructions in computations.items():
         for name, (_, opcode, operands, rest) in instructions.items():
@@ -278,41 +256,67 @@ def derived_trip_counts(hlo: str) -> dict[tuple[str, str], int]:
                 roots.get(body.group(1)),
                 instructions.get(operands[0]) if len(operands) == 1 else None,
                 instructions,
-                (look_through, constant, counter),
             )
             if trips is not None:
                 out[(caller, name)] = trips
     return out
 
 
-def _trip_count(cond, cond_root, body, body_root, init, caller, readers) -> int | None:
-    """A while loop's trip count from its condition, body and operand (`derived_trip_counts`)."""
-    look_through, constant, counter = readers
+def _trip_count(cond, cond_root, body, body_root, init, caller) -> int | None:
+    """A while loop's trip count from its condition, body and operand (`derived_trip_counts`):
+    each a computation's instructions, name -> (type, opcode, operands, rest)."""
     compare = cond.get(cond_root)
     if compare is None or compare[1] != "compare" or len(compare[2]) != 2:
         return None
-    index, limit = counter(cond, compare[2][0]), constant(cond, compare[2][1])
+    index, limit = _counter(cond, compare[2][0]), _constant(cond, compare[2][1])
     direction = _DIRECTION.search(compare[3])
     step_root = body.get(body_root)
     if index is None or limit is None or direction is None or step_root is None:
         return None
     if step_root[1] != "tuple" or index >= len(step_root[2]):
         return None
-    add = look_through(body, step_root[2][index])
+    add = _look_through(body, step_root[2][index])
     if add is None or add[1] != "add" or len(add[2]) != 2:
         return None
-    if counter(body, add[2][0]) == index:
-        step = constant(body, add[2][1])
-    elif counter(body, add[2][1]) == index:
-        step = constant(body, add[2][0])
+    if _counter(body, add[2][0]) == index:
+        step = _constant(body, add[2][1])
+    elif _counter(body, add[2][1]) == index:
+        step = _constant(body, add[2][0])
     else:
         return None
     if init is None or init[1] != "tuple" or index >= len(init[2]):
         return None
-    start = constant(caller, init[2][index])
+    start = _constant(caller, init[2][index])
     if step is None or start is None:
         return None
     return loop_trips(start, limit, step, direction.group(1))
+
+
+def _look_through(instructions, name):
+    """The instruction `name` is, or copies through a chain of copies (None if not there)."""
+    while name in instructions and instructions[name][1] == "copy":
+        name = instructions[name][2][0]
+    return instructions.get(name)
+
+
+def _constant(instructions, name) -> int | None:
+    """The value of an integer scalar constant (through copies); None for anything else."""
+    found = _look_through(instructions, name)
+    if found is None or found[1] != "constant" or not _INTEGER.match(found[0]):
+        return None
+    return int(found[2][0]) if re.fullmatch(r"-?\d+", found[2][0]) else None
+
+
+def _counter(instructions, name) -> int | None:
+    """i where `name` is an integer scalar get-tuple-element(parameter, i) (through copies)."""
+    found = _look_through(instructions, name)
+    if found is None or found[1] != "get-tuple-element" or not _INTEGER.match(found[0]):
+        return None
+    param = instructions.get(found[2][0])
+    index = _TUPLE_INDEX.search(found[3])
+    if param is None or param[1] != "parameter" or index is None:
+        return None
+    return int(index.group(1))
 
 
 def loop_trips(start: int, limit: int, step: int, direction: str) -> int | None:
