@@ -246,10 +246,10 @@ def test_collectives_per_step_multiply_the_trip_counts_of_the_loops_around_them(
     got = hlo_text.collectives(unknown)
     assert (got["all-reduce"]["ops_per_step"], got["all-gather"]["ops_per_step"]) == (None, 3)
     # The lower bound counts that loop once: inner_body 12 + 1 times, all-reduce.3 once.
-    at_least = hlo_text.collectives_at_least(unknown)
+    at_least = hlo_text.collective_summary(unknown)[1]
     assert at_least["all-reduce"] == dict(ops_per_step=14, bytes_per_step=13 * 32 + 8)
     assert at_least["all-gather"] == dict(ops_per_step=3, bytes_per_step=3 * 64)
-    assert hlo_text.collectives_at_least(LOOPS) is None  # every count known: no bound needed
+    assert hlo_text.collective_summary(LOOPS)[1] is None  # every count known: no bound needed
 
 
 # The TPU compiler's loop, without known_trip_count, as it prints it (layouts, a copy around
@@ -288,7 +288,7 @@ def test_trip_counts_the_hlo_states_without_known_trip_count_are_derived():
     assert hlo_text.derived_trip_counts(COUNTED_LOOP) == {("main", "while.1"): 3}
     got = hlo_text.collectives(COUNTED_LOOP)["all-reduce"]
     assert got == dict(ops=1, bytes=32, ops_per_step=3, bytes_per_step=3 * 32)
-    assert hlo_text.collectives_at_least(COUNTED_LOOP) is None
+    assert hlo_text.collective_summary(COUNTED_LOOP)[1] is None
     # Any other form stays unknown: a limit that is not a constant, a step from another
     # element, an init not constant, a condition that is not a compare of the counter.
     for old, new in [

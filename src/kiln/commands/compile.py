@@ -25,7 +25,7 @@ from typing import Any
 import jax
 
 from kiln.commands import buffers
-from kiln.commands.hlo import collectives, collectives_at_least
+from kiln.commands.hlo import collective_summary
 from kiln.config import MESH_AXES, Config, pipeline_split
 from kiln.distill.offline import abstract_offline, abstract_teacher_rows
 from kiln.distill.online import abstract_distillation
@@ -154,7 +154,7 @@ class StepReport:
     # of stage-iterations in the bubble, (S-1)/(R·M+S-1)); None (left out of the JSON) without.
     pipeline: dict[str, float] | None = None
     # Where a loop's trip count is not in the HLO (the TPU compiler's): kind -> {"ops_per_step",
-    # "bytes_per_step"} with each such loop counted once, a lower bound (hlo.collectives_at_least);
+    # "bytes_per_step"} with each such loop counted once, a lower bound (hlo.collective_summary);
     # None (left out of the JSON) when `collectives` has every per-step figure.
     collectives_per_step_at_least: dict[str, dict[str, int]] | None = None
 
@@ -258,7 +258,7 @@ def compile_report(config: Config, devices: list[Any], peak_buffers: int = 0) ->
     kiln_flops = objective.flops_per_token() * tokens
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
-    hlo = compiled.as_text()
+    per_kind, at_least = collective_summary(compiled.as_text())
     return StepReport(
         command=command,
         platform=devices[0].platform,
@@ -272,11 +272,11 @@ def compile_report(config: Config, devices: list[Any], peak_buffers: int = 0) ->
             "kiln_per_device": kiln_flops / len(devices),
             "xla_cost_analysis_per_device": float((cost or {}).get("flops", float("nan"))),
         },
-        collectives=collectives(hlo),
+        collectives=per_kind,
         peak_buffers=largest,
         program=program_fingerprint(lowered, mesh),
         pipeline=_pipeline_figures(config, dict(mesh.shape)),
-        collectives_per_step_at_least=collectives_at_least(hlo),
+        collectives_per_step_at_least=at_least,
     )
 
 

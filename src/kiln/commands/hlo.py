@@ -80,39 +80,42 @@ def collectives(hlo: str) -> dict[str, dict[str, int | None]]:
     counted once. `ops_per_step` and `bytes_per_step` count it as often as one step runs it
     (see `collective_ops`; None when a loop's trip count is unknown).
     """
+    return collective_summary(hlo)[0]
+
+
+def collective_summary(
+    hlo: str,
+) -> tuple[dict[str, dict[str, int | None]], dict[str, dict[str, int]] | None]:
+    """(`collectives(hlo)`, the lower bound) from one reading of the module.
+
+    The lower bound: per-step ops and bytes by kind (as `collectives`' `ops_per_step`,
+    `bytes_per_step`) with each loop whose trip count the HLO does not give counted as running
+    once, where `collectives` has None: every loop of a train step (the layer scan,
+    accumulation, the pipeline's iterations) runs at least once (a conditional's branches all
+    count, as in `collective_ops`). None when every trip count is known."""
+    found, call_sites = _read_module(hlo)
+    exact, at_least = _runs_per_step(call_sites, None), _runs_per_step(call_sites, 1)
+    has_ragged = any(kind == "ragged-all-to-all" for _, kind, _ in found)
+    # The ragged all-to-all is only expert parallelism's, on TPU and GPU.
+    kinds = [k for k in COLLECTIVES if has_ragged or k != "ragged-all-to-all"]
     out: dict[str, dict[str, int | None]] = {
-        kind: {"ops": 0, "bytes": 0, "ops_per_step": 0, "bytes_per_step": 0} for kind in COLLECTIVES
+        kind: {"ops": 0, "bytes": 0, "ops_per_step": 0, "bytes_per_step": 0} for kind in kinds
     }
-    for kind, result, runs in collective_ops(hlo):
-        count, nbytes = out[kind], shape_bytes(result)
+    bound = {kind: {"ops_per_step": 0, "bytes_per_step": 0} for kind in kinds}
+    unknown = False
+    for computation, kind, result in found:
+        count, nbytes, runs = out[kind], shape_bytes(result), exact(computation)
         count["ops"] += 1
         count["bytes"] += nbytes
         if runs is None or count["ops_per_step"] is None:
             count["ops_per_step"] = count["bytes_per_step"] = None
+            unknown = True
         else:
             count["ops_per_step"] += runs
             count["bytes_per_step"] += runs * nbytes
-    if not out["ragged-all-to-all"]["ops"]:  # only expert parallelism's, on TPU and GPU
-        del out["ragged-all-to-all"]
-    return out
-
-
-def collectives_at_least(hlo: str) -> dict[str, dict[str, int]] | None:
-    """Per-step ops and bytes by kind (as `collectives`' `ops_per_step`, `bytes_per_step`) with
-    each loop whose trip count the HLO does not give counted as running once: a lower bound
-    where `collectives` has None, every loop of a train step (the layer scan, accumulation,
-    the pipeline's iterations) running at least once (a conditional's branches all count, as in
-    `collective_ops`). None when every trip count is known."""
-    exact, bound = collective_ops(hlo), collective_ops(hlo, unknown_trips=1)
-    if all(runs is not None for _, _, runs in exact):
-        return None
-    out = {kind: {"ops_per_step": 0, "bytes_per_step": 0} for kind in COLLECTIVES}
-    for kind, result, runs in bound:
-        out[kind]["ops_per_step"] += runs
-        out[kind]["bytes_per_step"] += runs * shape_bytes(result)
-    if not any(kind == "ragged-all-to-all" for kind, _, _ in bound):
-        del out["ragged-all-to-all"]
-    return out
+        bound[kind]["ops_per_step"] += at_least(computation)
+        bound[kind]["bytes_per_step"] += at_least(computation) * nbytes
+    return out, (bound if unknown else None)
 
 
 def collective_ops(hlo: str, unknown_trips: int | None = None) -> list[tuple[str, str, int | None]]:
