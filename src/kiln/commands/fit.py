@@ -179,8 +179,7 @@ def repeats_ladder(config: Config, stages: int) -> list[int]:
     (so its refusal says why)."""
     if stages == 1:
         return [1]
-    moe = config.model.moe
-    staged = config.model.num_layers - (moe.first_dense_layers if moe is not None else 0)
+    staged = config.model.staged_layers()
     top = min(REPEATS_CAP, staged // stages)
     ladder = [r for r in range(top, 0, -1) if staged % (stages * r) == 0]
     return ladder or [config.pipeline.repeats]

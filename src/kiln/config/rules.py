@@ -193,15 +193,15 @@ def _pipeline_errors(c: Config, num_devices: int | None) -> Iterator[str]:
             "student features; allowed: mesh.stage 1 for distillation"
         )
     groups = stages * p.repeats
-    dense = m.moe.first_dense_layers if m.moe is not None else 0
-    if dense and (m.num_layers - dense) % groups:
+    staged = m.staged_layers()
+    if staged % groups and staged != m.num_layers:
         yield (
-            f"model.moe.first_dense_layers: {dense} leaves {m.num_layers - dense} MoE layers "
+            f"model.moe.first_dense_layers: {m.num_layers - staged} leaves {staged} MoE layers "
             f"of model.num_layers={m.num_layers}, not divisible by mesh.stage x "
             f"pipeline.repeats = {stages} x {p.repeats} = {groups} (the MoE stack runs in the "
             "stages, each stage and repeat as many layers); allowed: a multiple of it"
         )
-    elif m.num_layers % groups and not dense:
+    elif staged % groups:
         yield (
             f"model.num_layers: {m.num_layers} is not divisible by mesh.stage x "
             f"pipeline.repeats = {stages} x {p.repeats} = {groups} (each stage and repeat runs "

@@ -194,7 +194,7 @@ def execute(
     restart: bool = False,
     wrap_batches: Callable[[Config, Any, Iterator], Iterator] | None = None,
     whole_process: bool = False,
-    abstract: Callable[[Config, Any], tuple[train.Objective, train.TrainState]] | None = None,
+    abstract: Callable[[Config, Any], tuple[Objective, train.TrainState]] | None = None,
 ):
     """`prepare_run`, then `run_loop`, with the run's persistent compilation cache in use.
 
@@ -223,7 +223,7 @@ def prepare_run(
     restart: bool = False,
     wrap_batches: Callable[[Config, Any, Iterator], Iterator] | None = None,
     whole_process: bool = False,
-    abstract: Callable[[Config, Any], tuple[train.Objective, train.TrainState]] | None = None,
+    abstract: Callable[[Config, Any], tuple[Objective, train.TrainState]] | None = None,
 ) -> PreparedRun:
     """Validate against devices, data and any earlier run; build the state; resume or load.
 

@@ -332,6 +332,11 @@ class ModelConfig(Section):
             return not self.deepseek or not self.deepseek.mtp_num_layers
         return self.context_load_balance
 
+    def staged_layers(self) -> int:
+        """The layers pipeline stages split: the main stack's (the moe family's first dense
+        blocks run outside the stages, docs/pipeline.md)."""
+        return self.num_layers - (self.moe.first_dense_layers if self.moe is not None else 0)
+
     def local_layers(self) -> tuple[bool, ...]:
         """Per layer: whether it is a sliding_attention layer (`layer_types`, repeated)."""
         if self.layer_types is None:
