@@ -248,15 +248,15 @@ def derived_trip_counts(hlo: str) -> dict[tuple[str, str], int]:
         for name, (_, opcode, operands, rest) in instructions.items():
             if opcode != "while":
                 continue
-            condition = re.search(r"\bcondition=%([\w.-]+)", rest)
-            body = re.search(r"\bbody=%([\w.-]+)", rest)
+            callees = dict(_CALLEE.findall(rest))
+            condition, body = callees.get("condition"), callees.get("body")
             if condition is None or body is None:
                 continue
             trips = _trip_count(
-                computations.get(condition.group(1), {}),
-                roots.get(condition.group(1)),
-                computations.get(body.group(1), {}),
-                roots.get(body.group(1)),
+                computations.get(condition, {}),
+                roots.get(condition),
+                computations.get(body, {}),
+                roots.get(body),
                 instructions.get(operands[0]) if len(operands) == 1 else None,
                 instructions,
             )
