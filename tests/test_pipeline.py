@@ -148,16 +148,18 @@ def host(tree):
     return jax.tree.map(np.asarray, jax.device_get(tree))
 
 
+def mesh_on(sizes):
+    """A mesh of these axis sizes (the others 1) on the first devices."""
+    shape = tuple(sizes.get(a, 1) for a in MESH_AXES)
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=jax.devices()[: np.prod(shape)])
+
+
 @pytest.fixture(scope="module")
 def one_device_run():
     """Three optimizer steps on one device: each step's params, batch, loss and gradients."""
     config = make_config(mesh={"fsdp": 1})
-    mesh = jax.make_mesh(
-        (1,) * len(MESH_AXES),
-        MESH_AXES,
-        axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
-        devices=jax.devices()[:1],
-    )
+    mesh = mesh_on({})
     state = train.init_state(config, mesh)
     step = train.make_train_step(config, mesh, train.shardings_of(state))
     steps = []
@@ -223,13 +225,6 @@ DEEPSEEK = {
         "mtp_loss_weight": 0.3,
     },
 }
-
-
-def mesh_on(sizes):
-    """A mesh of these axis sizes (the others 1) on the first devices."""
-    shape = tuple(sizes.get(a, 1) for a in MESH_AXES)
-    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=jax.devices()[: np.prod(shape)])
 
 
 @pytest.mark.parametrize(
