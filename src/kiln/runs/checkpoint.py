@@ -160,22 +160,20 @@ def _array_restore_args(abstract):
     )
 
 
-def _restore_args(abstract, local: bool):
-    if not local:
-        return ocp.args.StandardRestore(abstract)
-    return ocp.args.PyTreeRestore(item=abstract, restore_args=_array_restore_args(abstract))
-
-
 def restore_args(abstract, *, local: bool = False, params_only: bool = False):
     """orbax's arguments to restore a step into `abstract`'s shardings (state and data items);
     `params_only`: `abstract` is the parameters alone, read without the rest of the state (the
     restored state is then `{"params": ...}`, with no data item)."""
     if params_only:
         item = {"params": abstract}
-        restore_args = _array_restore_args(item)
-        state = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+        arrays = _array_restore_args(item)
+        state = ocp.args.PyTreeRestore(item=item, restore_args=arrays, partial_restore=True)
         return ocp.args.Composite(state=state)
-    return ocp.args.Composite(state=_restore_args(abstract, local), data=ocp.args.JsonRestore())
+    if local:  # a process's own shards: orbax's per-array arguments name them
+        state = ocp.args.PyTreeRestore(item=abstract, restore_args=_array_restore_args(abstract))
+    else:
+        state = ocp.args.StandardRestore(abstract)
+    return ocp.args.Composite(state=state, data=ocp.args.JsonRestore())
 
 
 def read_only_manager(directory: Path, *, local: bool = False):
