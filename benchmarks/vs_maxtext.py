@@ -8,8 +8,9 @@ float32), kiln's step (untiled; `num_vocab_tiling=4`; tiling 4 with remat save_d
 CPU-blocked and in whole chunks), the hand-written JAX step of `step_throughput.py` started
 from kiln's initial weights, and MaxText's own jitted `p_train_step` (benchmarks/maxtext_driver.py,
 one persistent process per setting: remat_policy none and minimal, each untiled and tiled 4, and
-none unscanned; --cpu-sweep adds its other on-device policies). Every variant is compiled once;
-then rounds alternate all of them on the same batch. The headline is kiln's best on the loss
+none unscanned; --cpu-sweep first measures each of its other on-device policies against
+minimal tiled 4, a pair at a time, and adds those within 5% of it or faster). Every variant is
+compiled once; then rounds alternate all of them on the same batch. The headline is kiln's best on the loss
 schedule GPU and TPU run over MaxText's best scanned setting.
 
 --aot: `kiln compile configs/models/llama3-8b.yaml --topology v5p-8 --json` against MaxText's
@@ -345,19 +346,54 @@ class Reference:
         return times, losses
 
 
-def maxtext_cpu_variants(sweep: bool) -> tuple[dict[str, list[str]], dict[str, str]]:
-    """MaxText's CPU settings (and what each does): MT_VARIANTS, and with `sweep` every other
-    on-device remat policy (MT_REMATS; `full` is the program of `none`), untiled and tiled 4."""
-    variants, meaning = dict(MT_VARIANTS), dict(MT_MEANING)
-    if sweep:
-        for policy in MT_REMATS:
-            if policy in ("full", "minimal"):
-                continue
-            for tiling, suffix in ((1, ""), (4, "_tiled4")):
-                name = f"maxtext_{policy}{suffix}"
-                variants[name] = [f"remat_policy={policy}", f"num_vocab_tiling={tiling}"]
-                meaning[name] = f"remat_policy={policy} (saves what its name says), tiling {tiling}"
+def maxtext_cpu_variants() -> tuple[dict[str, list[str]], dict[str, str]]:
+    """MaxText's other on-device remat policies (MT_REMATS but `full`, the program of `none`, and
+    `minimal`, already in MT_VARIANTS), untiled and tiled 4: --cpu-sweep's candidates."""
+    variants, meaning = {}, {}
+    for policy in MT_REMATS:
+        if policy in ("full", "minimal"):
+            continue
+        for tiling, suffix in ((1, ""), (4, "_tiled4")):
+            name = f"maxtext_{policy}{suffix}"
+            variants[name] = [f"remat_policy={policy}", f"num_vocab_tiling={tiling}"]
+            meaning[name] = f"remat_policy={policy} (saves what its name says), tiling {tiling}"
     return variants, meaning
+
+
+# --cpu-sweep measures each candidate against this setting (MaxText's best of MT_VARIANTS in
+# every measurement so far), a pair at a time; those within SCREEN_KEEP of it or faster join the
+# alternating rounds.
+SCREEN_ANCHOR, SCREEN_KEEP = "maxtext_minimal_tiled4", 0.95
+
+
+def screen(work: Path, anchor, rounds: int, steps: int, tmp: Path, log) -> dict:
+    """Each --cpu-sweep candidate in its own process, one at a time (so the sweep never holds
+    more than two MaxText processes), alternated with the anchor's process for `rounds` rounds of
+    `steps` steps: its speed as a ratio to the anchor's, both timed under the same load."""
+    candidates, meaning = maxtext_cpu_variants()
+    out = {}
+    for name, overrides in candidates.items():
+        t0 = time.perf_counter()
+        proc = MaxTextProcess(work, tmp / "batch.npz", overrides, tmp / f"{name}.log")
+        setup = time.perf_counter() - t0
+        mine, theirs = [], []
+        try:
+            for _ in range(rounds):
+                theirs += anchor.steps(steps)[0]
+                mine += proc.steps(steps)[0]
+        finally:
+            proc.close()
+        out[name] = {
+            "overrides": overrides,
+            "what_it_does": meaning[name],
+            "step_seconds": round(med(mine), 4),
+            "anchor_step_seconds": round(med(theirs), 4),
+            "speed_over_anchor": round(med(theirs) / med(mine), 4),
+            "compile_and_step1_seconds": round(setup, 2),
+            "checkpoint_ops_in_step_jaxpr": proc.ready["checkpoint_ops_in_step_jaxpr"],
+        }
+        print(f"screen {name}: {out[name]['speed_over_anchor']}x {SCREEN_ANCHOR}", file=log)
+    return out
 
 
 def best(tps: dict[str, float], names) -> str:
@@ -368,7 +404,7 @@ def run_cpu(work: Path, rounds: int, steps: int, tmp: Path, sweep: bool = False)
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_enable_compilation_cache", False)
     np.savez(tmp / "batch.npz", **st.make_batch())
-    mt_variants, mt_meaning = maxtext_cpu_variants(sweep)
+    mt_variants, mt_meaning = dict(MT_VARIANTS), dict(MT_MEANING)
     variants, first, setup = {}, {}, {}
     # One compile at a time: kiln's, the reference's, then each MaxText process's in turn.
     for name, settings in KILN_VARIANTS.items():
@@ -381,8 +417,27 @@ def run_cpu(work: Path, rounds: int, steps: int, tmp: Path, sweep: bool = False)
     t0 = time.perf_counter()
     _, first["hand_written"] = variants["hand_written"].steps(1)
     setup["hand_written"] = time.perf_counter() - t0
-    mt_ready = {}
+    mt_ready, screened = {}, None
+    if sweep:
+        # The anchor first, alone with the candidates it screens; then the candidates that come
+        # near it join MT_VARIANTS in the alternating rounds.
+        mt_variants = {SCREEN_ANCHOR: mt_variants.pop(SCREEN_ANCHOR), **mt_variants}
+        t0 = time.perf_counter()
+        anchor = MaxTextProcess(
+            work, tmp / "batch.npz", mt_variants[SCREEN_ANCHOR], tmp / f"{SCREEN_ANCHOR}.log"
+        )
+        setup[SCREEN_ANCHOR] = time.perf_counter() - t0
+        variants[SCREEN_ANCHOR] = anchor
+        screened = screen(work, anchor, rounds, steps, tmp, sys.stderr)
+        for name, r in screened.items():
+            if r["speed_over_anchor"] >= SCREEN_KEEP:
+                mt_variants[name] = r["overrides"]
+                mt_meaning[name] = r["what_it_does"]
     for name, overrides in mt_variants.items():
+        if name in variants:
+            mt_ready[name] = variants[name].ready
+            first[name] = [mt_ready[name]["step1_loss"]]
+            continue
         t0 = time.perf_counter()
         variants[name] = MaxTextProcess(work, tmp / "batch.npz", overrides, tmp / f"{name}.log")
         setup[name] = time.perf_counter() - t0
@@ -486,6 +541,20 @@ def run_cpu(work: Path, rounds: int, steps: int, tmp: Path, sweep: bool = False)
             "equal_step1_losses_within_1e-4": spread <= 1e-4,
         },
         "maxtext_jax": mt_ready["maxtext_remat_none"]["jax"],
+        **(
+            {}
+            if screened is None
+            else {
+                "maxtext_sweep": {
+                    "how": f"each of MaxText's other on-device remat policies, untiled and tiled "
+                    f"4, in its own process alternated with {SCREEN_ANCHOR}'s for {rounds} rounds "
+                    f"of {steps} steps, one candidate at a time; those at {SCREEN_KEEP}x its "
+                    "speed or more ran in the alternating rounds above",
+                    "candidates": screened,
+                    "joined_the_rounds": [n for n in screened if n in mt_variants],
+                }
+            }
+        ),
     }
 
 
