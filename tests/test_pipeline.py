@@ -43,10 +43,12 @@ def auto_mesh(shape, names):
 # The schedule
 
 
-def toy_layers(w, x, e):
-    """A few layers scanned in order, with a per-layer aux (the sum of each layer's input)."""
+def toy_layers(w, x, e, r=None):
+    """A few layers scanned in order, with a per-layer aux (the sum of each layer's input); in
+    stages, w [layers, repeats, ...] and layer j runs with w[j, r] (`pipeline.stack`)."""
 
     def body(x, wl):
+        wl = wl if r is None else wl[r]
         return jnp.tanh(x @ wl + e[:, None]), jnp.sum(x)
 
     return jax.lax.scan(body, x, w)

@@ -81,7 +81,7 @@ def stage_order(layers: int, stages: int, repeats: int) -> np.ndarray:
 
 
 def run(
-    stage_fn: Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]],
+    stage_fn: Callable[[Any, jax.Array, Any, jax.Array], tuple[jax.Array, Any]],
     weights: Any,
     inputs: jax.Array,
     extras: Any,
@@ -89,12 +89,17 @@ def run(
 ) -> tuple[jax.Array, Any]:
     """(outputs [M, ...] of the last position, aux [S, R, ...] summed over micro-batches).
 
-    `weights`: leaves [S, R, ...] (stage s, repeat r: the layers of position r·S + s), split
-    over `stage` on their first axis. `inputs` [M, ...]: the micro-batches. `extras`: leaves
-    [M, ...], each micro-batch's side inputs (positions, segment ids). `stage_fn(w, x, e)` runs
-    one position's layers (w the leaves [...] of one stage and repeat) on one micro-batch and
-    returns its output (shaped as x) and an aux pytree, which is summed over the items each
-    (stage, repeat) ran, never over the bubble's.
+    `weights`: leaves [S, ...] (each stage's weights for all its repeats), split over `stage` on
+    their first axis. `inputs` [M, ...]: the micro-batches. `extras`: leaves [M, ...], each
+    micro-batch's side inputs (positions, segment ids). `stage_fn(w, x, e, r)` runs one
+    position's layers on one micro-batch: those of repeat r (a traced index) of the stage whose
+    weights w are (the leaves [...]); it returns its output (shaped as x) and an aux pytree,
+    which is summed over the items each (stage, repeat) ran, never over the bubble's.
+
+    Each stage gets its whole weights and the repeat, not the repeat's slice of them: the
+    weights are the same at every iteration, so autodiff keeps them once for the backward pass,
+    where a slice taken here would be kept once per iteration (docs/pipeline.md). `stage_fn`
+    takes the slice inside what its layers recompute.
     """
     s_count, r_count, m_count = schedule
     if m_count < s_count:
@@ -111,16 +116,13 @@ def run(
     stage = jnp.arange(s_count)
     x0 = inputs[0]
     one = jax.eval_shape(
-        lambda w, e: stage_fn(w, x0, e),
-        jax.tree.map(lambda w: w[0, 0], weights),
+        lambda w, e: stage_fn(w, x0, e, jnp.int32(0)),
+        jax.tree.map(lambda w: w[0], weights),
         jax.tree.map(lambda e: e[0], extras),
     )[1]
     aux0 = jax.tree.map(lambda a: jnp.zeros((s_count, r_count, *a.shape), a.dtype), one)
     shift0 = on_stages(jnp.zeros((s_count, *x0.shape), x0.dtype))
     circ0 = on_stages(jnp.zeros((s_count, *inputs.shape), inputs.dtype))
-
-    def pick(x, i):  # x[i] of each stage's own leaves
-        return jax.vmap(lambda a, k: a[k])(x, i)
 
     def keep_last(circ, shift, i):
         """Stage 0 holds (in shift) the output the last stage made at iteration i - 1: into the
@@ -147,9 +149,8 @@ def run(
         fresh = jnp.where(i < m_count, new[None], back)
         first = (stage == 0).reshape(-1, *(1,) * x0.ndim)
         x = on_stages(jnp.where(first, fresh, shift))
-        w = jax.tree.map(lambda a: pick(a, r), weights)
         e = jax.tree.map(lambda a: on_stages(a[m]), extras)
-        y, out_aux = jax.vmap(stage_fn, spmd_axis_name=STAGE if sharded else None)(w, x, e)
+        y, out_aux = jax.vmap(stage_fn, spmd_axis_name=STAGE if sharded else None)(weights, x, e, r)
         y = on_stages(y)
 
         def add(acc, a):
@@ -191,7 +192,7 @@ def each_microbatch(fn: Callable[..., tuple[Any, Any]], args: Any, microbatches:
 
 
 def stack(
-    run_layers: Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]],
+    run_layers: Callable[[Any, jax.Array, Any, jax.Array], tuple[jax.Array, Any]],
     params: Any,
     x: jax.Array,
     extras: Any,
@@ -203,8 +204,10 @@ def stack(
     R = 1 each stage already holds its consecutive layers; with R > 1 they are regrouped by
     `stage_order`, which moves them between stages). `x` [G, ...] and the leaves of `extras`
     [G, ...] are cut into M micro-batches of rows a, a + M, ... (each shard keeps its rows).
-    `run_layers(params [L/(S·R), ...], x, extras)` runs consecutive layers on one micro-batch
-    and returns its output and per-layer aux [L/(S·R), ...], summed here over micro-batches.
+    `run_layers(params [L/(S·R), R, ...], x, extras, r)` runs consecutive layers on one
+    micro-batch, layer j with the weights params[j, r] (taken inside each layer's remat, so
+    that no iteration keeps a copy: `run`), and returns its output and per-layer aux
+    [L/(S·R), ...], summed here over micro-batches.
     """
     s_count, r_count, m_count = schedule
     layers = jax.tree.leaves(params)[0].shape[0]
@@ -213,7 +216,7 @@ def stack(
 
     def to_stages(a):
         a = a if r_count == 1 else jnp.take(a, jnp.asarray(order), axis=0)
-        return a.reshape(s_count, r_count, per, *a.shape[1:])
+        return a.reshape(s_count, r_count, per, *a.shape[1:]).swapaxes(1, 2)
 
     weights = jax.tree.map(to_stages, params)
     pieces = jax.tree.map(lambda a: split(a, m_count), (x, extras))

@@ -398,11 +398,17 @@ def scan_blocks(
     collect: bool,
     casts: bool = False,
     local: Sequence[bool] | jax.Array = (False,),
+    repeat: jax.Array | None = None,
 ):
     """Run a stack of blocks over x: (x after the stack, the residual stream after each block
     [L,B,S,D] if `collect` else None, each block's aux stacked along a leading [L] axis).
     `local`: per layer, whether it is a sliding_attention layer (`layer_kinds`; a bool array
     when the layers a call runs are only known when traced).
+
+    `repeat`: the blocks' parameters (and an array `local`) are [L, R, ...], the weights of a
+    pipeline stage's R repeats (`kiln.parallel.pipeline.stack`), and layer j runs with
+    [j, repeat]. The slice is taken inside the layer's remat, so that the backward pass keeps
+    the stage's weights once instead of a slice of them per pipeline iteration.
 
     `casts`: the blocks cast their weights to another compute dtype. Each layer's weights then
     get a zero that differs per layer added first (x + 0.0 is x, and its gradient is the
@@ -418,6 +424,9 @@ def scan_blocks(
 
     def body(x_BSD, xs):
         layer_params, zero, kind = xs
+        if repeat is not None:
+            layer_params = jax.tree.map(lambda w: w[repeat], layer_params)
+            kind = None if kind is None else kind[repeat]
         if casts:
             layer_params = jax.tree.map(lambda w: w + zero.astype(w.dtype), layer_params)
         block = nnx.merge(graphdef, layer_params)

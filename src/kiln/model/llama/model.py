@@ -154,7 +154,7 @@ class Transformer(nnx.Module):
         mixed = len(set(local)) > 1
         stacked = (params, jnp.asarray(local)) if mixed else params
 
-        def run_layers(layer_params, x_BSD, extras):
+        def run_layers(layer_params, x_BSD, extras, repeat):
             positions_BS, segment_ids_BS = extras
             layer_params, kinds = layer_params if mixed else (layer_params, local[:1])
             y_BSD, _, aux = scan_blocks(
@@ -166,6 +166,7 @@ class Transformer(nnx.Module):
                 collect=False,
                 casts=cfg.dtype != cfg.param_dtype,
                 local=kinds,
+                repeat=repeat,
             )
             return y_BSD, aux
 
