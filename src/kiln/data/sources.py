@@ -63,7 +63,7 @@ def _expand(pattern: str, what: str) -> list[Location]:
         pattern = str(storage.location(pattern, what))
     if pattern.startswith(STDLIB_PREFIX):
         root = stdlib_root()
-        hits = glob.glob(pattern[len(STDLIB_PREFIX) :], root_dir=root, recursive=True)
+        hits = _stdlib_glob(pattern[len(STDLIB_PREFIX) :], root)
         return [
             (root / h).absolute()
             for h in hits
@@ -82,6 +82,20 @@ def _expand(pattern: str, what: str) -> list[Location]:
     if path.exists():
         return [path.absolute()]
     return []
+
+
+def _stdlib_glob(pattern: str, root: Path) -> list[str]:
+    """`glob(pattern)` inside `root`, a leading `**` not descending into the excluded
+    directories (site-packages holds most of an interpreter's files)."""
+    head, sep, rest = pattern.partition("/")
+    if head != "**" or not sep:
+        return glob.glob(pattern, root_dir=root, recursive=True)
+    hits = glob.glob(rest, root_dir=root, recursive=True)  # `**` as no directory
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        if entry.is_dir() and not entry.name.startswith(".") and entry.name not in _NOT_STDLIB:
+            below = glob.glob(pattern, root_dir=entry.path, recursive=True)
+            hits += [f"{entry.name}/{h}" for h in below]
+    return hits
 
 
 def check_regular(files: Sequence[Location], what: str) -> None:
