@@ -3,13 +3,17 @@
 Each page runs in a scratch copy of the repository's configs/ and scripts/, in order, after the
 quickstart's first run (runs/tiny), as a reader who followed the quickstart would run it.
 `kiln` commands run in this process with their step counts divided by STEP_SCALE (a config is
-first validated as written, so a command that is wrong as written still fails). Where a real run
-is beyond a test (several processes, ahead-of-time compiles of 8B models, the scripts' kiln
-calls) the command line and its config are validated instead (`docs_dry_kiln.py`); installs and
-other tools are only recognised. A block is taken from a page when its language is one of SHELLS;
-a command with an ALL-CAPS placeholder (RUN_DIR, CONFIG.yaml) is a synopsis and is skipped.
+first validated as written, so a command that is wrong as written still fails), at most
+NEW_TOKENS generated tokens per prompt, and evaluations that read every task as written but score
+only its first rows (`few_rows`). Where a real run is beyond a test (several processes,
+ahead-of-time compiles of 8B models, the scripts' kiln calls) the command line and its config are
+validated instead (`docs_dry_kiln.py`); installs and other tools are only recognised. A block is
+taken from a page when its language is one of SHELLS; a command with an ALL-CAPS placeholder
+(RUN_DIR, CONFIG.yaml) is a synopsis and is skipped.
 """
 
+import copy
+import dataclasses
 import json
 import math
 import os
@@ -27,7 +31,7 @@ from conftest import PROGRAMS, REPO, communicate, kiln_env, shared
 from kiln import cli
 from kiln.commands import handlers as commands
 from kiln.config import config_from_dict, load_config
-from kiln.data.eval_tasks import parse_task, task_path
+from kiln.data.eval_tasks import ChoiceTask, PerplexityTask, parse_task, task_path
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +55,8 @@ EXTERNAL = {
     "sbatch",
 }
 STEP_SCALE = 100
+# Tokens `kiln generate` decodes per prompt at most: enough decode steps to run its loop.
+NEW_TOKENS = 8
 PLACEHOLDER = re.compile(r"\[?[A-Z][A-Z_]*(\.\.\.|\.yaml)?\]?\|?")
 # Inputs a page assumes the reader has: created in the scratch directory before the page runs.
 TEXT = "def f(x):\n    return x + 1\n"
@@ -121,8 +127,8 @@ def scaled(config, cache: Path, evaluate: bool = False):
     return config_from_dict(raw)
 
 
-# Questions of a multiple-choice task a seeded run scores: pages draw its metrics by name
-# (eval/<task>/acc_norm), not their values; `kiln eval` on a page scores the whole file.
+# Questions of a multiple-choice task a seeded run or `kiln eval` scores: pages draw its
+# metrics by name (eval/<task>/acc_norm), not their values.
 CHOICE_QUESTIONS = 8
 
 
@@ -137,6 +143,29 @@ def few_questions(text: str, cache: Path) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(lines))
     return f"{spec.name}=choice:{path}"
+
+
+def few_rows(tasks: list, batch_size: int) -> list:
+    """`kiln eval`'s tasks, read and tokenized whole, cut to what it scores here: a choice task's
+    first CHOICE_QUESTIONS questions, one batch of a perplexity task's windows."""
+    out = []
+    for task in tasks:
+        if isinstance(task, ChoiceTask):
+            rows = int(task.num_choices[:CHOICE_QUESTIONS].sum())
+            task = dataclasses.replace(
+                task,
+                gold=task.gold[:CHOICE_QUESTIONS],
+                num_choices=task.num_choices[:CHOICE_QUESTIONS],
+                choice_bytes=task.choice_bytes[:CHOICE_QUESTIONS],
+                rows=task.rows[:rows],
+                targets_from=task.targets_from[:rows],
+            )
+        elif isinstance(task, PerplexityTask):
+            windows = copy.copy(task.windows)
+            windows.num_windows = min(windows.num_windows, batch_size)
+            task = dataclasses.replace(task, windows=windows)
+        out.append(task)
+    return out
 
 
 def dry(args) -> bool:
@@ -156,6 +185,8 @@ def run_kiln(argv: list[str], later: str, cache: Path, capsys) -> None:
         i = argv.index("--step") + 1
         argv = [*argv[:i], str(math.ceil(int(argv[i]) / STEP_SCALE)), *argv[i + 1 :]]
     args = cli.parse_args(argv)
+    if args.command == "generate":  # the last --max-new-tokens counts
+        argv = [*argv, "--max-new-tokens", str(min(args.max_new_tokens, NEW_TOKENS))]
     if dry(args):
         load_config(args.config, args.overrides)
         return
@@ -268,9 +299,20 @@ def make_quickstart(path: Path) -> None:
 
 
 def scale_cli(mp: pytest.MonkeyPatch, cache: Path) -> None:
-    """`kiln` commands of this process load configs as written, then scale them."""
+    """`kiln` commands of this process load configs as written, then scale them; `kiln eval`
+    scores `few_rows` of its tasks."""
     mp.setattr(
         commands, "_load", lambda args: scaled(load_config(args.config, args.overrides), cache)
+    )
+    from kiln.commands import evaluate  # imported by the first page that needs it
+
+    load_tasks = evaluate.load_tasks
+    mp.setattr(
+        evaluate,
+        "load_tasks",
+        lambda specs, config, tok: few_rows(
+            load_tasks(specs, config, tok), config.train.global_batch_size
+        ),
     )
 
 
