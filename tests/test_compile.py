@@ -464,8 +464,11 @@ def test_distillation_configs_compile_the_distill_step_with_the_teacher_abstract
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu (the kiln[tpu] extra) is not installed")
-def test_topology_compiles_with_the_tpu_compiler(small_1b_report):
-    config, cpu = small_1b_report
+def test_topology_compiles_with_the_tpu_compiler():
+    # The tiny model with 2 layers and bf16 compute, 2 sequences per chip.
+    settings = ["model.num_layers=2", "model.dtype=bfloat16", "train.global_batch_size=8"]
+    config = load_config(ROOT / "configs/tiny.yaml", settings)
+    cpu = aot.compile_report(config, aot.use_cpu_devices(8))
     # `model.attention: auto` is the splash kernel on TPU; Mosaic refuses its bf16 matmuls
     # under the suite's process-wide "highest" matmul precision (conftest), which no run sets.
     with jax.default_matmul_precision("default"):
