@@ -2,6 +2,7 @@
 skipping non-finite steps, and one training run end to end."""
 
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 
 from conftest import REPO, kiln_main
 from kiln.config import MESH_AXES, config_from_dict
+from kiln.data.eval_tasks import parse_task, task_path
 from kiln.errors import RunStopped
 from kiln.training import pretrain, runner, train
 from kiln.training.batches import place_batch
@@ -373,12 +375,17 @@ REQUIRED_TAGS = {
 def test_train_end_to_end_writes_every_tag_and_learns(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    # tiny.yaml's multiple-choice task, its first 8 questions: its tags, not its score.
+    shipped = Path(task_path(parse_task("choice:kiln:stdlib_next_line.jsonl")))
+    questions = tmp_path / "stdlib_next_line.jsonl"
+    questions.write_text("".join(shipped.read_text().splitlines(keepends=True)[:8]))
     proc = kiln_main(
         "train", "configs/tiny.yaml",
         f"train.output_dir={tmp_path}", "train.steps=15", "train.log_every_steps=5",
         "train.eval_every_steps=15", "optim.warmup_steps=5", "data.source=synthetic",
         "data.synthetic_kind=markov", "data.paths=[]", "loss.z_loss_multiplier=1e-4",
         "model.num_layers=2", "checkpoint.every_steps=0",
+        f"train.eval_tasks=[choice:{questions}]",
         cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -387,6 +394,7 @@ def test_train_end_to_end_writes_every_tag_and_learns(tmp_path):
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert tags >= REQUIRED_TAGS, REQUIRED_TAGS - tags
+    assert {"eval/stdlib_next_line/acc", "eval/stdlib_next_line/acc_norm"} <= tags, tags
     assert "perf/mfu" not in tags  # CPU: no known peak, so no MFU (logging.peak_tflops_per_device)
     loss = [e.value for e in events.Scalars("learning/loss")]
     assert len(loss) == 3
