@@ -63,7 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kiln.commands.hlo import collectives
+from kiln.commands.hlo import collective_summary
 from kiln.config import config_from_dict
 from kiln.training import train
 from kiln.training.batches import place_batch
@@ -583,8 +583,10 @@ def gb(n) -> float:
     return round(n / GB, 3)
 
 
-def summary(memory: dict, coll: dict) -> dict:
-    """Per-device figures in GB (1e9 bytes) and the collectives that matter here."""
+def summary(memory: dict, coll: dict, at_least: dict | None = None) -> dict:
+    """Per-device figures in GB (1e9 bytes) and the collectives that matter here: static (an op
+    in a loop once), per step where the HLO gives every loop's trip count, and a lower bound
+    per step (loops of unknown count taken once; `kiln.commands.hlo.collective_summary`)."""
     total = memory["arguments"] + memory["outputs"] + memory["temporaries"] - memory["aliased"]
     out = {
         "args_plus_outputs_plus_temps_minus_aliased_gb": gb(total),
@@ -595,8 +597,15 @@ def summary(memory: dict, coll: dict) -> dict:
     }
     kinds = ("reduce-scatter", "all-to-all", "ragged-all-to-all", "all-gather", "all-reduce")
     for kind in (*kinds, "collective-permute"):
-        c = coll.get(kind, {"ops": None, "bytes": 0})
-        out[kind] = {"ops": c["ops"], "gb": gb(c["bytes"])}
+        c = coll.get(kind, {"ops": None, "bytes": 0, "bytes_per_step": 0})
+        step = c.get("bytes_per_step")  # None: a loop's trip count unknown, or nothing read
+        bound = at_least[kind]["bytes_per_step"] if at_least and kind in at_least else step
+        out[kind] = {
+            "ops": c["ops"],
+            "gb": gb(c["bytes"]),
+            "gb_per_step": None if step is None else gb(step),
+            "gb_per_step_at_least": None if bound is None else gb(bound),
+        }
     return out
 
 
@@ -641,7 +650,7 @@ def kiln_compile(
     m = report["memory"]
     return {
         "overrides": overrides,
-        **summary(m, report["collectives"]),
+        **summary(m, report["collectives"], report.get("collectives_per_step_at_least")),
         "compiler_peak_gb": gb(m["peak"]),
         "peak_source": report["peak_source"],
         "flops_per_device": report["flops"]["kiln_per_device"],
@@ -714,7 +723,7 @@ def maxtext_compile(
     hlo = sorted(
         glob.glob(str(dump / "**/*jit_train_step*after_optimizations.txt"), recursive=True)
     )
-    coll = collectives(Path(hlo[-1]).read_text()) if hlo else None
+    coll, at_least = collective_summary(Path(hlo[-1]).read_text()) if hlo else (None, None)
     peak = next(x for x in lines if x.startswith("peak_memory_in_bytes:"))
     out = {
         "overrides": overrides,
@@ -733,7 +742,7 @@ def maxtext_compile(
         )
         out["hlo"] = "no after-optimizations HLO dumped: collectives not counted"
     else:
-        out.update(summary(memory, coll))
+        out.update(summary(memory, coll, at_least))
     out["jit_and_compile_seconds"] = (
         round(seen["end"] - seen["start"], 1) if len(seen) == 2 else None
     )
