@@ -65,9 +65,11 @@ def in_order(w_L, x_MBD, e_MB):
 )
 def test_schedule_runs_every_layer_in_order_on_every_micro_batch(stages, repeats, micro):
     layers = 2 * stages * repeats
-    w_L = jax.random.normal(jax.random.key(0), (layers, 8, 8)) / 3
-    x_MBD = jax.random.normal(jax.random.key(1), (micro, 4, 8))
-    e_MB = jax.random.normal(jax.random.key(2), (micro, 4)) / 10
+    rng = np.random.default_rng(0)
+    w_L, x_MBD, e_MB = (
+        jnp.asarray(rng.standard_normal(shape) * scale, jnp.float32)
+        for shape, scale in (((layers, 8, 8), 1 / 3), ((micro, 4, 8), 1), ((micro, 4), 1 / 10))
+    )
     schedule = pipeline.Schedule(stages, repeats, micro)
 
     def piped(w_L, x_MBD):
@@ -76,11 +78,18 @@ def test_schedule_runs_every_layer_in_order_on_every_micro_batch(stages, repeats
         y_GD, aux_L = pipeline.stack(toy_layers, w_L, x_GD, e_G, schedule)
         return y_GD.reshape(4, micro, 8).swapaxes(0, 1), aux_L
 
+    def with_grads(run):
+        """((sum of the outputs squared, (outputs, aux)), its gradients): one program."""
+
+        def loss(w, x):
+            y, aux = run(w, x)
+            return jnp.sum(y**2), (y, aux)
+
+        return jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))
+
     with jax.set_mesh(auto_mesh((stages, 8 // stages), ("stage", "fsdp"))):
-        y, aux = jax.jit(piped)(w_L, x_MBD)
-        grads = jax.jit(jax.grad(lambda w, x: jnp.sum(piped(w, x)[0] ** 2), (0, 1)))(w_L, x_MBD)
-    want_y, want_aux = in_order(w_L, x_MBD, e_MB)
-    want_grads = jax.grad(lambda w, x: jnp.sum(in_order(w, x, e_MB)[0] ** 2), (0, 1))(w_L, x_MBD)
+        (_, (y, aux)), grads = with_grads(piped)(w_L, x_MBD)
+    (_, (want_y, want_aux)), want_grads = with_grads(lambda w, x: in_order(w, x, e_MB))(w_L, x_MBD)
     # The same float32 operations on the same values in the same order: equal up to XLA's
     # fusion of the element-wise tail (1e-6 relative).
     np.testing.assert_allclose(y, want_y, rtol=1e-6, atol=1e-6)
