@@ -9,12 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from conftest import kiln_main
 from kiln.commands import fit
 from kiln.config import MESH_AXES, config_from_dict, load_config
 from kiln.data import make_datasets
 from kiln.errors import KilnError
+from kiln.model import create_model
 from kiln.parallel import pipeline
 from kiln.parallel.mesh import make_mesh
 from kiln.runs.restore import abstract_like, restore
@@ -166,6 +168,14 @@ def mesh_on(sizes):
     return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=jax.devices()[: np.prod(shape)])
 
 
+def holding(config, params, mesh=None):
+    """`config`'s train state on `mesh` (its own by default) holding `params`, copied into its
+    shardings, and no optimizer state: what `loss_and_grads` reads, nothing initialised."""
+    _, state = train.abstract_pretraining(config, make_mesh(config) if mesh is None else mesh)
+    params = jax.device_put(params, train.shardings_of(state.params))
+    return state.replace(step=jnp.zeros((), jnp.int32), params=params, opt_state=())
+
+
 @pytest.fixture(scope="module")
 def one_device_run():
     """Three optimizer steps on one device: each step's params, batch, loss and gradients."""
@@ -185,21 +195,18 @@ def one_device_run():
 @pytest.mark.parametrize(
     ("mesh", "accum", "pipe"),
     [
-        ({"stage": 2, "fsdp": 4}, 2, {}),  # micro-batches = stages, from the accumulation
         ({"stage": 4, "tensor": 2}, 2, {"microbatches": 4}),  # accumulation of pipelines
         ({"stage": 2, "fsdp": 4}, 1, {"microbatches": 4, "repeats": 2}),  # circular, 2 x S
-        ({"stage": 4, "fsdp": 2}, 8, {"repeats": 2}),
+        # Circular, micro-batches = stages, from the accumulation.
+        ({"stage": 4, "fsdp": 2}, 4, {"repeats": 2}),
     ],
 )
 def test_pipelined_step_equals_one_device(one_device_run, mesh, accum, pipe):
     config = make_config(
         mesh={"fsdp": 1, **mesh}, train={"gradient_accumulation_steps": accum}, pipeline=pipe
     )
-    state = train.init_state(config)
-    shardings = train.shardings_of(state.params)
     for params, batch, want_loss, want_grads in one_device_run:
-        state = state.replace(params=jax.device_put(params, shardings))
-        loss, _, grads = train.loss_and_grads(config, state, batch)
+        loss, _, grads = train.loss_and_grads(config, holding(config, params), batch)
         # float32; the same sums over the batch's tokens in another order: 1e-5 relative.
         np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
         for g, w in zip(jax.tree.leaves(host(grads)), jax.tree.leaves(want_grads), strict=True):
@@ -215,11 +222,11 @@ MOE = {
 }
 DEEPSEEK = {
     "family": "deepseek",
-    "num_layers": 3,
+    "num_layers": 6,
     "num_kv_heads": None,
     "moe": {
         **MOE,
-        "first_dense_layers": 1,
+        "first_dense_layers": 2,
         "num_shared_experts": 1,
         "score": "sigmoid",
         "n_group": 2,
@@ -241,41 +248,31 @@ DEEPSEEK = {
 @pytest.mark.parametrize(
     ("model", "mesh", "accum", "pipe", "unstaged"),
     [
-        # Dense blocks before the circular MoE stack, experts split over `expert` with a
-        # capacity, ring attention over `sequence`, accumulation around the pipeline. The
-        # capacity's drops are per device: the reference has the same devices per micro-batch
-        # (expert 2 x sequence 2, all-gathered attention).
+        # GPT-OSS: sliding and full layers alternating (each stage scans its layers' kinds),
+        # sinks, router and expert biases, in circular stages; experts split over `expert`
+        # with a capacity, ring attention over `sequence`, accumulation around the pipeline.
+        # The capacity's drops are per device: the reference has the same devices per
+        # micro-batch (expert 2 x sequence 2, all-gathered attention).
         (
             {
-                "family": "moe",
-                "num_layers": 6,
+                "family": "gpt_oss",
+                "moe": {**MOE, "capacity_factor": 1.0},
+                "attention_sinks": True,
+                "sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention"],
                 "context_parallel": "ring",
-                "moe": {**MOE, "first_dense_layers": 2, "capacity_factor": 1.0},
             },
             {"stage": 2, "expert": 2, "sequence": 2},
             2,
             {"microbatches": 2, "repeats": 2},
             {"mesh": {"expert": 2, "sequence": 2}, "model": {"context_parallel": "all_gather"}},
         ),
-        # DeepSeek: a dense block, group routing, a shared expert, a prediction module; the
-        # accumulation's micro-batches are the pipeline's.
-        (DEEPSEEK, {"stage": 2, "expert": 2, "fsdp": 2}, 4, {}, {}),
-        # GPT-OSS: sliding and full layers alternating (each stage scans its layers' kinds),
-        # sinks, router and expert biases; circular, no accumulation loop.
-        (
-            {
-                "family": "gpt_oss",
-                "moe": MOE,
-                "attention_sinks": True,
-                "sliding_window": 8,
-                "layer_types": ["sliding_attention", "full_attention"],
-            },
-            {"stage": 2, "expert": 2, "fsdp": 2},
-            1,
-            {"microbatches": 2, "repeats": 2},
-            {},
-        ),
+        # DeepSeek: dense blocks before the circular MoE stack, group routing, a shared expert,
+        # a prediction module; the accumulation's micro-batches are the pipeline's (no
+        # accumulation loop).
+        (DEEPSEEK, {"stage": 2, "expert": 2, "fsdp": 2}, 4, {"repeats": 2}, {}),
     ],
+    ids=["gpt_oss", "deepseek"],
 )
 def test_moe_in_stages_equals_the_run_without(model, mesh, accum, pipe, unstaged):
     """Loss, routing statistics and gradients of an MoE model in stages against the same model
@@ -289,8 +286,9 @@ def test_moe_in_stages_equals_the_run_without(model, mesh, accum, pipe, unstaged
         mesh={"fsdp": 1, **unstaged.get("mesh", {})},
         train={"gradient_accumulation_steps": pieces},
     )
-    state = train.init_state(ref, mesh_on(unstaged.get("mesh", {})))
+    params = nnx.state(create_model(ref, None, ref.train.seed), nnx.Param)
     batch = random_batch(0)
+    state = holding(ref, params, mesh_on(unstaged.get("mesh", {})))
     want_loss, want_aux, want_grads = host(train.loss_and_grads(ref, state, batch))
     config = make_config(
         model=model,
@@ -298,11 +296,7 @@ def test_moe_in_stages_equals_the_run_without(model, mesh, accum, pipe, unstaged
         train={"gradient_accumulation_steps": accum},
         pipeline=pipe,
     )
-    staged = train.init_state(config)
-    staged = staged.replace(
-        params=jax.device_put(host(state.params), train.shardings_of(staged.params))
-    )
-    loss, aux, grads = host(train.loss_and_grads(config, staged, batch))
+    loss, aux, grads = host(train.loss_and_grads(config, holding(config, params), batch))
     assert sorted(aux) == sorted(want_aux) and "moe/expert_tokens" in aux
     if "capacity_factor" in model["moe"]:
         assert want_aux["moe/dropped_tokens"].sum() > 0
