@@ -624,12 +624,15 @@ def lm_batch(config, seed=0):
 
 
 def run_steps(config, batch, steps=3):
-    """(losses of `steps` train steps, gradients of the first step) on `config`'s mesh."""
+    """(losses of `steps` train steps, or with none the batch's loss; gradients of the first
+    step) on `config`'s mesh."""
     sizes = [getattr(config.mesh, a) for a in MESH_AXES]
     mesh = make_mesh(config, jax.devices()[: 8 if -1 in sizes else int(np.prod(sizes))])
     state = train.init_state(config, mesh)
-    _, _, grads = train.loss_and_grads(config, state, batch)
+    loss, _, grads = train.loss_and_grads(config, state, batch)
     grads = [np.asarray(g) for g in jax.tree.leaves(grads)]
+    if not steps:
+        return [float(loss)], grads
     step = train.make_train_step(config, mesh, train.shardings_of(state))
     losses = []
     for _ in range(steps):
@@ -643,30 +646,37 @@ def one_device(config):
     return config.model_copy(update={"mesh": config.mesh.model_copy(update=sizes)})
 
 
-@pytest.mark.parametrize("accumulation", [1, 2], ids=["no GA", "GA 2"])
-def test_expert_parallel_training_equals_one_device(accumulation):
-    """3 steps with mesh.expert=4 mesh.fsdp=2 (8 devices) and the router losses on equal the
-    same steps on one device within 1e-5 relative: the losses, and the first step's gradients
-    (parameters after AdamW are not compared: its division by sqrt(v) magnifies the rounding
-    of near-zero gradients)."""
-    base = moe_config(
+def test_expert_parallel_training_equals_one_device():
+    """mesh.expert=4 mesh.fsdp=2 (8 devices) with the router losses on equal one device within
+    1e-5 relative: the loss and gradients of a global batch in one micro-batch and in 2, and
+    the losses of 3 train steps with 2 (the update after the gradients is the same with any
+    accumulation). Parameters after AdamW are not compared: its division by sqrt(v) magnifies
+    the rounding of near-zero gradients."""
+    config = moe_config(
         mesh={"expert": 4, "fsdp": 2},
         first_dense_layers=1,
         router_z_loss=1e-3,
         load_balance_loss=1e-2,
         balance="aux_free",
     )
-    train_cfg = base.train.model_copy(
+    batch = lm_batch(accumulated(config, 2))
+    for accumulation, steps in ((1, 0), (2, 3)):
+        cfg = accumulated(config, accumulation)
+        rows = {k: v[: 8 * accumulation] for k, v in batch.items()}
+        want_losses, want = run_steps(one_device(cfg), rows, steps)
+        got_losses, got = run_steps(cfg, rows, steps)
+        assert rel_err(got_losses, want_losses) <= 1e-5, accumulation  # 1e-5 relative (float32)
+        for a, b in zip(got, want, strict=True):
+            # tolerance: 1e-5 relative (float32); the aux_free biases' gradients are exactly 0.
+            assert np.array_equal(a, b) or rel_err(a, b) <= 1e-5, accumulation
+
+
+def accumulated(config, accumulation):
+    """`config` with `accumulation` micro-batches of its global batch size each."""
+    train_cfg = config.train.model_copy(
         update={"gradient_accumulation_steps": accumulation, "global_batch_size": 8 * accumulation}
     )
-    config = base.model_copy(update={"train": train_cfg})
-    batch = lm_batch(config)
-    want_losses, want = run_steps(one_device(config), batch)
-    got_losses, got = run_steps(config, batch)
-    assert rel_err(got_losses, want_losses) <= 1e-5  # tolerance: 1e-5 relative (float32)
-    for a, b in zip(got, want, strict=True):
-        # tolerance: 1e-5 relative (float32); the aux_free biases' gradients are exactly 0.
-        assert np.array_equal(a, b) or rel_err(a, b) <= 1e-5
+    return config.model_copy(update={"train": train_cfg})
 
 
 # ---------------------------------------------------------------------------------------------
