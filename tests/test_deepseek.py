@@ -299,13 +299,14 @@ def test_eight_devices_with_accumulation_and_tiling_equal_one_device():
     """3 steps with mesh.expert=4 mesh.fsdp=2 (8 devices), gradient accumulation 2 and the
     loss tiled over the vocabulary (the module's loss too) equal the same global batch in
     one untiled micro-batch on one device, within 1e-5 relative: each step's loss (with the
-    router z-loss and a prediction module) and gradient norm. (The load-balance loss is a
-    product of per-micro-batch means, so accumulation changes it by design; its expert
+    router z-loss and a prediction module) and gradient norm. One routed layer and the
+    module: dense layers on the expert axis are tests/test_moe.py's. (The load-balance loss
+    is a product of per-micro-batch means, so accumulation changes it by design; its expert
     parallelism is checked in tests/test_moe.py with the same accumulation on both sides,
     gradients element by element.)"""
-    moe = {"router_z_loss": 1e-3}
+    moe = {"router_z_loss": 1e-3, "first_dense_layers": 0}
     mtp = {"mtp_num_layers": 1}
-    base = ds_config(mesh={"expert": 4, "fsdp": 2}, layers=2, moe=moe, deepseek=mtp)
+    base = ds_config(mesh={"expert": 4, "fsdp": 2}, layers=1, moe=moe, deepseek=mtp)
     train_cfg = base.train.model_copy(
         update={"gradient_accumulation_steps": 2, "global_batch_size": 16}
     )
