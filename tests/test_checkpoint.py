@@ -254,10 +254,16 @@ def test_kill_9_between_a_local_and_a_persistent_save_resumes_from_the_local_tie
 
 
 ROUTED = {"num_experts": 4, "experts_per_token": 2, "d_ff_expert": 16, "balance": "aux_free"}
-MOE = {"family": "moe", "moe": {**ROUTED, "router_z_loss": 1e-3, "load_balance_loss": 1e-2}}
+# One routed layer: what is saved and restored is the same for each layer of a stack.
+MOE = {
+    "family": "moe",
+    "num_layers": 1,
+    "moe": {**ROUTED, "router_z_loss": 1e-3, "load_balance_loss": 1e-2},
+}
 # DeepSeek-V3's routing, latent attention and a multi-token prediction module.
 DEEPSEEK = {
     "family": "deepseek",
+    "num_layers": 1,
     "moe": {**ROUTED, "score": "sigmoid", "n_group": 2, "topk_group": 1, "router_z_loss": 1e-3},
     "deepseek": {
         **{"kv_lora_rank": 16, "qk_nope_head_dim": 8},
