@@ -146,7 +146,6 @@ def test_trained_run_with_a_prediction_module_exports_and_imports_bitwise(tmp_pa
         experts_per_token=2,
         d_ff_expert=16,
         num_shared_experts=1,
-        first_dense_layers=1,
         score="sigmoid",
         n_group=4,
         topk_group=2,
@@ -156,7 +155,8 @@ def test_trained_run_with_a_prediction_module_exports_and_imports_bitwise(tmp_pa
     deepseek = dict(
         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, mtp_num_layers=1
     )
-    model = dict(vocab_size=V, d_model=32, num_layers=2, num_heads=4, d_ff=48, norm_eps=1e-6)
+    # One routed layer (import and export of a dense first layer: the fixture's model above).
+    model = dict(vocab_size=V, d_model=32, num_layers=1, num_heads=4, d_ff=48, norm_eps=1e-6)
     cfg = write_config(
         tmp_path / "ds.yaml",
         model={**model, "family": "deepseek", "moe": moe, "deepseek": deepseek, "max_seq_len": 32},
@@ -173,9 +173,9 @@ def test_trained_run_with_a_prediction_module_exports_and_imports_bitwise(tmp_pa
     hf = json.loads((out / "config.json").read_text())
     assert hf["num_nextn_predict_layers"] == 1 and hf["rope_interleave"] is True
     tensors = load_file(out / "model.safetensors")
-    assert tensors["model.layers.2.eh_proj.weight"].shape == (32, 64)
+    assert tensors["model.layers.1.eh_proj.weight"].shape == (32, 64)
     assert np.array_equal(
-        tensors["model.layers.2.shared_head.head.weight"], tensors["lm_head.weight"]
+        tensors["model.layers.1.shared_head.head.weight"], tensors["lm_head.weight"]
     )
 
     run = load_run_model(run_dir, context="test")
