@@ -226,7 +226,11 @@ def test_multi_token_prediction_loss_equals_the_hand_written_one():
     the token d ahead, and its loss is the cross-entropy of the token d+1 ahead, where that
     token is in the same document, weighted by its own weight; learning/mtp_loss is the mean
     of the two per-token means and the loss adds it times mtp_loss_weight."""
-    config = ds_config(layers=2, deepseek={"mtp_num_layers": 2, "mtp_loss_weight": 0.25})
+    config = ds_config(
+        layers=1,
+        moe={"first_dense_layers": 0},
+        deepseek={"mtp_num_layers": 2, "mtp_loss_weight": 0.25},
+    )
     model = build_model(config.model, rngs=nnx.Rngs(0))
     batch = lm_batch(config)
     batch["segment_ids"][:, 7:] = np.where(batch["segment_ids"][:, 7:] > 0, 2, 0)  # 2 documents
@@ -399,7 +403,12 @@ def test_tensor_and_sequence_parallel_forward_equals_one_device():
     expanded keys and values), the sequence over sequence (the prediction module's shift
     crosses shards) give the unsharded model's hidden states, module output and router
     sums within 1e-5."""
-    config = ds_config(mesh={"fsdp": 2, "tensor": 2, "sequence": 2}, deepseek={"mtp_num_layers": 1})
+    config = ds_config(
+        mesh={"fsdp": 2, "tensor": 2, "sequence": 2},
+        layers=1,
+        moe={"first_dense_layers": 0},
+        deepseek={"mtp_num_layers": 1},
+    )
     batch = lm_batch(config)
     mesh = make_mesh(config, jax.devices()[:8])
     want = _forward(config, None, batch)
