@@ -512,14 +512,25 @@ def test_router_z_loss_and_load_balance_equal_their_float64_formulas(inputs):
 
 def test_zero_weights_give_the_step_that_never_computes_them(monkeypatch):
     """router_z_loss: 0 and load_balance_loss: 0 add nothing: the step is bitwise the one of a
-    layer that computes no aux at all."""
+    layer that computes no aux at all (the losses of 2 steps, and the parameters after them)."""
     config = one_device(moe_config(layers=1))
     batch = lm_batch(config)
-    want = run_steps(config, batch, steps=2)
+    mesh = make_mesh(config, jax.devices()[:1])
+
+    def two_steps():
+        state = train.init_state(config, mesh)
+        step = train.make_train_step(config, mesh, train.shardings_of(state))
+        losses = []
+        for _ in range(2):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["learning/loss"]))
+        return losses, [np.asarray(p) for p in jax.tree.leaves(state.params)]
+
+    want = two_steps()
     monkeypatch.setattr(MoeMlp, "_aux", lambda self, *args: {})
-    got = run_steps(config, batch, steps=2)
+    got = two_steps()
     assert got[0] == want[0]  # bitwise: the losses of both steps
-    assert all(np.array_equal(a, b) for a, b in zip(got[1], want[1], strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip(got[1], want[1], strict=True))  # bitwise
 
 
 def test_capacity_drops_the_assignments_past_each_experts_capacity(inputs):
@@ -559,29 +570,12 @@ def test_capacity_drops_the_assignments_past_each_experts_capacity(inputs):
     assert rel_err(y.reshape(-1, D), want) <= 1e-5  # tolerance: 1e-5 relative (float32)
 
 
-def test_aux_free_bias_moves_towards_equal_load_outside_the_gradient():
-    config = one_device(moe_config(balance="aux_free", bias_update_rate=0.01))
-    batch = lm_batch(config)
-    mesh = make_mesh(config, jax.devices()[:1])
-    state = train.init_state(config, mesh)
-    out = state.model().hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"])
-    loads = np.asarray(out.aux["moe/expert_tokens"])  # [layers, experts] of the step's batch
-    step = train.make_train_step(config, mesh, train.shardings_of(state))
-    state, metrics = step(state, batch)
-    bias = np.asarray(state.params["blocks"]["mlp"]["bias"].get_value())
-    move = np.sign(loads.mean(-1, keepdims=True) - loads)
-    want = 0.01 * (move - move.mean(-1, keepdims=True))  # centred: the biases never drift together
-    assert np.abs(bias - want).max() <= 1e-9  # one float32 step from zero: within rounding
-    assert np.abs(bias.sum(-1)).max() <= 1e-8
-    ratio = loads.max(-1) / loads.mean(-1)
-    assert float(metrics["moe/expert_load_max_over_mean"]) == pytest.approx(ratio.max(), rel=1e-6)
-    assert "moe/expert_tokens" not in metrics  # arrays feed update_balance, not the logs
-
-
 @pytest.mark.parametrize("name", ["adamw", "muon", "adafactor", "lion"])
 def test_each_optimizer_moves_the_router_and_experts_but_never_the_aux_free_bias(name):
-    """One step of each optimizer: the routing bias is exactly where the balance rule puts it
-    (the optimizer adds nothing, weight decay included), the router and every expert move."""
+    """One step of each optimizer: the routing bias moves towards equal load outside the
+    gradient, exactly where the balance rule puts it (the optimizer adds nothing, weight decay
+    included; centred, so the biases never drift together), the router and every expert move,
+    and the step logs the load's max over mean, not the loads."""
     config = one_device(moe_config(layers=1, balance="aux_free", bias_update_rate=0.01))
     config = config.model_copy(
         update={"optim": config.optim.model_copy(update={"name": name, "weight_decay": 0.1})}
@@ -594,11 +588,16 @@ def test_each_optimizer_moves_the_router_and_experts_but_never_the_aux_free_bias
     out = state.model().hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"])
     loads = np.asarray(out.aux["moe/expert_tokens"])
     step = train.make_train_step(config, mesh, train.shardings_of(state))
-    state, _ = step(state, batch)
+    state, metrics = step(state, batch)
     mlp = state.params["blocks"]["mlp"]
     move = np.sign(loads.mean(-1, keepdims=True) - loads)
     want = before["bias"] + np.float32(0.01) * (move - move.mean(-1, keepdims=True))
-    assert np.abs(np.asarray(mlp["bias"].get_value()) - want).max() <= 1e-9  # float32 rounding
+    bias = np.asarray(mlp["bias"].get_value())
+    assert np.abs(bias - want).max() <= 1e-9  # float32 rounding
+    assert np.abs(bias.sum(-1) - before["bias"].sum(-1)).max() <= 1e-8
+    ratio = loads.max(-1) / loads.mean(-1)
+    assert float(metrics["moe/expert_load_max_over_mean"]) == pytest.approx(ratio.max(), rel=1e-6)
+    assert "moe/expert_tokens" not in metrics  # arrays feed update_balance, not the logs
     for key in ("router", "w_gate", "w_down"):
         moved = np.abs(np.asarray(mlp[key].get_value()) - before[key])
         assert np.isfinite(moved).all() and (moved > 0).all(), key
