@@ -737,7 +737,7 @@ def test_router_losses_are_per_routed_token_whatever_the_loss_weights():
     """Chat-like weights (a prompt of weight 0, in the rows of one micro-batch only) leave the
     router losses per token the router saw: their value, and their share of the gradient, are
     those of a float64 / direct reference, with and without accumulation."""
-    config = one_device(moe_config(router_z_loss=1e-3, load_balance_loss=1e-2))
+    config = one_device(moe_config(layers=1, router_z_loss=1e-3, load_balance_loss=1e-2))
     batch = dict(lm_batch(config))
     weights = batch["weights"].copy()
     weights[0::2, : S // 2] = 0.0  # micro-batch 0 of 2 (rows 0, 2, ...) has prompts
