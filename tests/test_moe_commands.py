@@ -267,7 +267,7 @@ def test_fit_mesh_searches_the_expert_split_over_divisors_of_num_experts():
 # --- distillation and eval ----------------------------------------------------------------------
 
 DOCS = 4
-MODEL = {"vocab_size": 384, "d_model": 32, "num_layers": 2, "num_heads": 4, "d_ff": 64,
+MODEL = {"vocab_size": 384, "d_model": 32, "num_layers": 1, "num_heads": 4, "d_ff": 64,
          "max_seq_len": 16}  # fmt: skip
 MOE = {"family": "moe", "moe": {"num_experts": 4, "experts_per_token": 2, "d_ff_expert": 32,
                                 "router_z_loss": 1e-3, "load_balance_loss": 1e-2}}  # fmt: skip
@@ -293,7 +293,8 @@ def raw_config(tmp, name, model, **sections):
 
 @pytest.fixture(scope="module")
 def teachers(tmp_path_factory):
-    """(tmp, MoE run trained 2 steps with mesh.expert=2, dense run of one saved checkpoint)."""
+    """(tmp, MoE run trained 2 steps with mesh.expert=2, dense run of one saved checkpoint);
+    one layer each: what the commands do with a family is the same for every layer."""
     tmp = tmp_path_factory.mktemp("moe-commands")
     (tmp / "docs").mkdir()
     rng = np.random.default_rng(0)
@@ -413,7 +414,7 @@ def test_distillation_from_a_moe_teacher_counts_its_active_flops(teachers):
     tmp, moe_run, _ = teachers
     config = load_config(student(tmp, "flops", MODEL, teacher_run_dir=str(moe_run)))
     objective, _ = abstract_distillation(config, make_mesh(config))
-    d, layers, vocab, seq, e, k, f = 32, 2, 384, 16, 4, 2, 32
+    d, layers, vocab, seq, e, k, f = 32, 1, 384, 16, 4, 2, 32
     attention = 6 * layers * seq * 4 * 8  # 6 L S N H, heads of 8
     dense = layers * (4 * d * d + 3 * d * 64) + d * vocab
     moe = layers * (4 * d * d + d * e + k * 3 * d * f) + d * vocab
