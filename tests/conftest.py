@@ -134,15 +134,18 @@ def wait_until(
     """Return once `done()` holds. Fails if `proc` exits first, or if it (or, with no process,
     the wait itself) shows no progress, as CPU time, for `STALL_S` seconds."""
     last = cpu_seconds(proc.pid) if proc else 0.0
-    moved = time.monotonic()
+    moved = read = time.monotonic()
     while not done():
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"{what or 'the condition'}: process exited {proc.returncode}")
-        now = cpu_seconds(proc.pid) if proc else last
-        if now > last:
-            last, moved = now, time.monotonic()
-        elif time.monotonic() - moved > STALL_S:
-            raise AssertionError(f"{what or 'the condition'}: no progress in {STALL_S:.0f} s")
+        # The process tree's CPU time is read once a second, not at every look at `done`: a
+        # reading walks every process of the machine, and a stall is STALL_S long.
+        if time.monotonic() - read >= 1.0:
+            now, read = (cpu_seconds(proc.pid) if proc else last), time.monotonic()
+            if now > last:
+                last, moved = now, read
+            elif read - moved > STALL_S:
+                raise AssertionError(f"{what or 'the condition'}: no progress in {STALL_S:.0f} s")
         time.sleep(0.02)
 
 
