@@ -30,7 +30,7 @@ STEPS = 12
 EXIT_HANG = 75  # kiln.training.watchdog.EXIT_HANG, as a scheduler sees it
 TIMEOUT_S = 3
 CONFIG = {
-    "model": {"vocab_size": 384, "d_model": 32, "num_layers": 2, "num_heads": 4, "d_ff": 64, "max_seq_len": 16, "dtype": "float32"},
+    "model": {"vocab_size": 384, "d_model": 32, "num_layers": 1, "num_heads": 4, "d_ff": 64, "max_seq_len": 16, "dtype": "float32"},
     "data": {"source": "synthetic", "synthetic_kind": "markov", "paths": [], "seq_len": 16},
     "mesh": {"fsdp": -1},
     "optim": {"learning_rate": 3e-3, "schedule": "constant", "warmup_steps": 0},
