@@ -161,12 +161,13 @@ def test_two_processes_match_one_and_checkpoints_move_between_them(tmp_path):
     # 5.83), steps 7 and 8 equal.
     assert_close(losses(runs / "four"), want, range(6, 9))
 
-    # And the reverse: the reference run cut back to its step-5 checkpoint, resumed by two.
+    # And the reverse: the reference run cut back to its step-5 checkpoint, resumed by two for
+    # one step (each step of two processes costs them a second of CPU time in gloo's collectives).
     shutil.copytree(runs / "ref", runs / "cut")
     shutil.rmtree(runs / "cut" / "checkpoints" / "8")
     (runs / "cut" / "metrics.jsonl").unlink()
     resumed = two_processes(
-        config, f"train.output_dir={runs}", "train.run_name=cut", "train.steps=8"
+        config, f"train.output_dir={runs}", "train.run_name=cut", "train.steps=6"
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from step 5" in resumed.stderr
@@ -174,8 +175,8 @@ def test_two_processes_match_one_and_checkpoints_move_between_them(tmp_path):
         "[0] kiln: resuming on another topology: 1 process x 8 cpu devices (fsdp 8) -> "
         "2 processes x 4 cpu devices (fsdp 8)"
     ], resumed.stderr[-3000:]
-    assert sorted(losses(runs / "cut")) == [6, 7, 8]
-    assert_close(losses(runs / "cut"), want, range(6, 9))
+    assert sorted(losses(runs / "cut")) == [6]
+    assert_close(losses(runs / "cut"), want, [6])
 
 
 @pytest.mark.parametrize("present", [0, 1], ids=["coordinator-alone", "coordinator-missing"])
