@@ -1,5 +1,7 @@
 """Metrics of a resumed run: each step recorded once in metrics.jsonl and in TensorBoard."""
 
+import builtins
+import errno
 import json
 import os
 import shutil
@@ -207,25 +209,32 @@ def test_kill_9_then_resume_logs_each_step_once(tmp_path, straight, compile_cach
 # A full disk, then a read-only checkpoints directory, then a resume
 
 
-# A `kiln train` whose disk fills up while it writes metrics.jsonl: the fault is injected in
-# the file object kiln gets from open(), below kiln's code.
-DISK_FILLS = """
-import builtins, errno, sys
-real_open = builtins.open
-class Full:  # a file on a disk that fills up half-way through its write number `rows`
-    def __init__(self, fh, rows): self.fh, self.rows = fh, rows
-    def __getattr__(self, name): return getattr(self.fh, name)
+class DiskFills:
+    """A file on a disk that fills up half-way through its write number `rows`: the fault is
+    injected in the file object kiln gets from open(), below kiln's code."""
+
+    def __init__(self, fh, rows: int):
+        self.fh, self.rows = fh, rows
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
     def write(self, data):
         self.rows -= 1
-        if self.rows < 0: raise OSError(errno.ENOSPC, "No space left on device")
+        if self.rows < 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
         return self.fh.write(bytes(data) if self.rows else bytes(data[: len(data) // 2]))
-def fake_open(file, mode="r", *args, **kwargs):
-    fh = real_open(file, mode, *args, **kwargs)
-    return Full(fh, int(sys.argv[1])) if str(file).endswith("metrics.jsonl") and "a" in mode else fh
-builtins.open = fake_open
-from kiln.cli import main
-sys.exit(main(sys.argv[2:]))
-"""
+
+
+def open_filling_metrics(rows: int):
+    """builtins.open, but metrics.jsonl opened to append is on a disk that fills at write `rows`."""
+    real_open = builtins.open
+
+    def fake_open(file, mode="r", *args, **kwargs):
+        fh = real_open(file, mode, *args, **kwargs)
+        return DiskFills(fh, rows) if str(file).endswith("metrics.jsonl") and "a" in mode else fh
+
+    return fake_open
 
 
 def read_only(path: Path, command: list[str]) -> list[str]:
@@ -242,13 +251,15 @@ def read_only(path: Path, command: list[str]) -> list[str]:
 
 @pytest.mark.slow
 def test_full_then_read_only_disk_then_resume_logs_what_an_uninterrupted_run_logs(
-    tmp_path, straight, compile_cache
+    tmp_path, straight, compile_cache, monkeypatch
 ):
     config = write_config(tmp_path, write_corpus(tmp_path), compile_cache, async_save=True)
     run_dir = tmp_path / "runs" / "r"
     env = kiln_env()
     # 1. The disk fills up half-way through the row of step 6 (after the checkpoint of step 4).
-    full = run_process([sys.executable, "-c", DISK_FILLS, "6", "train", str(config)], env=env)
+    monkeypatch.setattr(builtins, "open", open_filling_metrics(6))
+    full = kiln_main("train", config)
+    monkeypatch.undo()
     assert full.returncode == 1, full.stderr[-3000:]
     assert "Traceback" not in full.stderr, full.stderr[-3000:]
     errors = [line for line in full.stderr.splitlines() if line.startswith("kiln: error:")]
