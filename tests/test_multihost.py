@@ -160,7 +160,7 @@ def test_two_processes_match_one_and_checkpoints_move_between_them(tmp_path):
     assert_close(losses(runs / "four"), want, range(6, 9))
 
     # And the reverse: the reference run cut back to its step-5 checkpoint, resumed by two for
-    # one step (each step of two processes costs them a second of CPU time in gloo's collectives).
+    # one step (each step of two processes costs each of them tenths of a CPU second in gloo).
     shutil.copytree(runs / "ref", runs / "cut")
     shutil.rmtree(runs / "cut" / "checkpoints" / "8")
     (runs / "cut" / "metrics.jsonl").unlink()
