@@ -43,6 +43,12 @@ os.environ["XLA_FLAGS"] = " ".join(
     ]
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite starts some hundred `kiln` processes, each importing kiln's modules; where the
+# environment turns bytecode caching off (PYTHONDONTWRITEBYTECODE), each would compile them
+# again (0.15-0.2 CPU s a process). The suite turns it on for itself and its subprocesses: the
+# .pyc files go to the __pycache__ directories git ignores.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 
 def _programs_dir() -> str:
