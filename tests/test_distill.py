@@ -2,6 +2,7 @@
 accumulation, tiled == untiled, a frozen teacher, the CLI's refusals, and a resumed run."""
 
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -453,20 +454,19 @@ def final_params(config_path):
 
 
 @pytest.mark.slow
-def test_distillation_run_resumes_like_a_training_run(tmp_path):
-    teacher = make_config(
-        TEACHER_MODEL,
-        tmp_path=tmp_path / "runs",
-        mesh={"data": 1, "fsdp": -1, "tensor": 1},
-        train={"run_name": "teacher", "global_batch_size": 8, "steps": 3},
-    )
-    (tmp_path / "teacher.yaml").write_text(teacher.to_yaml())
-    proc = kiln_main("train", tmp_path / "teacher.yaml")  # in this process: only its run is used
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    teacher_dir = teacher.run_dir
+def test_distillation_run_resumes_like_a_training_run(tmp_path, teacher):
+    # The teacher's run directory: its config and a checkpoint of the module's random teacher
+    # (a student reads nothing else of the run, so it need not have trained).
+    teacher_dir = tmp_path / "runs" / "teacher"
+    ckpt = Checkpointer(teacher_dir, teacher.config.checkpoint)
+    model = nnx.merge(teacher.graphdef, teacher.params, teacher.rest)
+    ckpt.save(3, checkpoint_tree(train.state_from_model(teacher.config, make_mesh(teacher.config), model)), {})  # fmt: skip
+    ckpt.close()
+    run = make_config(TEACHER_MODEL, tmp_path=tmp_path / "runs", mesh={"data": 1, "fsdp": -1, "tensor": 1}, train={"run_name": "teacher"})  # fmt: skip
+    (teacher_dir / "config.yaml").write_text(run.to_yaml())
 
     def student(name, steps):
-        # Constant schedules: the first half of the resumed run stops at train.steps=4.
+        # A constant schedule: the run's checkpoint of step 4 is that of a run of 4 steps.
         raw = yaml.safe_load(write_student(tmp_path, teacher_dir).read_text())
         raw["optim"]["schedule"] = "constant"
         raw["train"].update(run_name=name, steps=steps, gradient_accumulation_steps=2)
@@ -477,10 +477,11 @@ def test_distillation_run_resumes_like_a_training_run(tmp_path):
         return out
 
     # In this process too: the runs are compared with one another.
-    straight = student("straight", 6)
-    proc = kiln_main("distill", straight)
+    config = student("run", 6)
+    proc = kiln_main("distill", config)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    want = metrics(tmp_path / "runs" / "straight")
+    run_dir = tmp_path / "runs" / "run"
+    want = metrics(run_dir)
     assert sorted(want) == [1, 2, 3, 4, 5, 6]
     assert all(k in want[6] for k in [f"distill/{m}" for m in distill.METRICS])
     assert all(k in want[6] for k in ("learning/grad_norm", "perf/tokens_per_sec"))
@@ -488,16 +489,19 @@ def test_distillation_run_resumes_like_a_training_run(tmp_path):
     line = next(x for x in proc.stdout.splitlines() if x.startswith("step 6/6  loss"))
     assert f"hard {want[6]['distill/hard_loss']:.4f}" in line, line
     assert f"soft {want[6]['distill/soft_loss']:.4f}" in line, line
+    a = final_params(config)
 
-    kiln_main("distill", student("resumed", 4))  # stops after the checkpoint at step 4
-    proc = kiln_main("distill", student("resumed", 6))
+    # The run as if stopped after its save of step 4, then started again.
+    shutil.rmtree(run_dir / "checkpoints" / "6")
+    proc = kiln_main("distill", config)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from step 4" in proc.stderr
-    got = metrics(tmp_path / "runs" / "resumed")
+    got = metrics(run_dir)
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
     for step in (5, 6):
         for key in ("learning/loss", "distill/soft_loss", "distill/feature_loss"):
             assert got[step][key] == want[step][key], (step, key)  # bitwise
-    a, b = final_params(straight), final_params(tmp_path / "resumed.yaml")
+    b = final_params(config)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)  # bitwise
 
