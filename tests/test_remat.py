@@ -135,7 +135,9 @@ def test_policies_are_ordered_by_compiled_temporary_memory():
         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
         devices=jax.devices()[:1],
     )
-    state = train.init_state(config("none", layers=LAYERS), mesh)  # the same for every policy
+    # The state as sharded shapes (nothing to initialise for a compile), the same for every policy.
+    cfg = config("none", layers=LAYERS)
+    _, state = train.abstract_pretraining(cfg, mesh)
     temp = {remat: temp_bytes(remat, state, mesh) for remat in ORDER}
     # save_projections keeps save_dots' tensors, chosen by name: the same memory.
     assert temp["save_projections"] == temp["save_dots"], temp
