@@ -295,22 +295,25 @@ def run_metrics(run_dir):
     return {r["step"]: r for r in map(json.loads, lines) if "learning/loss" in r}
 
 
-def fresh_student(config):
+def student_abstract(config):
+    """The student's train state as sharded shapes (as `kiln compile` lowers it): the restore
+    target of its checkpoints, with nothing initialised."""
     from kiln.distill.offline import stored_teacher
-    from kiln.distill.online import init_student
+    from kiln.distill.online import student_builder
 
     teacher = stored_teacher(config, read_manifest(config.distillation.teacher_logits_dir))
-    return init_student(config, make_mesh(config), teacher.config)
+    builder = student_builder(config, teacher.config)
+    return train.abstract_train_state(config, make_mesh(config), builder)
 
 
-def final_state(config, state):
-    """(step, state, data state) of the run's latest checkpoint, restored into the shapes and
-    shardings of `state` (a fresh student of the same config)."""
+def saved_state(config, state, step=None):
+    """(step, state, data state) of the run's checkpoint of `step` (default: its latest),
+    restored into the shapes and shardings of `state`."""
     from kiln.runs.checkpoint import latest_complete_step
     from kiln.runs.restore import abstract_like, restore
 
     directory = config.run_dir / "checkpoints"
-    step = latest_complete_step(directory)
+    step = latest_complete_step(directory) if step is None else step
     tree, data_state = restore(directory, step, abstract_like(checkpoint_tree(state)))
     return step, jax.tree.map(np.asarray, tree), data_state
 
@@ -353,13 +356,13 @@ def test_distill_from_the_store_trains_and_a_killed_run_resumes_bitwise(teacher_
     for step in (3, 4, 5):
         for key in ("learning/loss", "distill/soft_loss", "distill/hard_loss"):
             assert got[step][key] == want[step][key], (step, key)  # bitwise
-    student = fresh_student(straight)  # of the killed run too: the same student
-    (a_step, a, a_data) = final_state(straight, student)
-    (b_step, b, b_data) = final_state(killed, student)
+    student = student_abstract(straight)  # of the killed run too: the same student
+    (a_step, a, a_data) = saved_state(straight, student)
+    (b_step, b, b_data) = saved_state(killed, student)
     assert a_step == b_step == 5 and a_data == b_data
-    fresh = jax.tree.map(np.asarray, student.params)
-    moved = [not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(fresh), jax.tree.leaves(a["params"]))]  # fmt: skip
-    assert all(moved)  # every parameter trained
+    _, early, _ = saved_state(straight, student, step=2)
+    moved = [not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(early["params"]), jax.tree.leaves(a["params"]))]  # fmt: skip
+    assert all(moved)  # every parameter trained on after step 2
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)  # bitwise
 
