@@ -14,7 +14,7 @@ from conftest import communicate, kiln_main, start_kiln, wait_until, write_confi
 PHASES = ("init", "compile", "data", "step", "checkpoint", "eval", "other")
 
 CONFIG = {
-    "model": {"vocab_size": 384, "d_model": 32, "num_layers": 2, "num_heads": 4, "d_ff": 64, "max_seq_len": 16, "dtype": "float32"},
+    "model": {"vocab_size": 384, "d_model": 32, "num_layers": 1, "num_heads": 4, "d_ff": 64, "max_seq_len": 16, "dtype": "float32"},
     "data": {"source": "synthetic", "synthetic_kind": "markov", "paths": [], "seq_len": 16},
     "mesh": {"fsdp": -1},
     "optim": {"learning_rate": 3e-3, "schedule": "constant", "warmup_steps": 0},

@@ -78,7 +78,7 @@ FIRST = re.compile(r"kiln: first step after \d+\.\ds \(compile cache: (\d+) hits
 def test_a_second_start_reads_the_cache_and_a_resume_continues_the_trace(tmp_path):
     args = [
         "configs/tiny.yaml", f"train.output_dir={tmp_path}", "data.source=synthetic",
-        "data.paths=[]", "model.num_layers=2", "optim.warmup_steps=0", "train.eval_every_steps=0",
+        "data.paths=[]", "model.num_layers=1", "optim.warmup_steps=0", "train.eval_every_steps=0",
         "train.log_every_steps=2", "checkpoint.every_steps=0", "train.eval_tasks=[]",
         "model.d_model=32", "model.d_ff=64", "data.seq_len=16", "train.global_batch_size=8",
         "optim.schedule=constant",  # extended below: a cosine decay may not be stretched on resume
