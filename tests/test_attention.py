@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_user_error, equations, kiln, kiln_main, make_config
+from conftest import REPO, assert_user_error, equations, kiln_main, make_config
 from kiln.errors import KilnError
 from kiln.model import create_model
 from kiln.model.attention import (
@@ -310,7 +310,7 @@ def test_gpu_and_tpu_kernels_refuse_other_platforms_in_one_line():
 
 
 def test_kiln_train_refuses_a_kernel_of_another_platform_before_writing(tmp_path):
-    proc = kiln(
+    proc = kiln_main(
         "train",
         REPO / "configs" / "tiny.yaml",
         "model.attention=cudnn",

@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from conftest import assert_user_error, kiln, kiln_main
+from conftest import assert_user_error, kiln_main
 from kiln.cli import main
 from kiln.commands import buffers
 from kiln.commands import compile as aot
@@ -427,7 +427,9 @@ def test_config_summary_reports_the_compiled_activations(small_1b_report, capsys
     assert f"activations and temporaries {temps:.2f} GB" in out
     assert f"fits:              yes, peak {report.memory['peak'] / 1e9:.2f} GB" in out
     assert "fits:              NO" in aot.summary_lines(report, budget / 2)
-    assert_user_error(kiln("config", "configs/tiny.yaml", "--hbm-gb", "8", cwd=ROOT), "--summary")
+    assert_user_error(
+        kiln_main("config", "configs/tiny.yaml", "--hbm-gb", "8", cwd=ROOT), "--summary"
+    )
 
 
 def test_distillation_configs_compile_the_distill_step_with_the_teacher_abstract(tmp_path):

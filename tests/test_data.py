@@ -17,6 +17,7 @@ from conftest import (
     TOKENIZER_LINES,
     assert_user_error,
     kiln,
+    kiln_main,
     make_config,
     start_kiln,
     train_bpe,
@@ -709,7 +710,7 @@ def test_cli_train_on_out_of_range_shards_exits_2_before_writing(tmp_path, corpu
     raw = {"data": {"source": "tokens", "paths": [str(out)]}, "model": {"vocab_size": 384}}
     config.write_text(json.dumps(raw))  # JSON is YAML
     runs = tmp_path / "runs"
-    run = kiln("train", config, f"train.output_dir={runs}")
+    run = kiln_main("train", config, f"train.output_dir={runs}")
     assert run.returncode == 2, run.stderr[-2000:]
     assert run.stderr.splitlines() == [
         f"kiln: error: {out}/shard-00000.bin: holds token id 4000, but model.vocab_size is "
@@ -734,10 +735,11 @@ def test_cli_train_on_shards_damaged_after_prepare_is_refused(tmp_path, corpus):
     config.write_text(json.dumps(raw))  # JSON is YAML
     runs = tmp_path / "runs"
     # Refused at open: the shard's bytes do not have the checksum kiln prepare recorded.
-    run = kiln("train", config, f"train.output_dir={runs}")
+    run = kiln_main("train", config, f"train.output_dir={runs}")
     assert_user_error(run, f"{out}/shard-00000.bin: its bytes do not match the CRC-32 in ")
     assert not runs.exists()
-    # Not checked at open (data.verify_shards: false): the batch holding the id is refused.
+    # Not checked at open (data.verify_shards: false): the batch holding the id is refused,
+    # in a process of its own (what it shows: one line, no traceback).
     run = kiln("train", config, f"train.output_dir={runs}", "data.verify_shards=false")
     assert run.returncode == 2, run.stderr[-2000:]
     assert "Traceback" not in run.stderr

@@ -76,8 +76,8 @@ def init(config):
     return train.init_state(config, one_device_mesh() if set(sizes) == {1} else None)
 
 
-def loss_and_grads(config, batch):
-    state = init(config)
+def loss_and_grads(config, batch, state=None):
+    state = init(config) if state is None else state
     loss, aux, grads = train.loss_and_grads(config, state, batch)
     return float(loss), {k: float(v) for k, v in aux.items()}, host(grads)
 
@@ -157,9 +157,9 @@ NON_DEFAULT_RULES = [
 RULES_LOSS = {"num_vocab_tiling": 2, "z_loss_multiplier": 1e-2}
 
 
-def one_train_step(config, batch):
+def one_train_step(config, batch, state=None):
     """Metrics and parameters after one whole train step (update included), on the host."""
-    state = init(config)
+    state = init(config) if state is None else state
     mesh = train.mesh_of(state)
     step = train.make_train_step(config, mesh, train.shardings_of(state))
     state, metrics = step(state, place_batch(batch, mesh, config))
@@ -177,9 +177,10 @@ def one_device_step(batch):
 def test_non_default_rules_train_like_one_device(reference, batch, one_device_step, rules):
     mesh = {"data": 2, "fsdp": 2, "tensor": 2, "rules": rules}
     config = make_config(mesh=mesh, train={"gradient_accumulation_steps": 2}, loss=RULES_LOSS)
-    assert_same(loss_and_grads(config, batch), reference)
+    state = init(config)  # the gradients' state, then the step's (which donates it)
+    assert_same(loss_and_grads(config, batch, state), reference)
     # One whole train step (update included) on the 8 devices, against one device.
-    (got, got_params), (want, want_params) = one_train_step(config, batch), one_device_step
+    (got, got_params), (want, want_params) = one_train_step(config, batch, state), one_device_step
     np.testing.assert_allclose(got["learning/loss"], want["learning/loss"], rtol=1e-5)  # f32
     for g, w in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params), strict=True):
         # One AdamW step of 3e-4 from equal parameters: equal to f32 rounding of the update.
