@@ -6,6 +6,7 @@ Test modules import the helpers with `from conftest import kiln, make_config, ..
 import atexit
 import contextlib
 import copy
+import gc
 import hashlib
 import importlib
 import importlib.metadata
@@ -400,6 +401,21 @@ def pytest_collection_modifyitems(config, items) -> None:
         return not any(t.get_closest_marker("slow") for t in tests), -len(tests)
 
     items[:] = [item for path in sorted(files, key=key) for item in files[path]]
+
+
+def pytest_collection_finish(session) -> None:
+    """Python's cyclic garbage collector kept off the objects that live for the whole session,
+    and run less often.
+
+    Tracing and lowering allocate millions of short-lived containers; with Python's default
+    thresholds, full collections walk every object of JAX, Flax, torch and the test modules
+    again and again: 5% of the CPU samples of a subset of the suite (training steps, sharded
+    steps, compiles, kill -9 resumes), 1.8% with these settings. Frozen objects are never
+    collected (they live until the worker exits anyway); garbage in cycles is still freed, by
+    fewer collections. Nothing in kiln or the tests depends on when a cycle is freed.
+    """
+    gc.freeze()
+    gc.set_threshold(100_000, 20, 20)
 
 
 # fsspec's process-wide memory filesystem: URLs `memory://...` stand in for gs:// or s3://.
