@@ -118,17 +118,17 @@ def collective_summary(
     return out, (bound if unknown else None)
 
 
-def collective_ops(hlo: str, unknown_trips: int | None = None) -> list[tuple[str, str, int | None]]:
+def collective_ops(hlo: str) -> list[tuple[str, str, int | None]]:
     """Every collective op of a compiled HLO module: (kind, result type, runs per step).
 
-    Runs per step: the product of the trip counts of the loops around the op (a loop whose
-    count is not in the HLO, as in the TPU compiler's, counts `unknown_trips` times; None: the
-    op's runs are None); a conditional's branches count as taken. The
+    Runs per step: the product of the trip counts of the loops around the op (None when a
+    loop's count is unknown: `collective_summary` gives a lower bound then); a conditional's
+    branches count as taken. The
     TPU compiler emits a reduce-scatter as an `all-reduce-scatter` fusion (an all-reduce whose
     result is sliced inside it): it is a reduce-scatter with the fusion's result.
     """
     found, call_sites = _read_module(hlo)
-    runs = _runs_per_step(call_sites, unknown_trips)
+    runs = _runs_per_step(call_sites, None)
     return [(kind, result, runs(computation)) for computation, kind, result in found]
 
 
