@@ -10,8 +10,8 @@ from kiln's initial weights, and MaxText's own jitted `p_train_step` (benchmarks
 one persistent process per setting: remat_policy none and minimal, each untiled and tiled 4, and
 none unscanned; --cpu-sweep first measures each of its other on-device policies against
 minimal tiled 4, a pair at a time, and adds those within 2% of it or faster). Every variant is
-compiled once; then rounds alternate all of them on the same batch. The headline is kiln's best on the loss
-schedule GPU and TPU run over MaxText's best scanned setting.
+compiled once; then rounds alternate all of them on the same batch. The headline is kiln's
+best on the loss schedule GPU and TPU run over MaxText's best scanned setting.
 
 --aot: `kiln compile configs/models/llama3-8b.yaml --topology v5p-8 --json` against MaxText's
 `train_compile` at three settings, one compile at a time,
@@ -429,7 +429,11 @@ def run_cpu(work: Path, rounds: int, steps: int, tmp: Path, sweep: bool = False)
         )
         setup[SCREEN_ANCHOR] = time.perf_counter() - t0
         variants[SCREEN_ANCHOR] = anchor
-        screened = screen(work, anchor, rounds, steps, tmp, sys.stderr)
+        try:
+            screened = screen(work, anchor, rounds, steps, tmp, sys.stderr)
+        except BaseException:
+            anchor.close()  # the rounds' `finally` below closes it otherwise
+            raise
         for name, r in screened.items():
             if r["speed_over_anchor"] >= SCREEN_KEEP:
                 mt_variants[name] = r["overrides"]
