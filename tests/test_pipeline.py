@@ -109,6 +109,36 @@ def test_bubble_and_stage_order():
     assert pipeline.stage_order(8, 4, 1).tolist() == list(range(8))
 
 
+@pytest.mark.parametrize("stages,repeats", [(4, 2), (2, 3)])
+def test_the_circular_regroup_moves_each_stages_weights_once_bit_for_bit(stages, repeats):
+    """`to_stage_order` on a stage x fsdp mesh: the weights (a -0.0 among them) and their
+    gradients equal numpy's take in `stage_order`, bitwise, and no weight is gathered."""
+    fsdp = 8 // stages
+    mesh = auto_mesh((stages, fsdp), ("stage", "fsdp"))
+    layers = stages * repeats * 2
+    a = np.random.default_rng(0).normal(size=(layers, 4, 2 * fsdp)).astype(np.float32)
+    a[1, 2, 3] = -0.0
+    order = pipeline.stage_order(layers, stages, repeats)
+    seen = np.arange(layers, dtype=np.float32)[:, None, None]  # d loss / d regrouped[k] = k
+    spec = jax.sharding.PartitionSpec("stage", "fsdp")
+    x = jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
+
+    def regroup(x):
+        return pipeline.to_stage_order(x, stages, repeats)
+
+    with jax.set_mesh(mesh):
+        forward = jax.jit(regroup)
+        y = forward(x)
+        grad = jax.jit(jax.grad(lambda x: jnp.sum(regroup(x) * seen)))(x)
+        hlo = forward.lower(x).compile().as_text()
+    np.testing.assert_array_equal(np.asarray(y).view(np.int32), a[order].view(np.int32))
+    want = np.zeros_like(a)
+    want[order] = np.broadcast_to(seen, a.shape)
+    np.testing.assert_array_equal(np.asarray(grad), want)
+    assert y.sharding.spec == spec
+    assert "collective-permute" in hlo and "all-gather" not in hlo and "all-to-all" not in hlo
+
+
 def test_the_stages_pass_activations_by_collective_permute():
     schedule = pipeline.Schedule(4, 1, 4)
     w_L = jnp.zeros((8, 8, 8))

@@ -80,6 +80,47 @@ def stage_order(layers: int, stages: int, repeats: int) -> np.ndarray:
     return ((r * stages + s) * per + j).reshape(-1)
 
 
+def to_stage_order(a: jax.Array, stages: int, repeats: int) -> jax.Array:
+    """`a` [L, ...] in layer order, split over `stage` on its first axis, in `stage_order`:
+    each stage's block then holds the layers of its R positions.
+
+    Stage s' holds, in layer order, positions s'·R ... s'·R + R - 1 (one chunk of L/(S·R)
+    layers each), and stage s needs positions s, S + s, ..., (R-1)·S + s: every chunk moves
+    to one slot of one stage. For each (slot r, chunk c), the stages whose slot r is some
+    stage's chunk c form a permutation, so the whole regroup is R² collective-permutes of one
+    chunk each, and its transpose (the gradients' way back) the same permutes reversed: each
+    stage sends and receives its own weights once, where a gather in `stage_order` would
+    bring every stage all the others' weights. The values are moved, not computed: the result
+    is `a[stage_order(...)]` bit for bit. Outside a mesh with `stage`, that take itself."""
+    if repeats == 1:
+        return a
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or STAGE not in mesh.axis_names:
+        return jnp.take(a, jnp.asarray(stage_order(a.shape[0], stages, repeats)), axis=0)
+    per = a.shape[0] // (stages * repeats)
+
+    def on_stage(block):  # [R·per, ...]: this stage's consecutive layers
+        s = jax.lax.axis_index(STAGE)
+        chunks = block.reshape(repeats, per, *block.shape[1:])
+        slots = []
+        for r in range(repeats):
+            slot = None
+            for c in range(repeats):
+                # stage d's slot r is position r·S + d, chunk (r·S + d) mod R of stage (r·S + d) // R
+                takers = [d for d in range(stages) if (r * stages + d) % repeats == c]
+                pairs = [((r * stages + d) // repeats, d) for d in takers]
+                got = jax.lax.ppermute(chunks[c], STAGE, pairs)
+                mine = jnp.isin(s, jnp.asarray(takers))
+                slot = got if slot is None else jnp.where(mine, got, slot)
+            slots.append(slot)
+        return jnp.stack(slots).reshape(block.shape)
+
+    spec = PartitionSpec(STAGE)
+    return jax.shard_map(
+        on_stage, mesh=mesh, in_specs=spec, out_specs=spec, axis_names={STAGE}, check_vma=False
+    )(a)
+
+
 def run(
     stage_fn: Callable[[Any, jax.Array, Any, jax.Array], tuple[jax.Array, Any]],
     weights: Any,
@@ -202,7 +243,7 @@ def stack(
 
     `params`: leaves [L, ...] in layer order (split over `stage` on that axis, so that with
     R = 1 each stage already holds its consecutive layers; with R > 1 they are regrouped by
-    `stage_order`, which moves them between stages). `x` [G, ...] and the leaves of `extras`
+    `to_stage_order`, which moves each stage's weights once between stages). `x` [G, ...] and the leaves of `extras`
     [G, ...] are cut into M micro-batches of rows a, a + M, ... (each shard keeps its rows).
     `run_layers(params [L/(S·R), R, ...], x, extras, r)` runs consecutive layers on one
     micro-batch, layer j with the weights params[j, r] (taken inside each layer's remat, so
@@ -215,7 +256,7 @@ def stack(
     per = layers // (s_count * r_count)
 
     def to_stages(a):
-        a = a if r_count == 1 else jnp.take(a, jnp.asarray(order), axis=0)
+        a = to_stage_order(a, s_count, r_count)
         return a.reshape(s_count, r_count, per, *a.shape[1:]).swapaxes(1, 2)
 
     weights = jax.tree.map(to_stages, params)
