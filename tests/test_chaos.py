@@ -49,14 +49,15 @@ RESTART = {-signal.SIGKILL, -signal.SIGABRT, 134, 137, EXIT_HANG}
 
 
 def start(config: Path, runs: Path, logs: Path, attempt: int, *more: str) -> list[subprocess.Popen]:
-    """Two `kiln train` processes with 2 CPU devices each (`scripts/launch_local.sh
-    --devices-per-process 2 2`): what is killed and restarted is the process, and a step's
-    collectives between processes cost less CPU time with fewer devices in each (gloo: one
-    rank per device); process i's output (stderr merged) goes to logs/<attempt>-<i>.txt."""
+    """Two `kiln train` processes with 1 CPU device each (`scripts/launch_local.sh
+    --devices-per-process 1 2`): what is killed and restarted is the process, and a step's
+    collectives between processes cost least CPU time with one device in each (gloo: one rank
+    per device; 2 devices each took a fifth more CPU time); process i's output (stderr
+    merged) goes to logs/<attempt>-<i>.txt."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    flags = os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=2")
+    flags = os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=1")
     command = [sys.executable, "-u", "-m", "kiln.cli", "train", str(config)]
     command += [f"train.output_dir={runs}", "distributed.num_processes=2"]
     command += [f"distributed.coordinator_address=127.0.0.1:{port}", *more]
