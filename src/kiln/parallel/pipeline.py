@@ -243,8 +243,9 @@ def stack(
 
     `params`: leaves [L, ...] in layer order (split over `stage` on that axis, so that with
     R = 1 each stage already holds its consecutive layers; with R > 1 they are regrouped by
-    `to_stage_order`, which moves each stage's weights once between stages). `x` [G, ...] and the leaves of `extras`
-    [G, ...] are cut into M micro-batches of rows a, a + M, ... (each shard keeps its rows).
+    `to_stage_order`, which moves each stage's weights once between stages). `x` [G, ...] and
+    the leaves of `extras` [G, ...] are cut into M micro-batches of rows a, a + M, ... (each
+    shard keeps its rows).
     `run_layers(params [L/(S·R), R, ...], x, extras, r)` runs consecutive layers on one
     micro-batch, layer j with the weights params[j, r] (taken inside each layer's remat, so
     that no iteration keeps a copy: `run`), and returns its output and per-layer aux
