@@ -94,6 +94,13 @@ REPO = Path(__file__).resolve().parents[1]
 USER_XLA_FLAGS = "--xla_force_host_platform_device_count=8"
 
 
+def xla_flags_with(devices: int) -> str:
+    """The tests' XLA_FLAGS with `devices` simulated CPU devices instead of 8: for a `kiln`
+    subprocess whose subject is not sharding and whose results are compared with no 8-device
+    run (fewer devices cost less CPU time, above all in multi-process collectives)."""
+    return os.environ["XLA_FLAGS"].replace("device_count=8", f"device_count={devices}")
+
+
 def with_expert(shape: Sequence[int]) -> tuple[int, ...]:
     """Mesh sizes in kiln's axis order (stage, data, fsdp, expert, tensor, sequence) from the
     sizes of (data, fsdp, tensor, sequence): stage = expert = 1."""

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import kiln_env, write_config
+from conftest import kiln_env, write_config, xla_flags_with
 from kiln.config import load_config
 from kiln.parallel.mesh import make_mesh
 from kiln.runs.checkpoint import latest_complete_step
@@ -57,7 +57,7 @@ def start(config: Path, runs: Path, logs: Path, attempt: int, *more: str) -> lis
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    flags = os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=1")
+    flags = xla_flags_with(1)
     command = [sys.executable, "-u", "-m", "kiln.cli", "train", str(config)]
     command += [f"train.output_dir={runs}", "distributed.num_processes=2"]
     command += [f"distributed.coordinator_address=127.0.0.1:{port}", *more]

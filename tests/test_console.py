@@ -2,14 +2,13 @@
 the raw gradient norm, no MFU without a known peak, distillation's parts."""
 
 import json
-import os
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import config_dict, kiln, kiln_main, make_config, write_config
+from conftest import config_dict, kiln, kiln_main, make_config, write_config, xla_flags_with
 from kiln.distill import online as distill
 from kiln.model.moe import MoeTransformer
 from kiln.training.console import Summary, next_commands, step_line, summary_rows
@@ -32,8 +31,7 @@ def tiny_run(tmp_path_factory):
                "log_every_steps": 2, "eval_every_steps": 4, "eval_batches": 1},
         checkpoint={"every_steps": 0, "async_save": False},
     )  # fmt: skip
-    flags = os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=1")
-    proc = kiln("train", config, env={"XLA_FLAGS": flags})
+    proc = kiln("train", config, env={"XLA_FLAGS": xla_flags_with(1)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp / "r" / "metrics.jsonl").read_text().splitlines()]
     return proc, rows, tmp / "r"

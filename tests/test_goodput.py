@@ -2,7 +2,6 @@
 
 import contextlib
 import json
-import os
 import re
 import signal
 import time
@@ -10,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import communicate, kiln_main, start_kiln, wait_until, write_config
+from conftest import (
+    communicate,
+    kiln_main,
+    start_kiln,
+    wait_until,
+    write_config,
+    xla_flags_with,
+)
 
 PHASES = ("init", "compile", "data", "step", "checkpoint", "eval", "other")
 
@@ -47,7 +53,7 @@ def test_a_run_stopped_twice_accounts_its_wall_time_and_the_steps_it_redid(tmp_p
     config = write_config(tmp_path / "config.yaml", CONFIG)
     run_dir = tmp_path / "runs" / "r"
     walls, outs, redone = [], [], 0
-    one_device = {"XLA_FLAGS": os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=1")}
+    one_device = {"XLA_FLAGS": xla_flags_with(1)}
 
     def attempt(until: int | None, how: signal.Signals | None):
         """Start the run; once it has logged step `until`, send it `how`; its output and
