@@ -391,10 +391,17 @@ def test_kill_9_mid_run_resumes_with_the_same_batches_and_losses(tmp_path, strai
     assert_bitwise(final_params(config), final_params(run_config(root, corpus, root / "cache")))
 
 
+# Each process one stage of 2: 2 layers, 2 pipeline micro-batches (the accumulation's).
+STAGES = ("mesh.stage=2", "mesh.fsdp=2", "train.gradient_accumulation_steps=2")
+
+
 @pytest.mark.slow
 def test_two_processes_of_two_devices_train_on_the_same_global_batches(tmp_path, straight):
     """Against the straight run on 8 devices: 2 devices a process make fewer ranks for gloo's
-    collectives between the processes, and a mesh of another size reads the same batches."""
+    collectives between the processes, and a mesh of another size reads the same batches. The
+    two processes are two pipeline stages (stage 2 x fsdp 2, as stages on two pods would be),
+    each reading its own rows of every global batch: the batch is split over `stage` outside
+    the stages (docs/pipeline.md)."""
     import sys
 
     from conftest import REPO, kiln_env, run_process
@@ -403,7 +410,7 @@ def test_two_processes_of_two_devices_train_on_the_same_global_batches(tmp_path,
     config = run_config(tmp_path, corpus, root / "cache")
     launch = ["bash", str(REPO / "scripts" / "launch_local.sh"), "--devices-per-process", "2", "2"]
     two = run_process(
-        [*launch, str(config), "train.steps=4", "train.eval_every_steps=0"],
+        [*launch, str(config), "train.steps=4", "train.eval_every_steps=0", *STAGES],
         env=kiln_env(PYTHON=sys.executable),
     )
     assert two.returncode == 0, two.stderr[-3000:]
@@ -411,5 +418,6 @@ def test_two_processes_of_two_devices_train_on_the_same_global_batches(tmp_path,
     assert sorted(s for s in got if "learning/loss" in got[s]) == list(range(1, 5))
     for step in range(1, 5):
         # 1e-5 relative: the same batches and arithmetic; only the order of the sums across
-        # the devices and the two processes may differ (as in test_multihost).
+        # the devices, the two processes and the pipeline's two micro-batches may differ (as
+        # in test_multihost and tests/test_pipeline.py).
         assert got[step]["learning/loss"] == pytest.approx(want[step]["learning/loss"], rel=1e-5)

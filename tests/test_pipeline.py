@@ -3,6 +3,7 @@ in order, the whole train step's loss and gradients against one device, the bubb
 configs refused."""
 
 import json
+import re
 import types
 
 import jax
@@ -13,6 +14,7 @@ from flax import nnx
 
 from conftest import kiln_main
 from kiln.commands import fit
+from kiln.commands.compile import lower_step
 from kiln.config import MESH_AXES, config_from_dict, load_config
 from kiln.data import make_datasets
 from kiln.errors import KilnError
@@ -382,6 +384,22 @@ def test_moe_in_stages_equals_the_run_without(model, mesh, accum, pipe, unstaged
             ],
             "model.moe.first_dense_layers: 1",
         ),
+        # The batch outside the stages is split over stage x fsdp = 8 shards: 12 rows are not,
+        # though each of the 3 pipeline micro-batches (4 rows) divides over a stage's 4.
+        (
+            [
+                *("mesh.stage=2", "mesh.fsdp=4"),
+                *("train.global_batch_size=12", "train.gradient_accumulation_steps=3"),
+            ],
+            "train.global_batch_size: micro-batch of 12 sequences",
+        ),
+        (
+            [
+                *("mesh.stage=2", "mesh.fsdp=4"),
+                *("train.global_batch_size=16", "train.gradient_accumulation_steps=8"),
+            ],
+            "train.global_batch_size: pipeline micro-batch of 2 sequences",
+        ),
     ],
 )
 def test_refused_in_one_line(tmp_path, overrides, field):
@@ -474,18 +492,15 @@ def test_a_run_saved_on_4_stages_resumes_on_2_bitwise(tmp_path):
         np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
 
 
+# tiny.yaml (32 sequences, vocabulary 384) on 4 stages x fsdp 2, 8 micro-batches of 16 tokens.
+STAGED = [
+    *("mesh.stage=4", "mesh.fsdp=2", "train.gradient_accumulation_steps=8"),
+    *("data.seq_len=16", "model.d_model=32", "model.d_ff=64"),
+]
+
+
 def test_compile_reports_the_bubble_and_the_permutes():
-    r = kiln_main(
-        "compile",
-        "configs/tiny.yaml",
-        "--devices",
-        "8",
-        "--json",
-        "mesh.stage=4",
-        "mesh.fsdp=2",
-        "train.gradient_accumulation_steps=8",
-        *("data.seq_len=16", "model.d_model=32", "model.d_ff=64"),
-    )
+    r = kiln_main("compile", "configs/tiny.yaml", "--devices", "8", "--json", *STAGED)
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["pipeline"] == {
@@ -502,6 +517,23 @@ def test_compile_reports_the_bubble_and_the_permutes():
     # XLA:CPU gives every trip count, so no lower bound is reported.
     assert permutes["bytes_per_step"] > permutes["bytes"]
     assert "collectives_per_step_at_least" not in report
+
+
+def test_the_lm_head_and_the_loss_run_on_each_stages_rows():
+    """Outside the stages the batch's rows are split over `stage` too (the default batch rule
+    gets it in front), so each device computes the logits of 32 / (4 stages x 2 fsdp) = 4
+    sequences, not those of the 16 its stage would hold whole; the lookup of the embedding
+    rows is split over the stages as well (no whole-batch gradient gathered on every device)."""
+    config = load_config("configs/tiny.yaml", STAGED)
+    assert config.mesh.rules["batch"] == ["stage", "data", "fsdp", "expert"]
+    assert config.mesh.rules["layers"] == ["stage"]
+    own = load_config("configs/tiny.yaml", [*STAGED, "mesh.rules.batch=[data,fsdp]"])
+    assert own.mesh.rules["batch"] == ["data", "fsdp"]  # a rule of the config's own is kept
+    lowered, *_ = lower_step(config, jax.devices())
+    # The program test_compile_reports_the_bubble_and_the_permutes compiles (the run's cache).
+    hlo = lowered.compile().as_text()
+    logits = set(re.findall(r"f32\[(\d+),16,384\]", hlo))  # [rows, length, vocab] per device
+    assert logits == {"4"}, logits
 
 
 def test_fit_searches_the_repeats_most_first_on_each_stage_split(monkeypatch):

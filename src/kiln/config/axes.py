@@ -81,13 +81,20 @@ class _Mesh(Section):
     @pydantic.model_validator(mode="before")
     @classmethod
     def _stages_split_the_layers(cls, raw: Any) -> Any:
-        """With pipeline stages the block stack's layers are split over `stage` first."""
+        """With pipeline stages the block stack's layers are split over `stage` first, and
+        (unless the config's `batch` rule is not the default) so is the batch outside the
+        stages: the embedding, the layers outside the stages, the LM head and the loss then
+        run on each stage's rows, not on the whole batch on every stage, and the processes of
+        a run split over stages read different rows (`kiln.parallel.pipeline.stack` gathers a
+        stage's rows before the stages and splits them after)."""
         if not isinstance(raw, Mapping) or raw.get("stage", 1) == 1:
             return raw
         rules = dict(raw.get("rules") or {})
         layers = list(rules.get("layers", DEFAULT_AXIS_RULES["layers"]))
         if "stage" not in layers:
             rules["layers"] = ["stage", *layers]
+        if list(rules.get("batch", DEFAULT_AXIS_RULES["batch"])) == DEFAULT_AXIS_RULES["batch"]:
+            rules["batch"] = ["stage", *DEFAULT_AXIS_RULES["batch"]]
         return {**raw, "rules": rules}
 
     @pydantic.field_validator("rules", check_fields=False)
@@ -166,6 +173,12 @@ def resolve(names: tuple[str | None, ...], rules: Mapping[str, list[str]]) -> tu
         used.update(axes)
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return tuple(spec)
+
+
+def without_axis(rules: Mapping[str, list[str]], axis: str) -> dict[str, list[str]]:
+    """`rules` with `axis` taken out of every rule: the rules inside pipeline stages, where each
+    stage computes alone and `stage` splits nothing (kiln.parallel.pipeline)."""
+    return {name: [a for a in axes if a != axis] for name, axes in rules.items()}
 
 
 def entry_axes(entry: SpecEntry) -> tuple[str, ...]:

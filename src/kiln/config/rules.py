@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator
 from typing import TYPE_CHECKING
 
-from kiln.config.axes import MESH_AXES, resolve, shards_per_dim
+from kiln.config.axes import MESH_AXES, resolve, shards_per_dim, without_axis
 from kiln.errors import KilnError
 
 if TYPE_CHECKING:
@@ -100,19 +100,30 @@ def _mesh_errors(c: Config, num_devices: int | None) -> Iterator[str]:
         return  # checked again once the device count is known
     t, loss, seq_len = c.train, c.loss, c.data.seq_len
     accum, pieces = pipeline_split(c, mesh["stage"])
-    micro = t.global_batch_size // (accum * pieces)
     if t.global_batch_size % (accum * pieces):
         return  # reported by _pipeline_errors
+    # One accumulation micro-batch is what the embedding, the LM head and the loss see; in
+    # pipeline stages it is cut into `pieces`, each on every stage's devices at once (the batch
+    # rule without `stage`, kiln.parallel.pipeline).
+    outside = t.global_batch_size // accum
+    micro = outside // pieces
     # Shards as the resolver gives them to the logits [batch, length, vocab] (the token arrays
     # [batch, length] get the same first two): an axis claimed by batch is not length's too.
     spec = resolve(("batch", "length", "vocab"), c.mesh.rules)
     batch_shards, seq_shards, vocab_shards = shards_per_dim(spec, mesh)
-    rows, cols = micro // batch_shards, seq_len // seq_shards  # one micro-batch on one shard
-    if micro % batch_shards:
+    stage_shards = shards_per_dim(resolve(("batch",), without_axis(c.mesh.rules, "stage")), mesh)
+    rows, cols = outside // batch_shards, seq_len // seq_shards  # the loss's part on one shard
+    if outside % batch_shards:
         yield (
-            f"train.global_batch_size: micro-batch of {micro} sequences (global_batch_size "
-            f"{t.global_batch_size} / gradient_accumulation_steps {t.gradient_accumulation_steps}) "
-            f"is not divisible by the {batch_shards} batch shards of the mesh ({mesh})"
+            f"train.global_batch_size: micro-batch of {outside} sequences (global_batch_size "
+            f"{t.global_batch_size} / {accum} accumulation micro-batches) is not divisible by "
+            f"the {batch_shards} batch shards of the mesh ({mesh})"
+        )
+    elif pieces > 1 and micro % stage_shards[0]:
+        yield (
+            f"train.global_batch_size: pipeline micro-batch of {micro} sequences ({outside} / "
+            f"{pieces} micro-batches) is not divisible by the {stage_shards[0]} batch shards "
+            f"of one stage ({mesh})"
         )
     elif seq_len % seq_shards:
         yield f"data.seq_len: {seq_len} is not divisible by the {seq_shards} sequence shards of the mesh"

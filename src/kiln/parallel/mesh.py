@@ -115,10 +115,17 @@ def use_mesh(mesh: Mesh | None, rules: Rules | None = None) -> Iterator[None]:
     Sets `jax.set_mesh(mesh)`, so bare PartitionSpecs resolve against it, and the rules that
     `constrain` reads. With `mesh=None` model code runs unsharded. Not usable inside jit.
     """
+    with use_rules(rules), jax.set_mesh(mesh):
+        yield
+
+
+@contextlib.contextmanager
+def use_rules(rules: Rules | None) -> Iterator[None]:
+    """Trace model code with these rules on the current mesh (inside jit too): the rules inside
+    pipeline stages (kiln.parallel.pipeline)."""
     token = _RULES.set(rules)
     try:
-        with jax.set_mesh(mesh):
-            yield
+        yield
     finally:
         _RULES.reset(token)
 

@@ -26,6 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from kiln.config.axes import without_axis
+from kiln.parallel.mesh import current_rules, mesh_axes, use_rules
+
 STAGE = "stage"  # the mesh axis the stages are split over
 # (repeats, micro-batches) of the innermost `pipelined` (None outside one).
 _SETTINGS: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
@@ -219,17 +222,58 @@ def merge(a: jax.Array) -> jax.Array:
     return a.swapaxes(0, 1).reshape(-1, *a.shape[2:])
 
 
+@contextlib.contextmanager
+def rows_by_stage() -> Iterator[None]:
+    """Trace inside the `with` with `batch` split over `stage` alone, if the rules split it so:
+    for an array whose rows are each stage's (the batch outside the stages) while another
+    dimension takes the other axes (the embedding's lookup, split over `embed`)."""
+    rules = current_rules()
+    with use_rules({**rules, "batch": [a for a in rules["batch"] if a == STAGE]}):
+        yield
+
+
+@contextlib.contextmanager
+def _stage_rules() -> Iterator[tuple[Callable[[Any], Any], Callable[[Any], Any]]]:
+    """Trace inside the `with` with the rules inside pipeline stages: the outer rules with
+    `stage` taken out. Outside, the batch rule splits rows over `stage` too (kiln.config.axes),
+    so that the embedding, the LM head and the loss run on each stage's rows; inside, every
+    stage works on whole micro-batches. Yields (gather, split): each puts the rows of the leaves
+    [G, ...] of a pytree as the rules inside (gathered over `stage`) or outside put them (the
+    other dimensions left to the compiler); no-ops when the batch rule has no `stage`."""
+    outer = current_rules()
+    inner = without_axis(outer, STAGE)
+    mesh = jax.sharding.get_abstract_mesh()
+    staged = not mesh.empty and STAGE in mesh.axis_names and inner["batch"] != outer["batch"]
+
+    def rows_as(rules):
+        if not staged:
+            return lambda tree: tree
+        rows = mesh_axes(("batch",), rules, dict(mesh.shape))[0]
+
+        def put(a):
+            rest = (PartitionSpec.UNCONSTRAINED,) * (a.ndim - 1)
+            return jax.lax.with_sharding_constraint(a, PartitionSpec(rows, *rest))
+
+        return lambda tree: jax.tree.map(put, tree)
+
+    with use_rules(inner):
+        yield rows_as(inner), rows_as(outer)
+
+
 def each_microbatch(fn: Callable[..., tuple[Any, Any]], args: Any, microbatches: int):
     """`fn(*args)` on each of the pipeline's micro-batches in turn (leaves of `args` [G, ...],
     cut as `stack` cuts them): (its outputs, leaves [G, ...] put back in row order; its aux
     summed over the micro-batches). For what runs around the stages but has statistics of the
-    batch it sees (an MoE layer's), so that they are the micro-batches' as in the stack."""
+    batch it sees (an MoE layer's), so that they are the micro-batches' as in the stack. Like
+    the stages it works on whole micro-batches, on every stage (a micro-batch's rows need not
+    divide over the stages' devices)."""
 
     def one(piece):
         return fn(*piece)
 
-    outs, aux = jax.lax.map(one, jax.tree.map(lambda a: split(a, microbatches), args))
-    return jax.tree.map(merge, outs), jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)
+    with _stage_rules() as (gather, split_rows):
+        outs, aux = jax.lax.map(one, jax.tree.map(lambda a: split(a, microbatches), gather(args)))
+    return split_rows(jax.tree.map(merge, outs)), jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)
 
 
 def stack(
@@ -245,7 +289,9 @@ def stack(
     R = 1 each stage already holds its consecutive layers; with R > 1 they are regrouped by
     `to_stage_order`, which moves each stage's weights once between stages). `x` [G, ...] and
     the leaves of `extras` [G, ...] are cut into M micro-batches of rows a, a + M, ... (each
-    shard keeps its rows).
+    shard keeps its rows), after their rows split over `stage` (the batch rule's, outside the
+    stages) are gathered; the output's rows are split over `stage` again. Inside, the layers
+    are traced with the rules without `stage`.
     `run_layers(params [L/(S·R), R, ...], x, extras, r)` runs consecutive layers on one
     micro-batch, layer j with the weights params[j, r] (taken inside each layer's remat, so
     that no iteration keeps a copy: `run`), and returns its output and per-layer aux
@@ -260,9 +306,10 @@ def stack(
         a = to_stage_order(a, s_count, r_count)
         return a.reshape(s_count, r_count, per, *a.shape[1:]).swapaxes(1, 2)
 
-    weights = jax.tree.map(to_stages, params)
-    pieces = jax.tree.map(lambda a: split(a, m_count), (x, extras))
-    out, aux = run(run_layers, weights, *pieces, schedule)
+    with _stage_rules() as (gather, split_rows):
+        weights = jax.tree.map(to_stages, params)
+        pieces = jax.tree.map(lambda a: split(a, m_count), gather((x, extras)))
+        out, aux = run(run_layers, weights, *pieces, schedule)
     inverse = jnp.asarray(np.argsort(order))
     aux = jax.tree.map(lambda a: jnp.take(a.reshape(layers, *a.shape[3:]), inverse, axis=0), aux)
-    return merge(out), aux
+    return split_rows(merge(out)), aux

@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from kiln.config import Config
+from kiln.config.axes import entry_axes
 from kiln.errors import KilnError
 from kiln.model.attention import balanced_order, sequence_shards
 from kiln.parallel.mesh import batch_sharding, logical_spec
@@ -59,8 +60,9 @@ def _check_process_rows(sharding: NamedSharding, shape: tuple[int, ...], p: int,
         raise KilnError(
             f"mesh: the devices of process {p} hold {len(held)} rows of each global batch "
             f"(from row {min(held)}), but its data are rows {p * n}..{(p + 1) * n - 1}; split the "
-            f"batch over the {count} processes: mesh.data * mesh.fsdp must be a "
-            "multiple of the process count (tensor and sequence axes within a process)"
+            f"batch over the {count} processes: the mesh axes of its rows "
+            f"(mesh.rules.batch: {list(entry_axes(sharding.spec[0]))}) must span the processes "
+            "(tensor and sequence axes within a process)"
         )
 
 

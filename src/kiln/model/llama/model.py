@@ -187,8 +187,13 @@ class Transformer(nnx.Module):
         # The rows are looked up where the table lies: every device takes its slice of the
         # embed dimension for all tokens (the ids are gathered, not the table), and one
         # all-to-all moves the [B, S, D] result to the batch/length split. The table is never
-        # whole on a device (2.1 GB in float32 on Llama-3-8B: 128,256 x 4,096).
-        x_BSD = constrain(jnp.take(self.embedding[...], inputs_BS, axis=0), (None, None, "embed"))
+        # whole on a device (2.1 GB in float32 on Llama-3-8B: 128,256 x 4,096). With pipeline
+        # stages, all tokens of the stage's rows: the batch is split over `stage` outside the
+        # stages (kiln.config.axes), and a lookup of every row would have the backward pass
+        # gather the whole batch's gradient on every device.
+        with pipeline.rows_by_stage():
+            rows_BSD = jnp.take(self.embedding[...], inputs_BS, axis=0)
+            x_BSD = constrain(rows_BSD, ("batch", None, "embed"))
         return constrain(x_BSD.astype(DTYPES[self.cfg.dtype]), ACT_BSD)
 
     def init_cache(self, batch: int, length: int) -> KVCache:
