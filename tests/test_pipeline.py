@@ -490,6 +490,9 @@ def test_a_run_saved_on_4_stages_resumes_on_2_bitwise(tmp_path):
     np.testing.assert_allclose(loss4, loss2, rtol=1e-5)
     for got, w in zip(jax.tree.leaves(host(on_four)), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
+    # The run decodes as any other: its model on its rules (stage and all), one prompt.
+    r = kiln_main("generate", run_dir, "--prompt", "def", "--max-new-tokens", "2")
+    assert r.returncode == 0 and r.stdout.startswith("def"), r.stderr
 
 
 # tiny.yaml (32 sequences, vocabulary 384) on 4 stages x fsdp 2, 8 micro-batches of 16 tokens.

@@ -227,7 +227,7 @@ def rows_by_stage() -> Iterator[None]:
     """Trace inside the `with` with `batch` split over `stage` alone, if the rules split it so:
     for an array whose rows are each stage's (the batch outside the stages) while another
     dimension takes the other axes (the embedding's lookup, split over `embed`)."""
-    rules = current_rules()
+    rules = dict(current_rules())
     with use_rules({**rules, "batch": [a for a in rules["batch"] if a == STAGE]}):
         yield
 
@@ -240,7 +240,7 @@ def _stage_rules() -> Iterator[tuple[Callable[[Any], Any], Callable[[Any], Any]]
     stage works on whole micro-batches. Yields (gather, split): each puts the rows of the leaves
     [G, ...] of a pytree as the rules inside (gathered over `stage`) or outside put them (the
     other dimensions left to the compiler); no-ops when the batch rule has no `stage`."""
-    outer = current_rules()
+    outer = dict(current_rules())
     inner = without_axis(outer, STAGE)
     mesh = jax.sharding.get_abstract_mesh()
     staged = not mesh.empty and STAGE in mesh.axis_names and inner["batch"] != outer["batch"]
