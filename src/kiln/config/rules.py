@@ -111,7 +111,7 @@ def _mesh_errors(c: Config, num_devices: int | None) -> Iterator[str]:
     # [batch, length] get the same first two): an axis claimed by batch is not length's too.
     spec = resolve(("batch", "length", "vocab"), c.mesh.rules)
     batch_shards, seq_shards, vocab_shards = shards_per_dim(spec, mesh)
-    stage_shards = shards_per_dim(resolve(("batch",), without_axis(c.mesh.rules, "stage")), mesh)
+    [stage_shards] = shards_per_dim(resolve(("batch",), without_axis(c.mesh.rules, "stage")), mesh)
     rows, cols = outside // batch_shards, seq_len // seq_shards  # the loss's part on one shard
     if outside % batch_shards:
         yield (
@@ -119,10 +119,10 @@ def _mesh_errors(c: Config, num_devices: int | None) -> Iterator[str]:
             f"{t.global_batch_size} / {accum} accumulation micro-batches) is not divisible by "
             f"the {batch_shards} batch shards of the mesh ({mesh})"
         )
-    elif pieces > 1 and micro % stage_shards[0]:
+    elif pieces > 1 and micro % stage_shards:
         yield (
             f"train.global_batch_size: pipeline micro-batch of {micro} sequences ({outside} / "
-            f"{pieces} micro-batches) is not divisible by the {stage_shards[0]} batch shards "
+            f"{pieces} micro-batches) is not divisible by the {stage_shards} batch shards "
             f"of one stage ({mesh})"
         )
     elif seq_len % seq_shards:

@@ -233,7 +233,7 @@ def rows_by_stage() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _stage_rules() -> Iterator[tuple[Callable[[Any], Any], Callable[[Any], Any]]]:
+def _within_stages() -> Iterator[tuple[Callable[[Any], Any], Callable[[Any], Any]]]:
     """Trace inside the `with` with the rules inside pipeline stages: the outer rules with
     `stage` taken out. Outside, the batch rule splits rows over `stage` too (kiln.config.axes),
     so that the embedding, the LM head and the loss run on each stage's rows; inside, every
@@ -271,7 +271,7 @@ def each_microbatch(fn: Callable[..., tuple[Any, Any]], args: Any, microbatches:
     def one(piece):
         return fn(*piece)
 
-    with _stage_rules() as (gather, split_rows):
+    with _within_stages() as (gather, split_rows):
         outs, aux = jax.lax.map(one, jax.tree.map(lambda a: split(a, microbatches), gather(args)))
     return split_rows(jax.tree.map(merge, outs)), jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)
 
@@ -306,7 +306,7 @@ def stack(
         a = to_stage_order(a, s_count, r_count)
         return a.reshape(s_count, r_count, per, *a.shape[1:]).swapaxes(1, 2)
 
-    with _stage_rules() as (gather, split_rows):
+    with _within_stages() as (gather, split_rows):
         weights = jax.tree.map(to_stages, params)
         pieces = jax.tree.map(lambda a: split(a, m_count), gather((x, extras)))
         out, aux = run(run_layers, weights, *pieces, schedule)
