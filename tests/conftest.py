@@ -386,11 +386,10 @@ def train_bpe(path: Path, vocab_size: int, special_tokens: list[str]) -> Path:
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
-    """`-n auto`: one worker per core (at most 4). One more worker, to use a core while a test
-    waits on a subprocess, a lock or a signal, made the suite slower on 2 cores: a subset of
-    106 tests (checkpoint, pipeline, MoE, signals, distillation), run alternately, took 186-189 s
-    with 2 workers and 197-206 s with 3, and 3-12% more CPU time (docs/testing.md)."""
-    return min(4, os.cpu_count() or 1)
+    """`-n auto`: one worker per core and one more (at most 4), so that a core is not left idle
+    while a test waits on a subprocess, a lock or a signal. A subset of 106 tests ran faster
+    with one worker per core, the whole suite did not (docs/testing.md)."""
+    return min(4, (os.cpu_count() or 1) + 1)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
