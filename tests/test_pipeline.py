@@ -525,8 +525,7 @@ def test_compile_reports_the_bubble_and_the_permutes():
 def test_the_lm_head_and_the_loss_run_on_each_stages_rows():
     """Outside the stages the batch's rows are split over `stage` too (the default batch rule
     gets it in front), so each device computes the logits of 32 / (4 stages x 2 fsdp) = 4
-    sequences, not those of the 16 its stage would hold whole; the lookup of the embedding
-    rows is split over the stages as well (no whole-batch gradient gathered on every device)."""
+    sequences, not those of the 16 its stage would hold whole."""
     config = load_config("configs/tiny.yaml", STAGED)
     assert config.mesh.rules["batch"] == ["stage", "data", "fsdp", "expert"]
     assert config.mesh.rules["layers"] == ["stage"]
