@@ -83,6 +83,19 @@ def stage_order(layers: int, stages: int, repeats: int) -> np.ndarray:
     return ((r * stages + s) * per + j).reshape(-1)
 
 
+def _stage_mesh():
+    """The traced mesh if it has a `stage` axis (None without one: the pipeline then runs its
+    stages on one device, as the tests of the schedule do)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty or STAGE not in mesh.axis_names else mesh
+
+
+def _leading(a: jax.Array, axes) -> jax.Array:
+    """`a` with its leading axis split over the mesh axes `axes`, the others left to the compiler."""
+    rest = (PartitionSpec.UNCONSTRAINED,) * (a.ndim - 1)
+    return jax.lax.with_sharding_constraint(a, PartitionSpec(axes, *rest))
+
+
 def to_stage_order(a: jax.Array, stages: int, repeats: int) -> jax.Array:
     """`a` [L, ...] in layer order, split over `stage` on its first axis, in `stage_order`:
     each stage's block then holds the layers of its R positions.
@@ -97,8 +110,8 @@ def to_stage_order(a: jax.Array, stages: int, repeats: int) -> jax.Array:
     is `a[stage_order(...)]` bit for bit. Outside a mesh with `stage`, that take itself."""
     if repeats == 1:
         return a
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or STAGE not in mesh.axis_names:
+    mesh = _stage_mesh()
+    if mesh is None:
         return jnp.take(a, jnp.asarray(stage_order(a.shape[0], stages, repeats)), axis=0)
     per = a.shape[0] // (stages * repeats)
 
@@ -148,14 +161,10 @@ def run(
     s_count, r_count, m_count = schedule
     if m_count < s_count:
         raise ValueError(f"{m_count} micro-batches for {s_count} stages: at least one per stage")
-    mesh = jax.sharding.get_abstract_mesh()
-    sharded = not mesh.empty and STAGE in mesh.axis_names
+    sharded = _stage_mesh() is not None
 
     def on_stages(x):  # the leading axis split over the stages, the others as they come
-        if not sharded:
-            return x
-        spec = PartitionSpec(STAGE, *(PartitionSpec.UNCONSTRAINED,) * (x.ndim - 1))
-        return jax.lax.with_sharding_constraint(x, spec)
+        return _leading(x, STAGE) if sharded else x
 
     stage = jnp.arange(s_count)
     x0 = inputs[0]
@@ -242,19 +251,13 @@ def _within_stages() -> Iterator[tuple[Callable[[Any], Any], Callable[[Any], Any
     other dimensions left to the compiler); no-ops when the batch rule has no `stage`."""
     outer = dict(current_rules())
     inner = without_axis(outer, STAGE)
-    mesh = jax.sharding.get_abstract_mesh()
-    staged = not mesh.empty and STAGE in mesh.axis_names and inner["batch"] != outer["batch"]
+    mesh = _stage_mesh()
 
     def rows_as(rules):
-        if not staged:
+        if mesh is None or inner["batch"] == outer["batch"]:
             return lambda tree: tree
         rows = mesh_axes(("batch",), rules, dict(mesh.shape))[0]
-
-        def put(a):
-            rest = (PartitionSpec.UNCONSTRAINED,) * (a.ndim - 1)
-            return jax.lax.with_sharding_constraint(a, PartitionSpec(rows, *rest))
-
-        return lambda tree: jax.tree.map(put, tree)
+        return lambda tree: jax.tree.map(lambda a: _leading(a, rows), tree)
 
     with use_rules(inner):
         yield rows_as(inner), rows_as(outer)
