@@ -667,8 +667,8 @@ def test_grad_reduce_dtype_is_the_dtype_of_the_weight_gradient_reductions():
     devices = aot.topology_devices("v5e-8")
     model = [o for o in TENSOR_PARALLEL if not o.startswith("mesh.")]
     model += ["mesh.fsdp=8", "model.dtype=bfloat16"]
-    # wq, wk/wv, wo, w_gate/w_up, w_down of one layer (the scan body).
-    weights = {"128,4,32", "128,2,32", "4,32,128", "128,256", "256,128"}
+    # wq, wk/wv, wo, w_gate/w_up, w_down of one layer (the scan body); the LM head.
+    weights = {"128,4,32", "128,2,32", "4,32,128", "128,256", "256,128", "128,512"}
     for setting, dtype in (("compute", "bf16"), ("float32", "f32")):
         config = load_config(
             ROOT / "configs/tiny.yaml", [*model, f"train.grad_reduce_dtype={setting}"]
@@ -677,6 +677,23 @@ def test_grad_reduce_dtype_is_the_dtype_of_the_weight_gradient_reductions():
         summed = [(t, dims) for t, dims in reductions(hlo) if dims in weights]
         assert {dims for _, dims in summed} == weights
         assert {t for t, _ in summed} == {dtype}
+
+
+def test_the_tiled_losss_head_gradient_is_summed_in_the_grad_reduce_dtype():
+    """bf16 compute, fsdp=8, vocabulary tiling 2: the loss engine sums the LM head's gradient
+    over the devices (a reduce-scatter to its fsdp shards) in the chosen dtype, as the step is
+    lowered. The compiled TPU step can fold the rounding to bf16 into the reduction, so
+    `reductions` of a compiled HLO shows bf16 for both."""
+    model = [o for o in TENSOR_PARALLEL if not o.startswith("mesh.")]
+    model += ["mesh.fsdp=8", "model.dtype=bfloat16", "loss.num_vocab_tiling=2"]
+    for setting, dtype in (("compute", "bf16"), ("float32", "f32")):
+        config = load_config(
+            ROOT / "configs/tiny.yaml", [*model, f"train.grad_reduce_dtype={setting}"]
+        )
+        text = aot.lower_step(config, aot.use_cpu_devices(8))[0].as_text()
+        scattered = re.findall(r"stablehlo\.reduce_scatter.*\n(?:.*\n)*?.*\}\) : (.*)", text)
+        # [K=1, D, V] summed and scattered to [1, D, V / 8]
+        assert scattered == [f"(tensor<1x128x512x{dtype}>) -> tensor<1x16x512x{dtype}>"]
 
 
 @pytest.fixture(scope="module")

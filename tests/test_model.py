@@ -24,9 +24,10 @@ from kiln.model import (
 )
 from kiln.model.attention import dense_attention as attention
 from kiln.model.llama import REMAT_POLICIES, Transformer
-from kiln.model.project import grad_reduce_dtype, project
+from kiln.model.project import project
 from kiln.parallel.mesh import (
     batch_sharding,
+    grad_reduce_dtype,
     make_mesh,
     sharded_abstract,
     state_shardings,

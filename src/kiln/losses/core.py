@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kiln.parallel.mesh import current_reduce_dtype
+
 f32 = jnp.float32
 
 
@@ -33,10 +35,13 @@ def _low_precision_matmul_bwd(res, g):
     # d head is contracted straight into [D, V] (no transpose after the product: XLA's CPU
     # backend cannot run the bf16 x bf16 -> f32 dot it folds that transpose into), in the
     # output shardings autodiff would give, so explicit-axis meshes know where they go.
+    # d head leaves the product, and so is summed across devices, in float32, or in the head's
+    # dtype where the step asks for weight gradients in the compute dtype (as `kiln.model.project`).
     hidden, head_DV = res
     g = g.astype(head_DV.dtype)
+    reduce = current_reduce_dtype(f32) or head_DV.dtype
     d_head = jnp.einsum(
-        "...D,...V->DV", hidden, g, preferred_element_type=f32, out_sharding=_sharding(head_DV)
+        "...D,...V->DV", hidden, g, preferred_element_type=reduce, out_sharding=_sharding(head_DV)
     )
     d_hidden = jnp.einsum(
         "...V,DV->...D", g, head_DV, preferred_element_type=f32, out_sharding=_sharding(hidden)

@@ -46,6 +46,7 @@ from kiln.losses.core import (
 )
 from kiln.losses.tiling import Inputs, Tiling, all_explicit
 from kiln.losses.top_k import block_columns
+from kiln.parallel.mesh import current_reduce_dtype
 
 # Per-token terms that can carry a gradient to the student, and the sums they give.
 DIFFERENTIABLE = ("loss", "z_loss", "soft")
@@ -274,7 +275,10 @@ def _epilogue(c: _Chunks, terms, dh, dw, w) -> Local:
         return Local(terms, sums, None, None)
     dh = psum(jnp.stack([c.uncut(g).reshape(batch, seq, c.d_model) for g in dh]), c.axes)
     scatter = c.tiling.axes.scatter
-    dw = psum(jnp.stack(dw), tuple(a for a in token_axes if a not in scatter))
+    # Summed across devices in float32, or in the head's dtype where the step asks for its
+    # weight gradients in the compute dtype (`train.grad_reduce_dtype`), as the layers' are.
+    reduce = current_reduce_dtype(f32) or c.dtype
+    dw = psum(jnp.stack(dw).astype(reduce), tuple(a for a in token_axes if a not in scatter))
     if scatter:
         dw = jax.lax.psum_scatter(dw, scatter, scatter_dimension=1, tiled=True)
     return Local(terms, sums, dh, dw)

@@ -10,36 +10,17 @@ matmul with `preferred_element_type` set to the reduce dtype instead.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 
-# Dtype of weight-gradient matmuls traced inside `grad_reduce_dtype` (None: the compute dtype).
-_REDUCE_DTYPE: contextvars.ContextVar = contextvars.ContextVar("kiln_grad_reduce", default=None)
-
-
-@contextlib.contextmanager
-def grad_reduce_dtype(dtype) -> Iterator[None]:
-    """Trace model code whose weight gradients are computed and reduced in `dtype` (None: compute)."""
-    token = _REDUCE_DTYPE.set(None if dtype is None else jnp.dtype(dtype))
-    try:
-        yield
-    finally:
-        _REDUCE_DTYPE.reset(token)
-
-
-def current_reduce_dtype():
-    """The weight-gradient dtype of the `grad_reduce_dtype` being traced (None: compute dtype)."""
-    return _REDUCE_DTYPE.get()
+from kiln.parallel.mesh import current_reduce_dtype
 
 
 def project(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """`jnp.einsum(spec, x, w)` ("inputs,weight->output"); its weight gradient in the reduce dtype."""
-    dtype = _REDUCE_DTYPE.get()
+    dtype = current_reduce_dtype()
     if dtype is None or dtype == jnp.result_type(x, w):
         return jnp.einsum(spec, x, w)  # the reduce dtype is the compute dtype: nothing to change
     return _project(spec, dtype, x, w)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -36,6 +37,9 @@ from kiln.util.humanize import plural
 Rules = Mapping[str, Sequence[str]] | Iterable[tuple[str, Sequence[str]]]
 # The rules of the innermost `use_mesh` (None outside: the defaults).
 _RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("kiln_rules", default=None)
+# The dtype weight gradients are summed across devices in, while a step is traced inside
+# `grad_reduce_dtype` (`train.grad_reduce_dtype`); None: the compute dtype. Unset outside one.
+_REDUCE_DTYPE: contextvars.ContextVar = contextvars.ContextVar("kiln_grad_reduce")
 
 
 def make_mesh(config: Any, devices: Sequence[Any] | None = None) -> Mesh:
@@ -128,6 +132,22 @@ def use_rules(rules: Rules | None) -> Iterator[None]:
         yield
     finally:
         _RULES.reset(token)
+
+
+@contextlib.contextmanager
+def grad_reduce_dtype(dtype) -> Iterator[None]:
+    """Trace model code whose weight gradients are computed and reduced in `dtype` (None: compute)."""
+    token = _REDUCE_DTYPE.set(None if dtype is None else jnp.dtype(dtype))
+    try:
+        yield
+    finally:
+        _REDUCE_DTYPE.reset(token)
+
+
+def current_reduce_dtype(default=None):
+    """The weight-gradient dtype of the `grad_reduce_dtype` being traced (None: the compute
+    dtype); `default` outside one."""
+    return _REDUCE_DTYPE.get(default)
 
 
 def current_rules() -> Rules:

@@ -23,10 +23,10 @@ from jax.sharding import PartitionSpec as P
 from kiln.config import Config, pipeline_split
 from kiln.model import build_model, create_model, predicts_ahead
 from kiln.model.attention import load_balanced
-from kiln.model.project import grad_reduce_dtype
 from kiln.parallel.mesh import (
     InMesh,
     batch_sharding,
+    grad_reduce_dtype,
     in_mesh,
     make_mesh,
     sharded_abstract,

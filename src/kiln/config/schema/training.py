@@ -248,8 +248,8 @@ class TrainConfig(Section):
     grad_reduce_dtype: Literal["float32", "compute"] = Field(
         "float32",
         description=(
-            "Dtype in which each Transformer block's weight gradients are computed and summed "
-            "across data/fsdp devices: float32, or compute (model.dtype, e.g. bfloat16: half "
+            "Dtype in which each Transformer block's weight gradients, and the LM head's, are "
+            "summed across data/fsdp devices: float32, or compute (model.dtype, e.g. bfloat16: half "
             "the gradient reduce-scatter/all-reduce bytes, but each device's partial gradient "
             "is rounded to 8 mantissa bits before the sum). Same computation when "
             "model.dtype is float32."

@@ -29,8 +29,7 @@ from kiln.model.moe.experts import (
 )
 from kiln.model.moe.grouped import GROUPED_MATMULS, ExpertWeights, grouped_matmul, swiglu
 from kiln.model.moe.routing import route
-from kiln.model.project import current_reduce_dtype
-from kiln.parallel.mesh import current_rules, logical_spec, traced_platform
+from kiln.parallel.mesh import current_reduce_dtype, current_rules, logical_spec, traced_platform
 
 # An expert weight's logical names: [experts, in, out].
 _EXPERT_IN = ("experts", "embed", "mlp")
