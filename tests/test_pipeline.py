@@ -109,6 +109,16 @@ def test_bubble_and_stage_order():
     order = pipeline.stage_order(8, 2, 2).reshape(2, 2, 2)
     assert order[0].tolist() == [[0, 1], [4, 5]] and order[1].tolist() == [[2, 3], [6, 7]]
     assert pipeline.stage_order(8, 4, 1).tolist() == list(range(8))
+    # The regroup's rounds: each a permutation of the stages, together every move once.
+    for stages, repeats in [(4, 2), (2, 3), (8, 4), (3, 5), (16, 2)]:
+        rounds = pipeline.regroup_rounds(stages, repeats)
+        assert len(rounds) == repeats
+        for match in rounds:
+            assert sorted(match) == sorted(q for q, _, _ in match.values()) == list(range(stages))
+        moves = sorted(
+            (q * repeats + c, r * stages + d) for m in rounds for d, (q, c, r) in m.items()
+        )
+        assert moves == [(p, p) for p in range(stages * repeats)]  # position p to its own place
 
 
 @pytest.mark.parametrize("stages,repeats", [(4, 2), (2, 3)])
@@ -138,7 +148,13 @@ def test_the_circular_regroup_moves_each_stages_weights_once_bit_for_bit(stages,
     want[order] = np.broadcast_to(seen, a.shape)
     np.testing.assert_array_equal(np.asarray(grad), want)
     assert y.sharding.spec == spec
-    assert "collective-permute" in hlo and "all-gather" not in hlo and "all-to-all" not in hlo
+    assert "all-gather" not in hlo and "all-to-all" not in hlo
+    # One permute a round of moves (R rounds, every stage sending one chunk in each; a round in
+    # which every chunk stays on its stage has none), not one per chunk and slot (R²).
+    rounds = pipeline.regroup_rounds(stages, repeats)
+    moving = sum(any(q != d for d, (q, _, _) in m.items()) for m in rounds)
+    assert len(rounds) == repeats and moving == {(4, 2): 2, (2, 3): 1}[stages, repeats]
+    assert len(re.findall(r"= f32\[[\d,]+\]\S* collective-permute\(", hlo)) == moving
 
 
 def test_the_stages_pass_activations_by_collective_permute():

@@ -96,39 +96,83 @@ def _leading(a: jax.Array, axes) -> jax.Array:
     return jax.lax.with_sharding_constraint(a, PartitionSpec(axes, *rest))
 
 
+def regroup_rounds(stages: int, repeats: int) -> list[dict[int, tuple[int, int, int]]]:
+    """The circular regroup's moves in R rounds, each a permutation of the stages: round k maps
+    each receiving stage d to (q, c, r), stage q sending its chunk c into d's slot r.
+
+    Stage q holds positions q·R ... q·R + R - 1 in layer order (chunk c: position q·R + c),
+    and position p = r·S + d belongs in stage d's slot r: each stage sends R chunks and receives
+    R, a bipartite multigraph of degree R on both sides, which splits into R perfect matchings
+    (Kőnig); each is found by augmenting paths on the moves still left."""
+    left = {
+        q: [(c, (q * repeats + c) % stages, (q * repeats + c) // stages) for c in range(repeats)]
+        for q in range(stages)
+    }
+
+    def augment(match, q, seen):  # give q a receiver, moving others' along a free path
+        for c, d, r in left[q]:
+            if d not in seen:
+                seen.add(d)
+                if d not in match or augment(match, match[d][0], seen):
+                    match[d] = (q, c, r)
+                    return True
+        return False
+
+    rounds = []
+    for _ in range(repeats):
+        match: dict[int, tuple[int, int, int]] = {}
+        for q in range(stages):
+            found = augment(match, q, set())
+            assert found, "a regular bipartite multigraph has a perfect matching"
+        for d, (q, c, r) in match.items():
+            left[q].remove((c, d, r))
+        rounds.append(match)
+    return rounds
+
+
 def to_stage_order(a: jax.Array, stages: int, repeats: int) -> jax.Array:
     """`a` [L, ...] in layer order, split over `stage` on its first axis, in `stage_order`:
     each stage's block then holds the layers of its R positions.
 
     Stage s' holds, in layer order, positions s'·R ... s'·R + R - 1 (one chunk of L/(S·R)
     layers each), and stage s needs positions s, S + s, ..., (R-1)·S + s: every chunk moves
-    to one slot of one stage. For each (slot r, chunk c), the stages whose slot r is some
-    stage's chunk c form a permutation, so the whole regroup is R² collective-permutes of one
-    chunk each, and its transpose (the gradients' way back) the same permutes reversed: each
-    stage sends and receives its own weights once, where a gather in `stage_order` would
-    bring every stage all the others' weights. The values are moved, not computed: the result
-    is `a[stage_order(...)]` bit for bit. Outside a mesh with `stage`, that take itself."""
+    to one slot of one stage. The moves are R rounds (`regroup_rounds`), each one
+    collective-permute in which every stage sends one of its chunks and receives one slot (a
+    chunk that stays on its stage is not sent), and its transpose (the gradients' way back)
+    the same permutes reversed: each stage sends and receives its own weights once, where a
+    gather in `stage_order` would bring every stage all the others' weights. The values are
+    moved, not computed: the result is `a[stage_order(...)]` bit for bit. Outside a mesh with
+    `stage`, that take itself."""
     if repeats == 1:
         return a
     mesh = _stage_mesh()
     if mesh is None:
         return jnp.take(a, jnp.asarray(stage_order(a.shape[0], stages, repeats)), axis=0)
     per = a.shape[0] // (stages * repeats)
+    rounds = regroup_rounds(stages, repeats)
+    # Per round and stage, the chunk it sends; per slot and stage, the round that slot comes in.
+    sends, arrives = np.zeros((2, repeats, stages), np.int32)
+    for k, match in enumerate(rounds):
+        for d, (q, c, r) in match.items():
+            sends[k, q], arrives[r, d] = c, k
+
+    def pick(options, index):  # options[index], a traced index, by selects (exact values)
+        out = options[0]
+        for i in range(1, len(options)):
+            out = jnp.where(index == i, options[i], out)
+        return out
 
     def on_stage(block):  # [R·per, ...]: this stage's consecutive layers
         s = jax.lax.axis_index(STAGE)
         chunks = block.reshape(repeats, per, *block.shape[1:])
-        slots = []
-        for r in range(repeats):
-            slot = None
-            for c in range(repeats):
-                # stage d's slot r is position r·S + d, chunk (r·S + d) mod R of stage (r·S + d) // R
-                takers = [d for d in range(stages) if (r * stages + d) % repeats == c]
-                pairs = [((r * stages + d) // repeats, d) for d in takers]
-                got = jax.lax.ppermute(chunks[c], STAGE, pairs)
-                mine = jnp.isin(s, jnp.asarray(takers))
-                slot = got if slot is None else jnp.where(mine, got, slot)
-            slots.append(slot)
+        got = []
+        for k, match in enumerate(rounds):
+            payload = pick(chunks, jnp.asarray(sends[k])[s])
+            pairs = [(q, d) for d, (q, _, _) in match.items() if q != d]  # kept ones stay
+            moved = jax.lax.ppermute(payload, STAGE, pairs) if pairs else payload
+            kept = jnp.asarray([match[d][0] == d for d in range(stages)])[s]
+            got.append(jnp.where(kept, payload, moved))
+        slots = [pick(got, jnp.asarray(arrives[r])[s]) for r in range(repeats)]
         return jnp.stack(slots).reshape(block.shape)
 
     spec = PartitionSpec(STAGE)
