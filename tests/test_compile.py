@@ -679,6 +679,29 @@ def test_grad_reduce_dtype_is_the_dtype_of_the_weight_gradient_reductions():
         assert {t for t, _ in summed} == {dtype}
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu (the kiln[tpu] extra) is not installed")
+def test_in_pipeline_stages_the_query_weight_is_gathered_once_for_both_backward_products():
+    """2 stages x fsdp 4, whole layers recomputed, on the TPU compiler: each layer-iteration
+    gathers the query weight twice, for its forward pass and for the backward pass's recompute,
+    whose gathered weight the input gradient's product reuses. Left to XLA (before
+    `Attention._weight`), the backward pass gathered it again for that product: 42 gathers
+    a step here instead of 24."""
+    model = [o for o in TENSOR_PARALLEL if not o.startswith(("mesh.", "model.num_layers"))]
+    model += ["model.num_layers=4", "mesh.stage=2", "mesh.fsdp=4", "train.global_batch_size=16"]
+    model += ["train.gradient_accumulation_steps=2", "model.dtype=bfloat16", "model.remat=full"]
+    config = load_config(ROOT / "configs/tiny.yaml", model)
+    with jax.default_matmul_precision(None):  # as `kiln compile` compiles it
+        hlo = aot.lower_step(config, aot.topology_devices("v5e-8"))[0].compile().as_text()
+    gathers = sum(
+        runs
+        for kind, result, runs in hlo_text.collective_ops(hlo)
+        if kind == "all-gather" and re.match(r"bf16\[1,1,1,128,4,32\]", result)  # [D, N, H]
+    )
+    # 2 accumulation micro-batches x (2 micro-batches + 2 stages - 1) iterations x 2 layers
+    assert gathers == 2 * (2 * 3 * 2)
+
+
 def test_the_tiled_losss_head_gradient_is_summed_in_the_grad_reduce_dtype():
     """bf16 compute, fsdp=8, vocabulary tiling 2: the loss engine sums the LM head's gradient
     over the devices (a reduce-scatter to its fsdp shards) in the chosen dtype, as the step is

@@ -12,6 +12,7 @@ from kiln.errors import KilnError
 from kiln.parallel.mesh import (
     batch_sharding,
     constrain,
+    gathered,
     in_mesh,
     logical_sharding,
     logical_spec,
@@ -96,6 +97,21 @@ def test_constrain_is_identity_without_mesh_and_pins_sharding_with_one():
     # The mesh is part of jit's cache key: outside the context the same function is unsharded.
     assert len(double(x).sharding.device_set) == 1
     np.testing.assert_array_equal(double(x), y)
+
+
+def test_gathered_takes_a_weight_off_the_batchs_axes_and_keeps_the_others():
+    w = jnp.arange(8.0 * 4 * 2).reshape(8, 4, 2)
+    names = ("embed", "heads", "head_dim")
+    assert gathered(w, names) is w
+    mesh = make_mesh(_config(fsdp=4, tensor=2))
+    with use_mesh(mesh, DEFAULT_AXIS_RULES):
+        y = jax.jit(lambda a: gathered(a * 1, names))(
+            jax.device_put(w, logical_sharding(mesh, DEFAULT_AXIS_RULES, names))
+        )
+    # Stored split over the token axes (fsdp, sequence, expert) on `embed`, and tensor on heads.
+    assert logical_spec(names, DEFAULT_AXIS_RULES)[:2] == (("fsdp", "sequence", "expert"), "tensor")
+    assert y.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, P(None, "tensor")), 3)
+    np.testing.assert_array_equal(y, w)
 
 
 def test_use_mesh_sets_the_rules_that_constrain_reads_and_restores_them():

@@ -195,6 +195,21 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_spec(names, current_rules()))
 
 
+def gathered(w: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """A weight with these logical names gathered over the mesh axes the tokens are split over
+    (the `batch` and `length` rules': FSDP's gather), still split over the others (tensor); a
+    no-op outside `use_mesh`."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return w
+    rules = dict(current_rules())
+    tokens = {a for name in ("batch", "length") for a in entry_axes(rules[name])}
+    kept = []
+    for entry in logical_spec(names, rules):
+        axes = tuple(a for a in entry_axes(entry) if a not in tokens)
+        kept.append(axes[0] if len(axes) == 1 else (axes or None))
+    return jax.lax.with_sharding_constraint(w, PartitionSpec(*kept))
+
+
 def param_spec(
     path: str, shape: tuple[int, ...], names: tuple, rules: Rules, sizes
 ) -> PartitionSpec:

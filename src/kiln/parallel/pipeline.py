@@ -34,6 +34,8 @@ STAGE = "stage"  # the mesh axis the stages are split over
 _SETTINGS: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
     "kiln_pipeline", default=None
 )
+# True while the code of pipeline stages (or what runs on whole micro-batches beside them) is traced.
+_IN_STAGES: contextvars.ContextVar[bool] = contextvars.ContextVar("kiln_in_stages", default=False)
 
 
 class Schedule(NamedTuple):
@@ -303,8 +305,17 @@ def _within_stages() -> Iterator[tuple[Callable[[Any], Any], Callable[[Any], Any
         rows = mesh_axes(("batch",), rules, dict(mesh.shape))[0]
         return lambda tree: jax.tree.map(lambda a: _leading(a, rows), tree)
 
-    with use_rules(inner):
-        yield rows_as(inner), rows_as(outer)
+    token = _IN_STAGES.set(True)
+    try:
+        with use_rules(inner):
+            yield rows_as(inner), rows_as(outer)
+    finally:
+        _IN_STAGES.reset(token)
+
+
+def in_stages() -> bool:
+    """Whether the code being traced runs inside pipeline stages (`stack`, `each_microbatch`)."""
+    return _IN_STAGES.get()
 
 
 def each_microbatch(fn: Callable[..., tuple[Any, Any]], args: Any, microbatches: int):

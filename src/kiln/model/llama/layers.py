@@ -23,7 +23,8 @@ from kiln.model.interface import (
     RollingLayer,
 )
 from kiln.model.project import project
-from kiln.parallel.mesh import constrain
+from kiln.parallel.mesh import constrain, gathered
+from kiln.parallel.pipeline import in_stages
 
 # Residual stream and every [batch, seq, d_model] activation between sub-layers: its length is
 # `act_length` (sequence parallelism over tensor), inside a sub-layer it is `length`.
@@ -208,18 +209,30 @@ class Attention(nnx.Module):
 
         return jax.lax.cond(local, kind(self.window), kind(None), q_BSNH, k_BTKH, v_BTKH, sinks_N)
 
+    def _weight(self, w: nnx.Param) -> jax.Array:
+        """A projection's weight in the compute dtype. Inside pipeline stages it is gathered over
+        fsdp here, as one value for the layer's forward pass and both of its backward products:
+        left to XLA, the TPU compiler gathered the query weight twice in each layer's backward
+        pass (for the recomputed forward and again for the input's gradient) and moved the
+        others around rings, 787.0 against 720.9 GB a step on Llama-3-70B (docs/pipeline.md).
+        Outside stages (measured on the 8B on a v5p-16) and on the MLP's weights the same
+        constraint turned gradient sums into all-reduces, so it is not applied there."""
+        value = w[...].astype(self.dtype)
+        if not in_stages():
+            return value
+        return gathered(value, w.out_sharding[-value.ndim :])  # a stacked layer's: one layer's
+
     def _projections(self, x_BSD):
         """Queries [B,S,N,H], keys and values [B,S,K,H]: x's projections (a family may add
         biases)."""
-        dt = self.dtype
-        q_BSNH = project("BSD,DNH->BSNH", x_BSD, self.wq[...].astype(dt))
-        k_BTKH = project("BSD,DKH->BSKH", x_BSD, self.wk[...].astype(dt))
-        v_BTKH = project("BSD,DKH->BSKH", x_BSD, self.wv[...].astype(dt))
+        q_BSNH = project("BSD,DNH->BSNH", x_BSD, self._weight(self.wq))
+        k_BTKH = project("BSD,DKH->BSKH", x_BSD, self._weight(self.wk))
+        v_BTKH = project("BSD,DKH->BSKH", x_BSD, self._weight(self.wv))
         return q_BSNH, k_BTKH, v_BTKH
 
     def _output(self, out_BSNH):
         """The heads' output projected to [B,S,D] (a family may add a bias)."""
-        return project("BSNH,NHD->BSD", out_BSNH, self.wo[...].astype(self.dtype))
+        return project("BSNH,NHD->BSD", out_BSNH, self._weight(self.wo))
 
     def _qkv(self, x_BSD, positions_BS, local=False):
         """Queries [B,S,N,H], keys and values [B,S,K,H] of x, normed (if configured) and rotated."""
