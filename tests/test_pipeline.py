@@ -11,16 +11,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from conftest import kiln_main
 from kiln.commands import fit
 from kiln.commands.compile import lower_step
-from kiln.config import MESH_AXES, config_from_dict, load_config
+from kiln.config import DEFAULT_AXIS_RULES, MESH_AXES, config_from_dict, load_config
 from kiln.data import make_datasets
 from kiln.errors import KilnError
 from kiln.model import abstract_state
 from kiln.parallel import pipeline
-from kiln.parallel.mesh import make_mesh
+from kiln.parallel.mesh import make_mesh, use_rules
 from kiln.runs.restore import abstract_like, restore
 from kiln.training import train
 from kiln.training.batches import place_batch
@@ -155,6 +156,36 @@ def test_the_circular_regroup_moves_each_stages_weights_once_bit_for_bit(stages,
     moving = sum(any(q != d for d, (q, _, _) in m.items()) for m in rounds)
     assert len(rounds) == repeats and moving == {(4, 2): 2, (2, 3): 1}[stages, repeats]
     assert len(re.findall(r"= f32\[[\d,]+\]\S* collective-permute\(", hlo)) == moving
+
+
+@pytest.mark.parametrize("rows", [16, 8], ids=["stage_rows", "whole_microbatches"])
+def test_each_microbatch_runs_on_each_stages_rows_where_they_divide(rows):
+    """`each_microbatch` with a statistic of the batch it sees (a mean over rows): the outputs
+    and the statistic summed over micro-batches equal numpy's, micro-batch m being rows m, m +
+    M, .... 16 rows in 2 micro-batches divide over stage 2 x fsdp 4 (each stage computes its
+    rows, no rows cross stages); 8 rows do not (every stage computes whole micro-batches)."""
+    mesh = auto_mesh((2, 4), ("stage", "fsdp"))
+    x = np.random.default_rng(0).normal(size=(rows, 4)).astype(np.float32)
+
+    def fn(x_BD):
+        mean_D = jnp.mean(x_BD, axis=0)
+        return x_BD - mean_D, jnp.sum(mean_D)
+
+    rules = {**dict(DEFAULT_AXIS_RULES), "batch": ["stage", "fsdp"]}
+    with jax.set_mesh(mesh), use_rules(rules):
+        placed = jax.device_put(x, jax.sharding.NamedSharding(mesh, P(("stage", "fsdp"))))
+        run = jax.jit(lambda a: pipeline.each_microbatch(fn, (a,), 2))
+        out, stat = run(placed)
+        hlo = run.lower(placed).compile().as_text()
+    micro = [x[m::2] for m in range(2)]
+    want = np.empty_like(x)
+    for m, piece in enumerate(micro):
+        want[m::2] = piece - piece.mean(axis=0)
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)  # float32 means of 4-8 rows
+    np.testing.assert_allclose(stat, sum(p.mean(axis=0).sum() for p in micro), rtol=1e-5)
+    assert out.sharding.spec[0] == ("stage", "fsdp")
+    moved = re.findall(r"= f32\[[\d,]+\]\S* (all-gather|all-to-all)\(", hlo)
+    assert (moved == []) == (rows == 16), moved
 
 
 def test_the_stages_pass_activations_by_collective_permute():
@@ -331,9 +362,10 @@ DEEPSEEK = {
             {"mesh": {"expert": 2, "sequence": 2}, "model": {"context_parallel": "all_gather"}},
         ),
         # DeepSeek: dense blocks before the circular MoE stack, group routing, a shared expert,
-        # a prediction module; the accumulation's micro-batches are the pipeline's (no
+        # a prediction module, which runs on each stage's rows of each micro-batch (8 rows over
+        # stage x expert x fsdp); the accumulation's micro-batches are the pipeline's (no
         # accumulation loop).
-        (DEEPSEEK, {"stage": 2, "expert": 2, "fsdp": 2}, 4, {"repeats": 2}, {}),
+        (DEEPSEEK, {"stage": 2, "expert": 2, "fsdp": 2}, 2, {"repeats": 2}, {}),
     ],
     ids=["gpt_oss", "deepseek"],
 )

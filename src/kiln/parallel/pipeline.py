@@ -314,7 +314,8 @@ def _within_stages() -> Iterator[tuple[Callable[[Any], Any], Callable[[Any], Any
 
 
 def in_stages() -> bool:
-    """Whether the code being traced runs inside pipeline stages (`stack`, `each_microbatch`)."""
+    """Whether the code being traced runs inside pipeline stages (`stack`), or beside them on
+    whole micro-batches (`each_microbatch`)."""
     return _IN_STAGES.get()
 
 
@@ -322,16 +323,28 @@ def each_microbatch(fn: Callable[..., tuple[Any, Any]], args: Any, microbatches:
     """`fn(*args)` on each of the pipeline's micro-batches in turn (leaves of `args` [G, ...],
     cut as `stack` cuts them): (its outputs, leaves [G, ...] put back in row order; its aux
     summed over the micro-batches). For what runs around the stages but has statistics of the
-    batch it sees (an MoE layer's), so that they are the micro-batches' as in the stack. Like
-    the stages it works on whole micro-batches, on every stage (a micro-batch's rows need not
-    divide over the stages' devices)."""
+    batch it sees (an MoE layer's), so that they are the micro-batches' as in the stack.
+
+    Where a micro-batch's rows divide over the batch's shards with `stage` (the rules outside
+    the stages), each stage runs its own rows of every micro-batch, as the LM head does;
+    otherwise, like the stages, it works on whole micro-batches, on every stage."""
 
     def one(piece):
         return fn(*piece)
 
+    def each(tree):
+        outs, aux = jax.lax.map(one, jax.tree.map(lambda a: split(a, microbatches), tree))
+        return jax.tree.map(merge, outs), jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)
+
+    mesh = _stage_mesh()
+    if mesh is not None:
+        rows = mesh_axes(("batch",), current_rules(), dict(mesh.shape))[0]
+        shards = int(np.prod([dict(mesh.shape)[a] for a in rows]))
+        if (jax.tree.leaves(args)[0].shape[0] // microbatches) % shards == 0:
+            return each(args)
     with _within_stages() as (gather, split_rows):
-        outs, aux = jax.lax.map(one, jax.tree.map(lambda a: split(a, microbatches), gather(args)))
-    return split_rows(jax.tree.map(merge, outs)), jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)
+        outs, aux = each(gather(args))
+    return split_rows(outs), aux
 
 
 def stack(
