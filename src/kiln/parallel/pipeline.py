@@ -287,6 +287,11 @@ def rows_by_stage() -> Iterator[None]:
         yield
 
 
+def _row_axes(mesh, rules) -> tuple[str, ...]:
+    """The mesh axes the batch's rows are split over under these rules."""
+    return mesh_axes(("batch",), rules, dict(mesh.shape))[0]
+
+
 @contextlib.contextmanager
 def _within_stages() -> Iterator[tuple[Callable[[Any], Any], Callable[[Any], Any]]]:
     """Trace inside the `with` with the rules inside pipeline stages: the outer rules with
@@ -302,7 +307,7 @@ def _within_stages() -> Iterator[tuple[Callable[[Any], Any], Callable[[Any], Any
     def rows_as(rules):
         if mesh is None or inner["batch"] == outer["batch"]:
             return lambda tree: tree
-        rows = mesh_axes(("batch",), rules, dict(mesh.shape))[0]
+        rows = _row_axes(mesh, rules)
         return lambda tree: jax.tree.map(lambda a: _leading(a, rows), tree)
 
     token = _IN_STAGES.set(True)
@@ -338,8 +343,7 @@ def each_microbatch(fn: Callable[..., tuple[Any, Any]], args: Any, microbatches:
 
     mesh = _stage_mesh()
     if mesh is not None:
-        rows = mesh_axes(("batch",), current_rules(), dict(mesh.shape))[0]
-        shards = int(np.prod([dict(mesh.shape)[a] for a in rows]))
+        shards = int(np.prod([dict(mesh.shape)[a] for a in _row_axes(mesh, current_rules())]))
         if (jax.tree.leaves(args)[0].shape[0] // microbatches) % shards == 0:
             return each(args)
     with _within_stages() as (gather, split_rows):
