@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kiln.config import DEFAULT_AXIS_RULES, MESH_AXES, check_devices
-from kiln.config.axes import entry_axes, resolve, shards_per_dim
+from kiln.config.axes import entry_axes, resolve, shards_per_dim, without_axis
 from kiln.errors import KilnError
 from kiln.util.humanize import plural
 
@@ -202,12 +202,9 @@ def gathered(w: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     if jax.sharding.get_abstract_mesh().empty:
         return w
     rules = dict(current_rules())
-    tokens = {a for name in ("batch", "length") for a in entry_axes(rules[name])}
-    kept = []
-    for entry in logical_spec(names, rules):
-        axes = tuple(a for a in entry_axes(entry) if a not in tokens)
-        kept.append(axes[0] if len(axes) == 1 else (axes or None))
-    return jax.lax.with_sharding_constraint(w, PartitionSpec(*kept))
+    for axis in {a for name in ("batch", "length") for a in entry_axes(rules[name])}:
+        rules = without_axis(rules, axis)
+    return jax.lax.with_sharding_constraint(w, logical_spec(names, rules))
 
 
 def param_spec(

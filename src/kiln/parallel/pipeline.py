@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from kiln.config.axes import without_axis
-from kiln.parallel.mesh import current_rules, mesh_axes, use_rules
+from kiln.config.axes import shards_per_dim, without_axis
+from kiln.parallel.mesh import current_rules, logical_spec, mesh_axes, use_rules
 
 STAGE = "stage"  # the mesh axis the stages are split over
 # (repeats, micro-batches) of the innermost `pipelined` (None outside one).
@@ -152,11 +152,13 @@ def to_stage_order(a: jax.Array, stages: int, repeats: int) -> jax.Array:
         return jnp.take(a, jnp.asarray(stage_order(a.shape[0], stages, repeats)), axis=0)
     per = a.shape[0] // (stages * repeats)
     rounds = regroup_rounds(stages, repeats)
-    # Per round and stage, the chunk it sends; per slot and stage, the round that slot comes in.
+    # Per round and stage, the chunk it sends and whether the chunk it gets is its own; per
+    # slot and stage, the round that slot comes in.
     sends, arrives = np.zeros((2, repeats, stages), np.int32)
+    keeps = np.zeros((repeats, stages), bool)
     for k, match in enumerate(rounds):
         for d, (q, c, r) in match.items():
-            sends[k, q], arrives[r, d] = c, k
+            sends[k, q], keeps[k, d], arrives[r, d] = c, q == d, k
 
     def pick(options, index):  # options[index], a traced index, by selects (exact values)
         out = options[0]
@@ -172,8 +174,7 @@ def to_stage_order(a: jax.Array, stages: int, repeats: int) -> jax.Array:
             payload = pick(chunks, jnp.asarray(sends[k])[s])
             pairs = [(q, d) for d, (q, _, _) in match.items() if q != d]  # kept ones stay
             moved = jax.lax.ppermute(payload, STAGE, pairs) if pairs else payload
-            kept = jnp.asarray([match[d][0] == d for d in range(stages)])[s]
-            got.append(jnp.where(kept, payload, moved))
+            got.append(jnp.where(jnp.asarray(keeps[k])[s], payload, moved))
         slots = [pick(got, jnp.asarray(arrives[r])[s]) for r in range(repeats)]
         return jnp.stack(slots).reshape(block.shape)
 
@@ -287,11 +288,6 @@ def rows_by_stage() -> Iterator[None]:
         yield
 
 
-def _row_axes(mesh, rules) -> tuple[str, ...]:
-    """The mesh axes the batch's rows are split over under these rules."""
-    return mesh_axes(("batch",), rules, dict(mesh.shape))[0]
-
-
 @contextlib.contextmanager
 def _within_stages() -> Iterator[tuple[Callable[[Any], Any], Callable[[Any], Any]]]:
     """Trace inside the `with` with the rules inside pipeline stages: the outer rules with
@@ -307,7 +303,7 @@ def _within_stages() -> Iterator[tuple[Callable[[Any], Any], Callable[[Any], Any
     def rows_as(rules):
         if mesh is None or inner["batch"] == outer["batch"]:
             return lambda tree: tree
-        rows = _row_axes(mesh, rules)
+        rows = mesh_axes(("batch",), rules, dict(mesh.shape))[0]
         return lambda tree: jax.tree.map(lambda a: _leading(a, rows), tree)
 
     token = _IN_STAGES.set(True)
@@ -343,7 +339,7 @@ def each_microbatch(fn: Callable[..., tuple[Any, Any]], args: Any, microbatches:
 
     mesh = _stage_mesh()
     if mesh is not None:
-        shards = int(np.prod([dict(mesh.shape)[a] for a in _row_axes(mesh, current_rules())]))
+        [shards] = shards_per_dim(logical_spec(("batch",), current_rules()), dict(mesh.shape))
         if (jax.tree.leaves(args)[0].shape[0] // microbatches) % shards == 0:
             return each(args)
     with _within_stages() as (gather, split_rows):
